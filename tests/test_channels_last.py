@@ -1,0 +1,47 @@
+"""channels_last: strides prove the layout, outputs match, non-conv models are left alone."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from conftest import MLP, ConvNet
+
+from torchturbo import Turbo, TurboConfig
+
+
+def test_channels_last_converts_weights_and_inputs_and_matches_outputs():
+    model = ConvNet()
+    reference = copy.deepcopy(model)
+    turbo = Turbo(TurboConfig(device="cpu").replace(memory_format__channels_last=True))
+    model, _, _ = turbo.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert turbo.applied["channels_last"] is None
+    conv = model.features[0][0]
+    assert conv.weight.is_contiguous(memory_format=torch.channels_last)
+    assert not conv.weight.is_contiguous()  # negative control: NCHW-contiguous is a different layout
+
+    seen = {}
+    conv.register_forward_pre_hook(lambda m, args: seen.update(x=args[0]))
+    x = torch.randn(4, 3, 16, 16)
+    y = torch.tensor([0, 1, 2, 3])
+
+    def loss_fn(m, batch):
+        return torch.nn.functional.cross_entropy(m(batch[0]), batch[1])
+
+    turbo.step(loss_fn, (x, y))
+    assert seen["x"].is_contiguous(memory_format=torch.channels_last)
+    assert seen["x"].dtype == torch.float32
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(x), reference.eval()(x), rtol=1e-4, atol=1e-5)
+
+
+def test_channels_last_on_a_model_without_convolutions_is_a_recorded_no_op():
+    turbo = Turbo(TurboConfig(device="cpu").replace(memory_format__channels_last=True))
+    model = MLP()
+    turbo.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert "no Conv2d" in turbo.applied["channels_last"]
+    # Integer tensors and non-4-D tensors pass through untouched.
+    from torchturbo.techniques.memory_format import to_channels_last
+
+    ids = torch.zeros(2, 3, 4, 5, dtype=torch.int64)
+    assert to_channels_last(ids) is ids

@@ -1,0 +1,125 @@
+"""Activation checkpointing: same gradients (dropout included), fewer saved activations."""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+import torch.utils.checkpoint
+from conftest import MLP
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from torchturbo.config import CheckpointConfig
+from torchturbo.techniques.checkpointing import (
+    apply_activation_checkpointing,
+    find_blocks,
+    select_blocks,
+)
+
+CONFIGS = {
+    "full": CheckpointConfig(mode="full"),
+    "by_type": CheckpointConfig(mode="selective", module_types=("Sequential",)),
+    "by_name": CheckpointConfig(mode="selective", name_pattern="blocks.[02]"),
+    "every_2nd": CheckpointConfig(mode="selective", every_n=2),
+}
+
+
+def _grads(model: nn.Module, x: torch.Tensor, seed: int = 123) -> list[torch.Tensor]:
+    torch.manual_seed(seed)  # the same dropout masks for every variant
+    model(x).square().mean().backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_checkpointing_gives_identical_gradients_with_dropout(name):
+    model = MLP(depth=4, dropout=0.3)
+    x = torch.randn(8, 16)
+    reference = _grads(copy.deepcopy(model), x)
+    checkpointed = copy.deepcopy(model)
+    assert apply_activation_checkpointing(checkpointed, CONFIGS[name])
+    for got, want in zip(_grads(checkpointed, x), reference, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)  # same ops, same inputs, same RNG
+
+
+def test_negative_control_without_rng_preservation_gradients_differ():
+    """Recomputing dropout with a fresh RNG draw changes the gradient: the preserved state matters."""
+    model = MLP(depth=4, dropout=0.3)
+    x = torch.randn(8, 16)
+    reference = _grads(copy.deepcopy(model), x)
+    broken = copy.deepcopy(model)
+    for _, block in find_blocks(broken):
+        block.forward = functools.partial(
+            torch.utils.checkpoint.checkpoint,
+            block.forward,
+            use_reentrant=False,
+            preserve_rng_state=False,
+        )
+    got = _grads(broken, x)
+    assert any(not torch.equal(g, w) for g, w in zip(got, reference, strict=True))
+
+
+def _step_flops(model: nn.Module, x: torch.Tensor) -> int:
+    with FlopCounterMode(display=False) as counter:
+        model(x).sum().backward()
+    return counter.get_total_flops()
+
+
+def test_checkpointing_recomputes_the_forward_of_checkpointed_blocks():
+    """Effect, not call: backward re-runs each checkpointed block's forward (2*B*in*out each)."""
+    model = MLP(width=32, depth=4)
+    x = torch.randn(8, 32)
+    plain = _step_flops(copy.deepcopy(model), x)
+    checkpointed = copy.deepcopy(model)
+    names = apply_activation_checkpointing(checkpointed, CheckpointConfig(mode="full"))
+    recompute = len(names) * 2 * 8 * 32 * 32
+    assert _step_flops(checkpointed, x) == plain + recompute
+
+
+def test_checkpointing_reduces_tensors_saved_for_backward():
+    def saved_bytes(model: nn.Module) -> int:
+        storages: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(torch.randn(64, 256))
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        return sum(n for ptr, n in storages.items() if ptr not in params)
+
+    model = MLP(width=256, depth=6)
+    checkpointed = copy.deepcopy(model)
+    apply_activation_checkpointing(checkpointed, CheckpointConfig(mode="full"))
+    assert saved_bytes(checkpointed) < 0.3 * saved_bytes(model)
+
+
+def test_state_dict_keys_are_unchanged():
+    model = MLP()
+    keys = list(model.state_dict())
+    apply_activation_checkpointing(model, CheckpointConfig(mode="full"))
+    assert list(model.state_dict()) == keys
+
+
+def test_block_discovery_takes_outermost_repeated_blocks():
+    model = MLP(depth=3)
+    assert [n for n, _ in find_blocks(model)] == ["blocks.0", "blocks.1", "blocks.2"]
+    chosen = select_blocks(model, CheckpointConfig(mode="selective", name_pattern="blocks.*"))
+    # "blocks.*" also matches the layers inside each block; only the outermost are kept.
+    assert [n for n, _ in chosen] == ["blocks.0", "blocks.1", "blocks.2"]
+    every_2nd = select_blocks(model, CheckpointConfig(mode="selective", every_n=2))
+    assert [n for n, _ in every_2nd] == ["blocks.0", "blocks.2"]
+
+
+def test_applying_twice_does_not_nest_checkpoints():
+    model = MLP(width=32, depth=2)
+    x = torch.randn(4, 32)
+    once = copy.deepcopy(model)
+    apply_activation_checkpointing(once, CheckpointConfig(mode="full"))
+    twice = copy.deepcopy(model)
+    apply_activation_checkpointing(twice, CheckpointConfig(mode="full"))
+    apply_activation_checkpointing(twice, CheckpointConfig(mode="full"))
+    assert _step_flops(once, x) == _step_flops(twice, x)
