@@ -21,7 +21,7 @@ def _delta_after_one_window(model, batches, loss_fn, steps):
     model = copy.deepcopy(model)
     before = [p.detach().clone() for p in model.parameters()]
     turbo = Turbo(TurboConfig(device="cpu").replace(accumulation__steps=steps))
-    model, optimizer, _ = turbo.setup(model, torch.optim.SGD(model.parameters(), lr=1.0))
+    model, _optimizer, _ = turbo.setup(model, torch.optim.SGD(model.parameters(), lr=1.0))
     for batch in batches:
         metrics = turbo.step(loss_fn, batch)
     assert metrics.optimizer_stepped and turbo.optimizer_steps == 1
@@ -36,10 +36,21 @@ def _full_batch_grad(model, batch, loss_fn):
     return [p.grad for p in model.parameters()]
 
 
+def _relative_error(actual, expected) -> float:
+    """||a - e|| / ||e|| over the whole gradient (all parameters flattened together).
+
+    Per tensor would be wrong: some gradients are zero in exact arithmetic (an attention key
+    bias cannot change a softmax), so their relative error is rounding noise over rounding noise.
+    """
+    a = torch.cat([t.flatten() for t in actual])
+    e = torch.cat([t.flatten() for t in expected])
+    return float((a - e).norm() / e.norm())
+
+
 def _assert_grads_close(actual, expected):
-    for a, e in zip(actual, expected, strict=True):
-        # fp32 sums in a different order: 1e-5 relative is a few ulps of accumulated rounding.
-        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-7)
+    # fp32 sums in a different order (and, for text, attention over different padded lengths):
+    # a relative error of 1e-5 is many ulps of float32 (1.2e-7) yet far below any real mistake.
+    assert _relative_error(actual, expected) <= 1e-5
 
 
 def _sample_batches():
@@ -82,8 +93,7 @@ def test_negative_control_dividing_by_micro_steps_is_wrong():
     naive = copy.deepcopy(model)
     for batch in micro:
         (_sample_loss(naive, batch)[0] / len(SIZES)).backward()
-    worst = max((p.grad - e).abs().max().item() for p, e in zip(naive.parameters(), expected))
-    assert worst > 1e-3
+    assert _relative_error([p.grad for p in naive.parameters()], expected) > 1e-2
 
 
 class TinyTagger(nn.Module):
@@ -127,15 +137,14 @@ def test_token_weighted_accumulation_matches_full_batch():
     by_samples = _delta_after_one_window(
         model, micro, lambda m, b: _token_loss(m, b)[0], steps=len(micro)
     )
-    worst = max((a - e).abs().max().item() for a, e in zip(by_samples, expected))
-    assert worst > 1e-3
+    assert _relative_error(by_samples, expected) > 1e-2
 
 
 def test_trailing_partial_window_is_applied_by_the_setup_loader():
     model = MLP()
     dataset = torch.utils.data.TensorDataset(torch.randn(10, 16), torch.randint(0, 5, (10,)))
     turbo = Turbo(TurboConfig(device="cpu").replace(accumulation__steps=2))
-    model, optimizer, loader = turbo.setup(
+    model, _optimizer, loader = turbo.setup(
         model, torch.optim.SGD(model.parameters(), lr=0.1), dataset, batch_size=4, shuffle=False
     )
     stepped = [turbo.step(_sample_loss, batch).optimizer_stepped for batch in loader]
@@ -147,7 +156,7 @@ def test_trailing_partial_window_is_applied_by_the_setup_loader():
 def test_flush_applies_an_open_window_in_manual_loops():
     model = MLP()
     turbo = Turbo(TurboConfig(device="cpu").replace(accumulation__steps=4))
-    model, optimizer, _ = turbo.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    model, _optimizer, _ = turbo.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
     _, micro = _sample_batches()
     turbo.step(_sample_loss, micro[0])
     assert turbo.flush() is True

@@ -24,8 +24,8 @@ INVALID = [
     ('[checkpointing]\nmode = "some"', "'selective'"),
     ('[checkpointing]\nmode = "selective"', "needs module_types"),
     ('[checkpointing]\nmode = "full"\nname_pattern = "x"', "only used with mode = 'selective'"),
-    ("[checkpointing]\nmode = \"full\"\nevery_n = 0", "every_n = 0"),
-    ("[checkpointing]\nmode = \"selective\"\nmodule_types = [1]", "module_types"),
+    ('[checkpointing]\nmode = "full"\nevery_n = 0', "every_n = 0"),
+    ('[checkpointing]\nmode = "selective"\nmodule_types = [1]', "module_types"),
     ('[accumulation]\nsteps = "4"', "steps = '4' is invalid: expected int"),
     ("[accumulation]\nsteps = 0", "steps = 0"),
     ("[clipping]\nmax_norm = -1.0", "max_norm = -1.0"),
@@ -84,7 +84,7 @@ def test_partial_toml_fills_defaults():
 def test_load_names_the_file_in_errors(tmp_path):
     path = tmp_path / "bad.toml"
     path.write_text("[accumulation]\nsteps = 0")
-    with pytest.raises(ConfigError, match="bad.toml"):
+    with pytest.raises(ConfigError, match=r"bad\.toml"):
         TurboConfig.load(path)
     with pytest.raises(ConfigError, match="does not exist"):
         TurboConfig.load(tmp_path / "missing.toml")

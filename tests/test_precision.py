@@ -17,9 +17,9 @@ def _data(n: int = 32, seed: int = 0):
     return x, y
 
 
-def _train(config: TurboConfig, model, steps: int, lr: float = 0.05):
+def _train(config: TurboConfig, model, steps: int):
     turbo = Turbo(config)
-    model, _, _ = turbo.setup(model, torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9))
+    model, _, _ = turbo.setup(model, torch.optim.Adam(model.parameters(), lr=1e-2))
     batch = _data()
     return [float(turbo.step(classification_loss, batch).loss) for _ in range(steps)], turbo
 
@@ -30,7 +30,9 @@ def test_bf16_loss_tracks_fp32_and_falls():
     bf16, _ = _train(TurboConfig(device="cpu").replace(precision__dtype="bf16"), model, 50)
     # bf16 keeps 8 mantissa bits (~0.4% per rounding); a 2-conv net's loss stays within 2%.
     assert abs(bf16[0] - fp32[0]) <= 0.02 * fp32[0]
-    assert sum(bf16[-5:]) / 5 < 0.7 * bf16[0]
+    assert sum(bf16[-5:]) / 5 < 0.5 * bf16[0]
+    # and it tracks the fp32 run: the same model reaches a similar loss (bf16 noise, not drift)
+    assert abs(sum(bf16[-5:]) - sum(fp32[-5:])) / 5 < 0.15 * fp32[0]
 
 
 def test_fp16_scaler_skips_a_step_with_an_injected_inf_and_counts_it():

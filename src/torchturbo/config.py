@@ -42,7 +42,8 @@ def _check_types(section: Any) -> None:
         expected = hints[f.name]
         if not _matches(value, expected):
             raise ConfigError(
-                f"[{section.SECTION}] {f.name} = {value!r} is invalid: expected {_describe(expected)}"
+                f"[{section.SECTION}] {f.name} = {value!r} is invalid: "
+                f"expected {_describe(expected)}"
             )
 
 
@@ -168,12 +169,12 @@ class CheckpointConfig:
             raise ConfigError(
                 f"[checkpointing] every_n = {self.every_n} is invalid: expected an int >= 1"
             )
-        if self.mode == "selective" and not (self.module_types or self.name_pattern):
-            if self.every_n == 1:
-                raise ConfigError(
-                    "[checkpointing] mode = 'selective' needs module_types, name_pattern or "
-                    "every_n > 1 to choose blocks; use mode = 'full' to checkpoint all blocks"
-                )
+        chooses_nothing = not (self.module_types or self.name_pattern) and self.every_n == 1
+        if self.mode == "selective" and chooses_nothing:
+            raise ConfigError(
+                "[checkpointing] mode = 'selective' needs module_types, name_pattern or "
+                "every_n > 1 to choose blocks; use mode = 'full' to checkpoint all blocks"
+            )
         if self.mode != "selective" and (self.module_types or self.name_pattern):
             raise ConfigError(
                 f"[checkpointing] module_types/name_pattern are only used with mode = "
@@ -308,8 +309,7 @@ class TurboConfig:
         unknown = set(data) - set(_SECTIONS) - {"device"}
         if unknown:
             raise ConfigError(
-                f"unknown config section(s) {sorted(unknown)}; allowed: "
-                f"{['device', *_SECTIONS]}"
+                f"unknown config section(s) {sorted(unknown)}; allowed: {['device', *_SECTIONS]}"
             )
         kwargs: dict[str, Any] = {}
         if "device" in data:

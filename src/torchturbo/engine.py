@@ -76,8 +76,8 @@ class Turbo:
         #: Distributed hook points: ``sync_context(closing)`` wraps each micro-step's backward
         #: (DDP puts ``no_sync`` there for non-closing ones); ``reduce_count`` turns the local
         #: sample/token count of a window into the global one.
-        self.sync_context: Callable[[bool], contextlib.AbstractContextManager] = (
-            lambda closing: contextlib.nullcontext()
+        self.sync_context: Callable[[bool], contextlib.AbstractContextManager] = lambda closing: (
+            contextlib.nullcontext()
         )
         self.reduce_count: Callable[[torch.Tensor], torch.Tensor] = lambda count: count
         self.optimizer_steps = 0
@@ -162,16 +162,10 @@ class Turbo:
         """Run one micro-batch: forward, backward, and the optimizer step when a window closes."""
         if self.model is None or self.optimizer is None:
             raise RuntimeError("call Turbo.setup(model, optimizer, ...) before Turbo.step")
-        batch = to_device(
-            batch,
-            self.device,
-            non_blocking=self.config.data.non_blocking,
-            channels_last=self.applied.get("channels_last") is None,
-        )
         closing = self._window.closing or self._epoch_ending
         with self.sync_context(closing):
-            with self.recorder.phase("forward"), autocast_context(self.device, self.config.precision):
-                loss, count = _split_loss(loss_fn(self.model, batch), batch, self.device)
+            with self.recorder.phase("forward"):
+                loss, count = self.forward(loss_fn, batch)
             with self.recorder.phase("backward"):
                 weighted = loss.float() * self._window.weight(count)
                 if self.scaler is not None:
@@ -182,6 +176,21 @@ class Turbo:
             skipped, grad_norm = self._optimizer_step()
             stepped = True
         return StepMetrics(loss.detach(), count, stepped, skipped, grad_norm)
+
+    def forward(
+        self, loss_fn: Callable[[nn.Module, Any], LossOutput], batch: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The forward half of a step: batch to the device, autocast, (mean loss, count)."""
+        if self.model is None:
+            raise RuntimeError("call Turbo.setup(model, optimizer, ...) before Turbo.forward")
+        batch = to_device(
+            batch,
+            self.device,
+            non_blocking=self.config.data.non_blocking,
+            channels_last=self.applied.get("channels_last") is None,
+        )
+        with autocast_context(self.device, self.config.precision):
+            return _split_loss(loss_fn(self.model, batch), batch, self.device)
 
     def flush(self) -> bool:
         """Apply a partial accumulation window left open at the end of a manual loop.

@@ -17,7 +17,9 @@ from torchturbo.config import PrecisionConfig
 AUTOCAST_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def autocast_context(device: torch.device, config: PrecisionConfig) -> contextlib.AbstractContextManager:
+def autocast_context(
+    device: torch.device, config: PrecisionConfig
+) -> contextlib.AbstractContextManager:
     """The autocast context for the forward pass; a no-op for fp32 and tf32."""
     dtype = AUTOCAST_DTYPES.get(config.dtype)
     if dtype is None:

@@ -1,0 +1,206 @@
+"""Side-by-side measurement of training configurations on one recipe.
+
+A :class:`Trial` is one configuration applied to a fresh model (the recipe's seed fixes the initial
+weights) training on a fixed, pre-collated list of batches, so every variant sees the same data in
+the same order and input loading is kept out of the compute measurement. :func:`compare_configs`
+times trials interleaved through ``measure.timing`` and adds throughput, MFU, memory and loss.
+The CLI's ``bench``, ``benchmarks/techniques.py`` and the tuner all measure through here.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from torchturbo.config import TurboConfig
+from torchturbo.engine import Turbo
+from torchturbo.measure.flops import count_step_flops
+from torchturbo.measure.memory import activation_bytes, track_peak_memory
+from torchturbo.measure.peak import dtype_for_precision, measured_peak_flops, mfu
+from torchturbo.measure.timing import Timing, measure_interleaved, time_once
+from torchturbo.recipe import Recipe
+
+
+def fixed_batches(recipe: Recipe, count: int, *, seed: int | None = None) -> list[Any]:
+    """The first ``count`` batches of a seeded shuffle of the recipe's dataset, collated."""
+    generator = torch.Generator().manual_seed(recipe.seed if seed is None else seed)
+    loader = DataLoader(
+        recipe.dataset,
+        batch_size=recipe.batch_size,
+        shuffle=True,
+        collate_fn=recipe.collate,
+        generator=generator,
+        drop_last=True,
+    )
+    batches = list(itertools.islice(loader, count))
+    if not batches:
+        raise ValueError(
+            f"recipe {recipe.name!r}: the dataset ({len(recipe.dataset)} samples) holds no full "
+            f"batch of {recipe.batch_size}"
+        )
+    return batches
+
+
+class Trial:
+    """One configuration training a fresh copy of the recipe's model on fixed batches."""
+
+    def __init__(self, recipe: Recipe, config: TurboConfig, batches: list[Any]) -> None:
+        self.recipe = recipe
+        self.config = config
+        self.batches = batches
+        self.turbo = Turbo(config)
+        model, optimizer = recipe.build()
+        self.model, self.optimizer, _ = self.turbo.setup(model, optimizer)
+        self.losses: list[torch.Tensor] = []
+        self.counts: list[torch.Tensor] = []
+        self._next = itertools.cycle(batches).__next__
+
+    def step(self) -> None:
+        metrics = self.turbo.step(self.recipe.loss_fn, self._next())
+        self.losses.append(metrics.loss)
+        self.counts.append(metrics.count)
+
+    def loss_curve(self) -> list[float]:
+        return [float(loss) for loss in self.losses]
+
+    def mean_count(self) -> float:
+        """Mean samples (or tokens) per step, the numerator of throughput."""
+        return float(torch.stack(self.counts).mean()) if self.counts else 0.0
+
+    def close(self) -> None:
+        self.turbo.close()
+
+
+@dataclass(frozen=True)
+class VariantResult:
+    """One row of a comparison; ``ratio`` is throughput over the baseline's, same run."""
+
+    variant: str
+    throughput: float
+    unit: str
+    ratio: float
+    step_ms_median: float
+    step_ms_spread: float
+    mfu: float | None
+    peak_memory_bytes: int | None
+    peak_memory_kind: str
+    activation_bytes: int | None
+    loss_first: float
+    loss_last: float
+    first_step_s: float
+    notes: dict[str, str]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def model_flops_per_step(recipe: Recipe, batch: Any) -> int:
+    """Useful FLOPs of one fp32 eager training step (forward + backward, no recompute)."""
+    model, _ = recipe.build()
+
+    def step() -> None:
+        out = recipe.loss_fn(model, batch)
+        (out[0] if isinstance(out, tuple) else out).backward()
+
+    return count_step_flops(step)
+
+
+def compare_configs(
+    recipe: Recipe,
+    configs: Mapping[str, TurboConfig],
+    *,
+    baseline: str,
+    warmup: int = 2,
+    repeats: int = 5,
+    steps_per_repeat: int = 3,
+    num_batches: int = 8,
+    on_progress: Callable[[str], None] | None = None,
+) -> list[VariantResult]:
+    """Measure every config side by side (interleaved) and return one row per variant."""
+    if baseline not in configs:
+        raise ValueError(f"baseline {baseline!r} is not among the variants {list(configs)}")
+    say = on_progress or (lambda message: None)
+    batches = fixed_batches(recipe, num_batches)
+    trials: dict[str, Trial] = {}
+    first_step: dict[str, float] = {}
+    try:
+        for name, config in configs.items():
+            say(f"building {name}")
+            trials[name] = Trial(recipe, config, batches)
+            # The first step pays one-time costs (compile, autotuning): reported apart.
+            first_step[name] = time_once(trials[name].step, trials[name].turbo.device)
+        say("timing (interleaved)")
+        timings = measure_interleaved(
+            {name: trial.step for name, trial in trials.items()},
+            device=trials[baseline].turbo.device,
+            warmup=warmup,
+            repeats=repeats,
+            steps_per_repeat=steps_per_repeat,
+        )
+        say("counting FLOPs and memory")
+        flops = model_flops_per_step(recipe, batches[0])
+        return _rows(recipe, trials, timings, first_step, flops, baseline, batches[0])
+    finally:
+        for trial in trials.values():
+            trial.close()
+
+
+def _rows(
+    recipe: Recipe,
+    trials: Mapping[str, Trial],
+    timings: Mapping[str, Timing],
+    first_step: Mapping[str, float],
+    flops: int,
+    baseline: str,
+    batch: Any,
+) -> list[VariantResult]:
+    throughput = {n: t.mean_count() / timings[n].median for n, t in trials.items()}
+    rows = []
+    for name, trial in trials.items():
+        device = trial.turbo.device
+        peak = measured_peak_flops(device, dtype_for_precision(trial.config.precision.dtype))
+        with track_peak_memory(device) as peak_memory:
+            trial.step()
+        curve = trial.loss_curve()
+        rows.append(
+            VariantResult(
+                variant=name,
+                throughput=throughput[name],
+                unit=f"{recipe.count_unit}/s",
+                ratio=throughput[name] / throughput[baseline],
+                step_ms_median=timings[name].median * 1e3,
+                step_ms_spread=timings[name].spread,
+                mfu=mfu(flops, timings[name].median, peak),
+                peak_memory_bytes=peak_memory.peak_bytes,
+                peak_memory_kind=peak_memory.kind,
+                activation_bytes=_activation_bytes(trial, batch),
+                loss_first=curve[0],
+                loss_last=curve[-1],
+                first_step_s=first_step[name],
+                notes={k: v for k, v in trial.turbo.applied.items() if v is not None},
+            )
+        )
+    return rows
+
+
+def _activation_bytes(trial: Trial, batch: Any) -> int | None:
+    """Bytes held for backward after one forward; None for compiled models.
+
+    Compiled graphs save tensors inside the compiled autograd function, out of reach of
+    saved-tensor hooks, so a number there would be wrong rather than approximate.
+    """
+    if trial.config.compile.mode != "off":
+        return None
+    model = trial.model
+    result = activation_bytes(
+        lambda: trial.turbo.forward(trial.recipe.loss_fn, batch)[0],
+        model=model,
+        exclude=list(model.parameters()),
+    )
+    trial.optimizer.zero_grad(set_to_none=True)
+    return result

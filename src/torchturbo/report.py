@@ -1,0 +1,66 @@
+"""Terminal tables for measured rows (rich), and the number formats every report shares."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+
+def format_bytes(n: int | None) -> str:
+    if n is None:
+        return "n/a"
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def format_mfu(value: float | None) -> str:
+    return "n/a" if value is None else f"{100 * value:.1f}%"
+
+
+def rows_table(title: str, rows: Sequence[Any]) -> Table:
+    """One row per variant: ratio first, because that is the number that holds across runs."""
+    table = Table(title=title)
+    for header in (
+        "variant",
+        "ratio",
+        "throughput",
+        "step ms (median ± IQR%)",
+        "MFU",
+        "peak mem",
+        "activations",
+        "loss first → last",
+        "first step s",
+    ):
+        table.add_column(header, justify="left" if header == "variant" else "right")
+    for r in rows:
+        table.add_row(
+            r.variant,
+            f"{r.ratio:.2f}x",
+            f"{r.throughput:,.0f} {r.unit}",
+            f"{r.step_ms_median:.1f} ± {100 * r.step_ms_spread:.0f}%",
+            format_mfu(r.mfu),
+            format_bytes(r.peak_memory_bytes),
+            format_bytes(r.activation_bytes),
+            f"{r.loss_first:.3f} → {r.loss_last:.3f}",
+            f"{r.first_step_s:.2f}",
+        )
+    return table
+
+
+def print_rows(title: str, rows: Sequence[Any], console: Console | None = None) -> None:
+    console = console or Console()
+    console.print(rows_table(title, rows))
+    notes = {f"{r.variant}: {k}": v for r in rows for k, v in r.notes.items() if v != "disabled"}
+    for key, reason in notes.items():
+        console.print(f"[dim]not applied, {key}: {reason}[/dim]")
+    if rows:
+        console.print(
+            f"[dim]peak memory is {rows[0].peak_memory_kind}; see docs/measurement.md[/dim]"
+        )
