@@ -1,0 +1,135 @@
+"""The machine's achievable matmul rate, measured, and MFU against it.
+
+A datasheet peak is wrong for CPUs (it depends on cores, clocks, ISA and threads) and optimistic
+for GPUs; a peak measured by a large matrix product in the training dtype is what the hardware
+really delivers to dense maths here, so MFU means "fraction of what a big matmul gets". The
+measurement takes about a second per dtype and is cached for the process.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import time
+
+import torch
+
+from torchturbo.measure.timing import sync
+
+_DTYPES = {
+    "fp32": torch.float32,
+    # tf32 keeps float32 storage; only the matmul precision setting differs.
+    "tf32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+}
+
+#: Seconds one timed block of matmuls should take: long enough to dwarf timer and launch overhead,
+#: short enough that measuring a peak costs about a second.
+_TARGET_SECONDS = 0.2
+#: Size bounds: below 256 a CPU matmul is overhead-bound; 8192^2 operands fit any device here.
+_MIN_N, _MAX_N = 256, 8192
+_REPEATS = 5
+
+
+def dtype_for_precision(name: str) -> torch.dtype:
+    """The dtype matmuls run in for a ``[precision] dtype`` name: fp32, tf32, bf16 or fp16."""
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(
+            f"dtype_for_precision(name={name!r}) is invalid: expected one of {', '.join(_DTYPES)}"
+        ) from None
+
+
+def measured_peak_flops(device: torch.device | str, dtype: torch.dtype) -> float:
+    """FLOP/s of the best of a few timed square matmuls in ``dtype`` on ``device``.
+
+    The size is chosen from a quick probe so that a timed block lasts about 0.2 s. The result is
+    cached per device, dtype and the settings that change the rate: float32 matmul precision
+    (tf32 on CUDA) and, on CPU, the intra-op thread count.
+    """
+    device = torch.device(device)
+    index = device.index
+    if device.type == "cuda" and index is None:
+        index = torch.cuda.current_device()
+    precision = torch.get_float32_matmul_precision() if dtype == torch.float32 else ""
+    threads = torch.get_num_threads() if device.type == "cpu" else 0
+    return _measure_peak(device.type, index, dtype, precision, threads)
+
+
+@functools.cache
+def _measure_peak(
+    device_type: str, index: int | None, dtype: torch.dtype, _precision: str, _threads: int
+) -> float:
+    # _precision and _threads are cache keys only: the rate is measured under the current settings.
+    device = torch.device(device_type, index)
+    rate = _probe(device, dtype)
+    # A busy machine can make the probe underestimate the rate and so pick too short a block;
+    # re-plan from the better estimate until a block lasts at least half the target.
+    for _ in range(3):
+        n, iters = _plan(rate)
+        rate = max(rate, _best_rate(device, dtype, n, iters, _REPEATS))
+        if 2 * n**3 * iters / rate >= _TARGET_SECONDS / 2:
+            break
+    return rate
+
+
+def _plan(rate: float) -> tuple[int, int]:
+    """Matrix size and matmuls per timed block so that the block takes about the target time."""
+    # n^3 grows fast, so pick n for the target time, then repeat the matmul if n hit its bound.
+    n = max(_MIN_N, min(_MAX_N, int(math.cbrt(rate * _TARGET_SECONDS / 2)) // 256 * 256))
+    iters = max(1, round(rate * _TARGET_SECONDS / (2 * n**3)))
+    return n, iters
+
+
+def _probe(device: torch.device, dtype: torch.dtype) -> float:
+    """A first rate estimate, the best seen while doubling n until the rate saturates.
+
+    Starting small matters: fp16 matmul on a CPU without fp16 units runs at ~1 GFLOP/s, where a
+    fixed 1024^3 probe would take seconds. Stopping only once doubling n no longer raises the
+    rate much matters too: on a busy CPU each parallel matmul can stall for a scheduler slice,
+    and a small n would mistake that stall for the machine's speed.
+    """
+    n = _MIN_N
+    rate = best = _best_rate(device, dtype, n, iters=1, repeats=2)
+    # Double while the next size is predicted to take at most twice the target (8x the work).
+    while n < _MAX_N and 16 * n**3 / rate <= 2 * _TARGET_SECONDS:
+        bigger = _best_rate(device, dtype, 2 * n, iters=1, repeats=2)
+        best = max(best, bigger)
+        if 2 * n**3 / rate >= 0.02 and bigger < 1.25 * rate:
+            break
+        n, rate = 2 * n, bigger
+    return best
+
+
+def _best_rate(device: torch.device, dtype: torch.dtype, n: int, iters: int, repeats: int) -> float:
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    out = torch.empty(n, n, device=device, dtype=dtype)
+    torch.mm(a, b, out=out)  # warm-up: kernel selection, first-touch of `out`
+    best = math.inf
+    for _ in range(repeats):
+        sync(device)
+        begin = time.perf_counter()
+        for _ in range(iters):
+            torch.mm(a, b, out=out)
+        sync(device)
+        best = min(best, time.perf_counter() - begin)
+    return 2 * n**3 * iters / best
+
+
+def mfu(flops_per_step: int, step_seconds: float, peak: float) -> float | None:
+    """Model FLOPs utilisation: achieved FLOP/s over ``peak``; None where it is undefined.
+
+    Undefined (None) when the step counts no FLOPs or a time or peak is zero. Not clamped: a value
+    above 1 means the peak was under-measured (e.g. the machine was busy), and the caller reports
+    it rather than hiding it.
+    """
+    arguments = {"flops_per_step": flops_per_step, "step_seconds": step_seconds, "peak": peak}
+    for name, value in arguments.items():
+        if value < 0:
+            raise ValueError(f"mfu({name}={value!r}) is invalid: expected a value >= 0")
+    if flops_per_step == 0 or step_seconds == 0 or peak == 0:
+        return None
+    return flops_per_step / step_seconds / peak
