@@ -57,6 +57,8 @@ class Trial:
         model, optimizer = recipe.build()
         self.model, self.optimizer, _ = self.turbo.setup(model, optimizer)
         self.losses: list[torch.Tensor] = []
+        #: Median seconds per step from the latest interleaved measurement (set by callers).
+        self.step_seconds: float | None = None
         self.counts: list[torch.Tensor] = []
         self._next = itertools.cycle(batches).__next__
 
@@ -72,8 +74,30 @@ class Trial:
         """Mean samples (or tokens) per step, the numerator of throughput."""
         return float(torch.stack(self.counts).mean()) if self.counts else 0.0
 
+    def memory_footprint(self) -> tuple[int, str]:
+        """(bytes, kind) of one step: the peak it adds over what was resident before, plus the
+        parameters and optimizer state that persist between steps.
+
+        Counting only what this trial adds keeps other trials living in the same process (the
+        tuner and the benchmarks interleave several) out of its figure.
+        """
+        with track_peak_memory(self.turbo.device) as peak:
+            self.step()
+        persistent = sum(_nbytes(p) for p in self.model.parameters())
+        persistent += sum(
+            _nbytes(v)
+            for state in self.optimizer.state.values()
+            for v in state.values()
+            if isinstance(v, torch.Tensor)
+        )
+        return max(0, peak.peak_bytes - peak.baseline_bytes) + persistent, peak.kind
+
     def close(self) -> None:
         self.turbo.close()
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
 
 
 @dataclass(frozen=True)
@@ -131,9 +155,7 @@ def compare_configs(
     try:
         for name, config in configs.items():
             say(f"building {name}")
-            trials[name] = Trial(recipe, config, batches)
-            # The first step pays one-time costs (compile, autotuning): reported apart.
-            first_step[name] = time_once(trials[name].step, trials[name].turbo.device)
+            trials[name], first_step[name] = start_trial(recipe, config, batches)
         say("timing (interleaved)")
         timings = measure_interleaved(
             {name: trial.step for name, trial in trials.items()},
@@ -150,6 +172,17 @@ def compare_configs(
             trial.close()
 
 
+def start_trial(recipe: Recipe, config: TurboConfig, batches: list[Any]) -> tuple[Trial, float]:
+    """A new trial and the time of its first step, which carries the one-time costs (compile,
+    autotuning) and is therefore reported apart from steady-state step time."""
+    trial = Trial(recipe, config, batches)
+    try:
+        return trial, time_once(trial.step, trial.turbo.device)
+    except BaseException:
+        trial.close()
+        raise
+
+
 def _rows(
     recipe: Recipe,
     trials: Mapping[str, Trial],
@@ -164,8 +197,7 @@ def _rows(
     for name, trial in trials.items():
         device = trial.turbo.device
         peak = measured_peak_flops(device, dtype_for_precision(trial.config.precision.dtype))
-        with track_peak_memory(device) as peak_memory:
-            trial.step()
+        memory_bytes, memory_kind = trial.memory_footprint()
         curve = trial.loss_curve()
         rows.append(
             VariantResult(
@@ -176,8 +208,8 @@ def _rows(
                 step_ms_median=timings[name].median * 1e3,
                 step_ms_spread=timings[name].spread,
                 mfu=mfu(flops, timings[name].median, peak),
-                peak_memory_bytes=peak_memory.peak_bytes,
-                peak_memory_kind=peak_memory.kind,
+                peak_memory_bytes=memory_bytes,
+                peak_memory_kind=memory_kind,
                 activation_bytes=_activation_bytes(trial, batch),
                 loss_first=curve[0],
                 loss_last=curve[-1],

@@ -72,7 +72,83 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--steps", type=int, default=15, help="timed steps per variant (default 15)")
     bench.add_argument("--json", type=Path, help="also write the rows as JSON here")
     bench.set_defaults(run=_run_bench)
+
+    tune = commands.add_parser(
+        "tune",
+        help="find the fastest correct config for a workload or recipe, with a report",
+        description=(
+            "Stage by stage (data loader, precision, memory format, compile, memory, dynamic "
+            "batching), measure each candidate against the current best, interleaved, and keep "
+            "it only if it is faster beyond the measured noise, keeps the loss within tolerance "
+            "of fp32, fits the memory budget and repays its one-time cost within the planned "
+            "steps. Writes turbo.toml, results.json, report.md and report.html to --out."
+        ),
+    )
+    _add_target_arguments(tune)
+    tune.add_argument(
+        "--time-budget", type=parse_duration, default="5m", help="e.g. 90s, 5m, 1h (default 5m)"
+    )
+    tune.add_argument(
+        "--memory-budget", type=parse_size, help="e.g. 20GiB, 512MiB (default: no budget)"
+    )
+    tune.add_argument(
+        "--planned-steps",
+        type=int,
+        default=10_000,
+        help="length of your real run: one-time costs must pay back within it (default 10000)",
+    )
+    tune.add_argument(
+        "--loss-tolerance",
+        type=float,
+        default=0.05,
+        help="largest relative loss difference from fp32 over the first steps (default 0.05)",
+    )
+    tune.add_argument("--out", type=Path, default=Path("turbo-report"), help="output directory")
+    tune.set_defaults(run=_run_tune)
     return parser
+
+
+_DURATION_UNITS = {"s": 1, "m": 60, "h": 3600}
+_SIZE_UNITS = {
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+
+
+def parse_duration(text: str) -> float:
+    """'90s', '5m', '1.5h' or plain seconds, as seconds."""
+    unit = text[-1:].lower()
+    number = text[:-1] if unit in _DURATION_UNITS else text
+    try:
+        seconds = float(number) * _DURATION_UNITS.get(unit, 1)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a duration: use e.g. 90s, 5m or 1h"
+        ) from None
+    if seconds <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: the duration must be positive")
+    return seconds
+
+
+def parse_size(text: str) -> int:
+    """'20GiB', '512MB', '1e9' (bytes) as bytes."""
+    stripped = text.strip().lower()
+    unit = next((u for u in sorted(_SIZE_UNITS, key=len, reverse=True) if stripped.endswith(u)), "")
+    try:
+        size = int(float(stripped[: len(stripped) - len(unit)]) * _SIZE_UNITS.get(unit, 1))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a size: use e.g. 20GiB, 512MiB or a number of bytes"
+        ) from None
+    if size <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: the size must be positive")
+    return size
 
 
 def _add_target_arguments(parser: argparse.ArgumentParser) -> None:
@@ -142,6 +218,60 @@ def _run_bench(args: argparse.Namespace) -> int:
         payload = {"workload": recipe.name, "results": [r.to_dict() for r in rows]}
         args.json.write_text(json.dumps(payload, indent=2))
     return 0
+
+
+def _run_tune(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn
+
+    from torchturbo.tune.report import incremental_table, write_report
+    from torchturbo.tune.search import TuneOptions, tune
+
+    options = TuneOptions(
+        time_budget_s=args.time_budget,
+        memory_budget=args.memory_budget,
+        planned_steps=args.planned_steps,
+        loss_tolerance=args.loss_tolerance,
+        device=args.device,
+    )
+    check_writable(args.out)
+    recipe = load_target(args)
+    console = Console()
+    columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[left]}"))
+    with Progress(*columns, console=console, transient=True) as progress:
+        task = progress.add_task("starting", total=options.time_budget_s, left="")
+
+        def show(stage: str, candidate: str, left: float) -> None:
+            progress.update(
+                task,
+                description=f"tune {recipe.name} [{stage}] {candidate}",
+                completed=options.time_budget_s - max(0.0, left),
+                left=f"{max(0.0, left):.0f} s left",
+            )
+
+        config, results = tune(recipe, options, on_progress=show)
+    # The report's "how to use" line repeats what the user typed to name the target.
+    results["recipe"] = args.recipe or f"--workload {recipe.name}"
+    paths = write_report(args.out, results, config.to_toml())
+    console.print(incremental_table(results))
+    console.print(
+        f"confirmed {results['confirmed_ratio']:.2f}x over fp32 eager "
+        f"({results['unit']}); report: {paths['html']}"
+    )
+    console.print(f"use it: torchturbo bench {results['recipe']} --config {paths['config']}")
+    return 0
+
+
+def check_writable(directory: Path) -> None:
+    """Fail before hours of tuning, not after, when the output cannot be written."""
+    import os
+    import tempfile
+
+    directory.mkdir(parents=True, exist_ok=True)
+    if not directory.is_dir() or not os.access(directory, os.W_OK):
+        raise ValueError(f"output directory {str(directory)!r} is not writable")
+    with tempfile.TemporaryFile(dir=directory):
+        pass
 
 
 def _with_status(title: str, work: Callable[[Callable[[str], None]], Any]) -> Any:

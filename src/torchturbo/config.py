@@ -230,6 +230,13 @@ class DataConfig:
     prefetch_factor: int | None = None
     #: Host-to-device copies with non_blocking=True (asynchronous only from pinned memory).
     non_blocking: bool = True
+    #: Length-bucketed batches (data/bucketing.py); needs per-sample lengths from the recipe.
+    bucketing: bool = False
+    #: Token budget per bucketed batch, padding included; None = the recipe's batch size times
+    #: its mean length, so that bucketing changes padding, not the amount of work per step.
+    max_tokens: int | None = None
+    #: Pad sequence lengths up to a multiple of this (8 suits tensor cores).
+    pad_to_multiple: int = 1
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -244,6 +251,16 @@ class DataConfig:
             raise ConfigError(
                 f"[data] prefetch_factor = {self.prefetch_factor} needs num_workers > 0 "
                 "(the main process does not prefetch); set num_workers or remove prefetch_factor"
+            )
+        if self.max_tokens is not None and not self.bucketing:
+            raise ConfigError(
+                f"[data] max_tokens = {self.max_tokens} is only used with bucketing = true"
+            )
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ConfigError(f"[data] max_tokens = {self.max_tokens} is invalid: expected >= 1")
+        if self.pad_to_multiple < 1:
+            raise ConfigError(
+                f"[data] pad_to_multiple = {self.pad_to_multiple} is invalid: expected >= 1"
             )
         if self.prefetch_factor is not None and self.prefetch_factor < 1:
             raise ConfigError(

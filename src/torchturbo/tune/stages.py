@@ -1,0 +1,134 @@
+"""The tuner's stages, in the article's order, each proposing candidates against the current best.
+
+A stage is a plain function ``(context) -> list[Candidate] | str``: the candidates to measure, or
+the reason the stage does not apply (a Transformer gets no channels_last; a recipe without lengths
+gets no dynamic batching). Stages only build configs: measuring and deciding is ``search.py``'s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from torchturbo.config import TurboConfig
+from torchturbo.recipe import Recipe
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One configuration to try. ``batches`` overrides the trial's batches (micro-batching,
+    bucketing); ``recipe`` overrides the recipe (tests inject broken techniques this way)."""
+
+    name: str
+    config: TurboConfig
+    batches: list[Any] | None = None
+    recipe: Recipe | None = None
+
+
+@dataclass
+class StageContext:
+    """What stages may read: the recipe, the current best, and facts measured so far."""
+
+    recipe: Recipe
+    best: TurboConfig
+    device: torch.device
+    has_convolutions: bool
+    best_memory_bytes: int | None
+    memory_budget: int | None
+    world_size: int = 1
+    micro_batches: Callable[[int], list[Any]] | None = None
+    bucketed_batches: Callable[[], list[Any]] | None = None
+    notes: dict[str, str] = field(default_factory=dict)
+
+
+def precision_stage(ctx: StageContext) -> list[Candidate] | str:
+    # All four on every device, decided by measurement: fp16 without native fp16 units, or TF32
+    # without tensor cores, simply measures as no faster and is rejected with the figure.
+    return [
+        Candidate("tf32", ctx.best.replace(precision__dtype="tf32")),
+        Candidate("bf16", ctx.best.replace(precision__dtype="bf16")),
+        Candidate("fp16+scaler", ctx.best.replace(precision__dtype="fp16")),
+    ]
+
+
+def memory_format_stage(ctx: StageContext) -> list[Candidate] | str:
+    if not ctx.has_convolutions:
+        return "the model has no 2-D convolutions: channels_last changes nothing"
+    candidates = [Candidate("channels_last", ctx.best.replace(memory_format__channels_last=True))]
+    if ctx.device.type == "cuda":
+        candidates.append(
+            Candidate(
+                "channels_last+cudnn_benchmark",
+                ctx.best.replace(memory_format__channels_last=True, backend__cudnn_benchmark=True),
+            )
+        )
+    return candidates
+
+
+def compile_stage(ctx: StageContext) -> list[Candidate] | str:
+    modes = ["default"]
+    if ctx.device.type == "cuda":
+        # CUDA graphs (reduce-overhead) remove launch overhead; max-autotune-no-cudagraphs
+        # searches matmul/conv kernels. On CPU neither applies, and each compile costs minutes.
+        modes += ["reduce-overhead", "max-autotune-no-cudagraphs"]
+    return [Candidate(f"compile:{m}", ctx.best.replace(compile__mode=m)) for m in modes]
+
+
+def memory_stage(ctx: StageContext) -> list[Candidate] | str:
+    if ctx.memory_budget is None:
+        return "no memory budget given: checkpointing and micro-batching would only cost time"
+    if ctx.best_memory_bytes is not None and ctx.best_memory_bytes <= ctx.memory_budget:
+        return (
+            f"the current best fits the budget ({ctx.best_memory_bytes / 2**20:.0f} of "
+            f"{ctx.memory_budget / 2**20:.0f} MiB): checkpointing would only add recompute"
+        )
+    candidates = [
+        Candidate("checkpointing:full", ctx.best.replace(checkpointing__mode="full")),
+        Candidate(
+            "checkpointing:every_2nd",
+            ctx.best.replace(checkpointing__mode="selective", checkpointing__every_n=2),
+        ),
+    ]
+    if ctx.micro_batches is not None:
+        for split in (2, 4, 8):
+            if ctx.recipe.batch_size % split == 0:
+                candidates.append(
+                    Candidate(
+                        f"micro-batch {ctx.recipe.batch_size // split} x{split}",
+                        ctx.best.replace(accumulation__steps=split),
+                        batches=ctx.micro_batches(split),
+                    )
+                )
+    return candidates
+
+
+def dynamic_batching_stage(ctx: StageContext) -> list[Candidate] | str:
+    if ctx.recipe.lengths is None or ctx.bucketed_batches is None:
+        return "the recipe gives no per-sample lengths"
+    return [
+        Candidate(
+            "length buckets",
+            ctx.best.replace(data__bucketing=True),
+            batches=ctx.bucketed_batches(),
+        )
+    ]
+
+
+def distributed_stage(ctx: StageContext) -> list[Candidate] | str:
+    if ctx.world_size <= 1:
+        return "single process: run under torchrun to tune DDP/FSDP knobs"
+    return "distributed knobs are not tuned yet (DDP hooks and FSDP land with the distributed work)"
+
+
+#: Stage name -> function, in the order the article applies them.
+STAGES: dict[str, Callable[[StageContext], list[Candidate] | str]] = {
+    "precision": precision_stage,
+    "memory_format": memory_format_stage,
+    "compile": compile_stage,
+    "memory": memory_stage,
+    "dynamic_batching": dynamic_batching_stage,
+    "distributed": distributed_stage,
+}

@@ -1,0 +1,109 @@
+"""The torchturbo command: smoke runs on a tiny recipe, and one clear line per user error."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from torchturbo.cli import main, parse_duration, parse_size
+from torchturbo.config import TurboConfig
+
+TINY = str(Path(__file__).parent / "recipes" / "tiny.py") + ":recipe"
+
+
+def test_version_prints_versions_and_bf16_support(capsys):
+    assert main(["version"]) == 0
+    out = capsys.readouterr().out
+    for key in ("torchturbo", "torch", "cuda", "device", "cpu bf16 instructions"):
+        assert key in out
+
+
+def test_bench_on_a_recipe_prints_a_table_and_writes_json(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    assert main(["bench", TINY, "--device", "cpu", "--steps", "2", "--json", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert "baseline" in table and "fast" in table and "MFU" in table
+    rows = json.loads(out.read_text())["results"]
+    assert [r["variant"] for r in rows] == ["baseline", "fast"]
+    assert rows[0]["ratio"] == 1.0 and rows[1]["ratio"] > 0
+    assert all(r["mfu"] > 0 for r in rows)
+
+
+def test_tune_writes_a_loadable_config_and_a_self_contained_report(tmp_path, capsys):
+    out = tmp_path / "report"
+    code = main(["tune", TINY, "--device", "cpu", "--time-budget", "40s", "--out", str(out)])
+    assert code == 0
+    config = TurboConfig.load(out / "turbo.toml")
+    results = json.loads((out / "results.json").read_text())
+    for key in ("baseline_throughput", "best_throughput", "confirmed_ratio", "unit", "candidates"):
+        assert key in results
+    assert config.precision.dtype in ("fp32", "tf32", "bf16", "fp16")
+    html = (out / "report.html").read_text()
+    assert "<img" in html and "https://" not in html and "<script" not in html
+    assert "confirmed" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["bench", "missing.py:recipe"], "does not exist"),
+        (["bench", TINY.replace(":recipe", ":nope")], "has no 'nope'"),
+        (["bench", TINY.replace(":recipe", ":not_a_recipe")], "returned int"),
+        (["bench", "--workload", "imagenet"], "imagenet"),
+        (["bench", TINY, "--steps", "1"], "--steps 1"),
+        (["bench", TINY, "--device", "cuda:7"], "no CUDA device"),
+    ],
+)
+def test_user_errors_print_one_line_and_exit_2(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_a_bad_config_file_names_the_key(tmp_path, capsys):
+    bad = tmp_path / "turbo.toml"
+    bad.write_text('[precision]\ndtype = "fp8"\n')
+    assert main(["bench", TINY, "--config", str(bad)]) == 2
+    assert "dtype = 'fp8'" in capsys.readouterr().err
+
+
+def test_an_output_path_that_is_a_file_is_refused_before_tuning(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert main(["tune", TINY, "--out", str(blocker)]) == 2
+    assert str(blocker) in capsys.readouterr().err
+
+
+def test_debug_shows_the_traceback():
+    result = subprocess.run(
+        [sys.executable, "-m", "torchturbo", "--debug", "bench", "missing.py:recipe"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode != 0 and "Traceback" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"), [("90s", 90), ("5m", 300), ("1.5h", 5400), ("42", 42)]
+)
+def test_durations(text, seconds):
+    assert parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize(
+    ("text", "size"), [("20GiB", 20 * 2**30), ("512MB", 512 * 10**6), ("1024", 1024)]
+)
+def test_sizes(text, size):
+    assert parse_size(text) == size
+
+
+@pytest.mark.parametrize("text", ["fast", "-1m", "0"])
+def test_bad_durations_are_refused(text):
+    with pytest.raises(Exception, match="duration"):
+        parse_duration(text)
