@@ -106,7 +106,8 @@ def test_tune_runs_the_stages_and_reports_every_candidate():
     for row in results["candidates"]:
         assert row["verdict"] in {"adopted", "kept", "rejected", "skipped"} and row["reason"]
     assert results["confirmed_ratio"] > 0
-    assert [s["stage"] for s in results["stages"]] == ["precision", "memory_format"]
+    assert [s["stage"] for s in results["stages"]] == ["data_loader", "precision", "memory_format"]
+    assert results["loader"]["verdict"] in {"input-bound", "compute-bound"}
     assert TurboConfig.from_toml(config.to_toml()) == config
 
 

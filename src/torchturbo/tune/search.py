@@ -22,6 +22,7 @@ import torch
 from torchturbo.bench import Trial, fixed_batches, start_trial
 from torchturbo.config import TurboConfig
 from torchturbo.data.bucketing import BucketBatchSampler
+from torchturbo.data.loader import LoaderTuning, describe, tune_loader
 from torchturbo.engine import resolve_device
 from torchturbo.measure.breakdown import PhaseRecorder
 from torchturbo.measure.timing import measure_interleaved, noise_band
@@ -36,6 +37,8 @@ from torchturbo.tune.stages import STAGES, Candidate, StageContext
 PARITY_STEPS = 6
 #: Distinct batches every trial cycles through.
 NUM_BATCHES = 8
+#: Batches timed per loader setting: enough for a steady rate, cheap next to the tuning budget.
+LOADER_BATCHES = 8
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -117,14 +120,50 @@ def tune(
     reference = baseline_trial.loss_curve()[:PARITY_STEPS]
     best = baseline
     try:
+        loader = _loader_stage(run, baseline)
+        if loader.input_bound:
+            best.config = best.config.replace(data=loader.chosen)
+            run.adopted.append(f"loader: {describe(loader.chosen)}")
+        run.stages.append(
+            _stage_row("data_loader", run.adopted[-1] if run.adopted else None, best, None)
+        )
         for stage_name, stage in (stages or STAGES).items():
             best = _run_stage(run, stage_name, stage, best, reference)
         run.say("confirmation", best.name, run.time_left())
         results = _confirm(run, baseline, best)
+        results["loader"] = {
+            "verdict": "input-bound" if loader.input_bound else "compute-bound",
+            "reason": loader.reason,
+            "chosen": loader.chosen.__dict__ if loader.input_bound else None,
+        }
     finally:
         for incumbent in {id(baseline): baseline, id(best): best}.values():
             incumbent.trial.close()
     return best.config, results
+
+
+def _loader_stage(run: _Run, baseline: _Incumbent) -> LoaderTuning:
+    """Measure the recipe's loader settings against the compute step: the data stage.
+
+    Trials train on pre-collated batches, so the loader's setting changes no trial; it only
+    matters when loading is slower than the step (input-bound), and then goes into the config.
+    """
+    run.say("data_loader", "measuring loader settings", run.time_left())
+    (timing,) = measure_interleaved(
+        {"baseline": baseline.trial.step}, device=run.device, warmup=1, repeats=3
+    ).values()
+    baseline.trial.step_seconds = timing.median
+    recipe = run.recipe
+    return tune_loader(
+        recipe.dataset,
+        recipe.batch_size,
+        collate_fn=recipe.collate,
+        device=run.device,
+        batches=LOADER_BATCHES,
+        warmup_batches=2,
+        repeats=2,
+        step_seconds=timing.median,
+    )
 
 
 def _context(run: _Run, best: _Incumbent) -> StageContext:
