@@ -47,6 +47,15 @@ def test_tune_writes_a_loadable_config_and_a_self_contained_report(tmp_path, cap
     assert "confirmed" in capsys.readouterr().out
 
 
+def test_doctor_prints_the_checklist_and_writes_json(tmp_path, capsys):
+    out = tmp_path / "doctor.json"
+    assert main(["doctor", TINY, "--device", "cpu", "--steps", "2", "--json", str(out)]) == 0
+    assert "compute-bound" in capsys.readouterr().out or "input-bound" in out.read_text()
+    items = json.loads(out.read_text())["items"]
+    assert len(items) == 15
+    assert {"mixed precision", "TensorCore alignment"} <= {item["name"] for item in items}
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

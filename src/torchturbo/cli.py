@@ -105,6 +105,25 @@ def _parser() -> argparse.ArgumentParser:
     )
     tune.add_argument("--out", type=Path, default=Path("turbo-report"), help="output directory")
     tune.set_defaults(run=_run_tune)
+
+    doctor = commands.add_parser(
+        "doctor",
+        help="the article's 15-item checklist, judged on your model and loader",
+        description=(
+            "Inspect the model and loader (conv+BN pairs, misaligned dimensions, loader "
+            "settings, varying shapes), profile a few training steps (time split, top "
+            "operators, peak memory, input- or compute-bound) and print each checklist item "
+            "with its state, evidence and, where a quick measurement gives one, the gain."
+        ),
+    )
+    _add_target_arguments(doctor)
+    doctor.add_argument("--config", type=Path, help="TOML config to diagnose (default: fp32)")
+    doctor.add_argument(
+        "--trace", type=Path, metavar="DIR", help="write a Perfetto/chrome://tracing trace here"
+    )
+    doctor.add_argument("--steps", type=int, default=5, help="profiled steps (default 5)")
+    doctor.add_argument("--json", type=Path, help="also write the diagnosis as JSON here")
+    doctor.set_defaults(run=_run_doctor)
     return parser
 
 
@@ -259,6 +278,34 @@ def _run_tune(args: argparse.Namespace) -> int:
         f"({results['unit']}); report: {paths['html']}"
     )
     console.print(f"use it: torchturbo bench {results['recipe']} --config {paths['config']}")
+    return 0
+
+
+def _run_doctor(args: argparse.Namespace) -> int:
+    from torchturbo.config import TurboConfig
+    from torchturbo.doctor import diagnose, render
+
+    if args.steps < 1:
+        raise ValueError(f"--steps {args.steps} is too few: profile at least 1 step")
+    config = TurboConfig.load(args.config) if args.config else None
+    if args.trace:
+        check_writable(args.trace)
+    recipe = load_target(args)
+    diagnosis = _with_status(
+        f"doctor {recipe.name}",
+        lambda say: diagnose(
+            recipe,
+            config=config,
+            device=args.device,
+            trace_dir=args.trace,
+            profile_steps=args.steps,
+            on_progress=say,
+        ),
+    )
+    render(diagnosis)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(diagnosis.to_dict(), indent=2))
     return 0
 
 

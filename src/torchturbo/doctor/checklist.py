@@ -1,0 +1,478 @@
+"""The 15 judgments: each turns the doctor's findings into a state, evidence and, where a quick
+measurement gave one, an estimated gain. One function per item, registered in ``CHECKS`` in the
+article's order; ``judge`` runs them all."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import psutil
+import torch
+import torch.distributed as dist
+
+from torchturbo.data.augment import BatchAugment
+from torchturbo.doctor.diagnosis import CHECKLIST, Item, State
+from torchturbo.doctor.findings import (
+    COMM_SHARE,
+    LOADER_SHARE,
+    MEMMAP_RAM_SHARE,
+    MEMORY_PRESSURE,
+    PADDING_GAP,
+    Findings,
+)
+from torchturbo.doctor.model_facts import SIGNIFICANT_FLOP_SHARE, Misaligned
+from torchturbo.report import format_bytes
+
+Verdict = tuple[State, str, str | None]
+
+_PEAK_KINDS = {
+    "cuda_allocator": "CUDA allocator peak",
+    "cpu_rss_hwm": "process resident-set high-water mark: all of the process, not tensors alone",
+    "cpu_rss_sampled": "process resident set, sampled every ms",
+}
+
+
+def judge(findings: Findings) -> list[Item]:
+    """All 15 items, in the article's order."""
+    items = []
+    for group, names in CHECKLIST.items():
+        for name in names:
+            state, evidence, gain = CHECKS[name](findings)
+            items.append(Item(group, name, state, evidence, gain))
+    return items
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms"
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e6:.2f} M" if n >= 1e5 else f"{n / 1e3:.1f} K" if n >= 1e3 else str(n)
+
+
+def _times(ratio: float) -> str:
+    return f"{ratio:.0f}x" if ratio >= 10 else f"{ratio:.2f}x"
+
+
+def _pct(share: float) -> str:
+    return "<0.1%" if share < 0.001 else f"{share:.1%}"
+
+
+def _names(names: list[str], limit: int = 3) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+# ---- data flow ---------------------------------------------------------------------------------
+
+
+def _dataloader(f: Findings) -> Verdict:
+    lf, share = f.loader, f.input_share
+    settings = (
+        f"num_workers={lf.num_workers}, pin_memory={lf.pin_memory}, "
+        f"persistent_workers={lf.persistent_workers}, prefetch_factor={lf.prefetch_factor}"
+    )
+    wait = (
+        f"input wait {_ms(f.profile.breakdown['input_wait'])} of a {_ms(f.step_seconds)} step "
+        f"({share:.0%})"
+    )
+    problems = []
+    if share >= LOADER_SHARE:
+        if lf.num_workers == 0:
+            problems.append("num_workers=0 loads in the main process, in series with compute")
+        else:
+            problems.append(f"{lf.num_workers} worker(s) do not keep up")
+    if lf.num_workers and not lf.persistent_workers:
+        problems.append("persistent_workers=False restarts the workers every epoch")
+    if f.device.type == "cuda" and not lf.pin_memory:
+        problems.append("pin_memory=False on CUDA: host-to-device copies cannot be asynchronous")
+    if not problems:
+        return "ok", f"{settings}; {wait}: the loader keeps up", None
+    advice = "tune by measurement (torchturbo tune measures worker counts and their memory)"
+    if f.device.type == "cpu" and share >= LOADER_SHARE:
+        advice += "; on a CPU device workers take cores from compute"
+    gain = None
+    if share >= LOADER_SHARE:
+        gain = f"up to {_times(1 / (1 - share))} if loading overlapped compute fully"
+    return "recommended", f"{settings}; {wait}: {'; '.join(problems)}; {advice}", gain
+
+
+def _preprocessing(f: Findings) -> Verdict:
+    on_device = [k for k, v in f.recipe.extras.items() if isinstance(v, BatchAugment)]
+    if on_device:
+        where = f"recipe.extras[{on_device[0]!r}]"
+        return "applied", f"BatchAugment in {where} augments batches on the device", None
+    if f.dataset.transforms:
+        attrs = ", ".join(f"{f.dataset.kind}.{a}" for a in f.dataset.transforms)
+        return (
+            "recommended",
+            f"per-sample transforms ({attrs}) run in the loader on the CPU, one sample at a "
+            f"time ({f.input_share:.0%} of the step is input wait); "
+            "torchturbo.data.augment.BatchAugment crops, flips, jitters and normalizes whole "
+            "uint8 batches on the device, random per sample",
+            None,
+        )
+    return (
+        "not applicable",
+        f"no per-sample transform on the dataset ({f.dataset.kind}) and no augmentation in the "
+        "recipe: there is no preprocessing to move",
+        None,
+    )
+
+
+def _memmap(f: Findings) -> Verdict:
+    ds = f.dataset
+    if ds.memmapped:
+        return "applied", f"{ds.kind}: samples are read from memory-mapped files", None
+    if ds.nbytes is None:
+        what = "streams its samples" if ds.num_samples is None else "holds no tensors to size"
+        return "not applicable", f"{ds.kind} {what}: its size cannot be judged here", None
+    total = psutil.virtual_memory().total
+    size = f"{format_bytes(ds.nbytes)} ({ds.nbytes / total:.1%} of {format_bytes(total)} RAM)"
+    where = "held in RAM" if ds.in_ram else "when decoded, estimated from the first sample"
+    if ds.nbytes > MEMMAP_RAM_SHARE * total:
+        return (
+            "recommended",
+            f"{ds.kind} of {ds.num_samples} samples: {size}, {where}; write it once with "
+            "torchturbo.data.memmap.write_memmap and read it through the page cache "
+            "(MemmapDataset): resident memory stays a few batches and workers share the pages",
+            None,
+        )
+    return (
+        "not applicable",
+        f"{ds.kind} of {ds.num_samples} samples: {size}, {where}; it fits in memory, and "
+        "memory-mapping pays for datasets near or beyond RAM",
+        None,
+    )
+
+
+# ---- model -------------------------------------------------------------------------------------
+
+
+def _mixed_precision(f: Findings) -> Verdict:
+    dtype = f.config.precision.dtype
+    params = ", ".join(f"{k} ({_count(n)})" for k, n in f.model.param_dtypes.items())
+    if dtype in ("bf16", "fp16"):
+        scaler = " with a GradScaler" if dtype == "fp16" else " (no scaler needed)"
+        return "applied", f"autocast to {dtype}{scaler}; parameters: {params}", None
+    low = [k for k in f.model.param_dtypes if k in ("bfloat16", "float16")]
+    if low:
+        return "applied", f"parameters are stored in low precision: {params}", None
+    variant = f.precision_variant
+    if variant is None or f.speedups is None:
+        why = f.comparison_error or f.precision_reason
+        return "not applicable", f"precision is {dtype}; {why}", None
+    ratio = f.speedups.ratios[variant]
+    measured = f"{variant} autocast measured {ratio:.2f}x the speed of {dtype} (interleaved)"
+    noise = f" (±{f.speedups.noise:.0%})"
+    if f.speedups.beats(ratio):
+        return (
+            "recommended",
+            f"precision is {dtype}; {measured}; parameters: {params}. The tuner checks loss "
+            "parity before keeping it",
+            f.speedups.describe(ratio),
+        )
+    return "ok", f"precision is {dtype}; {measured}: no gain beyond the noise{noise} here", None
+
+
+def _fusion(f: Findings) -> Verdict:
+    pairs = f.model.conv_bn_pairs
+    pair_text = ""
+    if pairs:
+        listed = _names([f"{c}→{n}" for c, n in pairs])
+        pair_text = (
+            f"{len(pairs)} Conv→BatchNorm pair(s) (by {f.model.pair_method}): {listed}; they "
+            "fold into the conv for inference only (in training BatchNorm normalizes with batch "
+            "statistics)"
+        )
+    elif "failed" in f.model.pair_method:
+        pair_text = f"no Conv→BatchNorm pairs found ({f.model.pair_method})"
+    mode = f.config.compile.mode
+    if mode != "off":
+        text = f"torch.compile (mode={mode!r}) fuses elementwise chains into generated kernels"
+        return "applied", "; ".join(filter(None, [text, pair_text])), None
+    compile_text = (
+        "torch.compile is off: it fuses norms, activations and residual adds into single "
+        "kernels in training too; its gain is not measured here (compiling outlasts this "
+        "diagnosis): compare with torchturbo bench"
+    )
+    gain, fold_text = None, ""
+    if f.fold is not None and pairs:
+        ratio = f.fold.ratios["folded"]
+        if f.fold.beats(ratio):
+            gain = f"inference forward {f.fold.describe(ratio)}"
+        else:
+            fold_text = (
+                f"folding measured {ratio:.2f}x on the eval forward: no gain beyond the noise "
+                f"(±{f.fold.noise:.0%})"
+            )
+    return "recommended", "; ".join(filter(None, [pair_text, fold_text, compile_text])), gain
+
+
+def _channels_last(f: Findings) -> Verdict:
+    if not f.model.has_conv2d:
+        return "not applicable", "no Conv2d in the model: channels_last changes 4-D tensors", None
+    if f.config.memory_format.channels_last:
+        reason = f.profile.applied.get("channels_last")
+        if reason is None:
+            return "applied", "model weights and 4-D float inputs are NHWC (channels_last)", None
+        return "not applicable", f"channels_last is configured but was not applied: {reason}", None
+    if f.speedups is None or "channels_last" not in f.speedups.ratios:
+        why = f.comparison_error or "the comparison did not run"
+        return "not applicable", f"the model has Conv2d layers, but {why}", None
+    alone = f.speedups.ratios["channels_last"]
+    measured = [f"channels_last alone measured {alone:.2f}x"]
+    best, best_text = alone, f.speedups.describe(alone)
+    both = f.speedups.ratios.get(f"{f.precision_variant}+channels_last")
+    if both is not None and f.precision_variant is not None:
+        on_top = both / f.speedups.ratios[f.precision_variant]
+        measured.append(f"{on_top:.2f}x on top of {f.precision_variant}")
+        if on_top > best:
+            best, best_text = on_top, f"{f.speedups.describe(on_top)}, with {f.precision_variant}"
+    text = f"the model has Conv2d layers; {', '.join(measured)} (interleaved)"
+    if f.speedups.beats(best):
+        return "recommended", text, best_text
+    return "ok", f"{text}: no gain beyond the noise (±{f.speedups.noise:.0%}) here", None
+
+
+# ---- training ----------------------------------------------------------------------------------
+
+
+def _memory_text(f: Findings) -> str:
+    where = "device memory" if f.device.type == "cuda" else "RAM"
+    return (
+        f"peak {format_bytes(f.profile.peak.peak_bytes)}, {f.memory_share:.0%} of "
+        f"{format_bytes(f.memory_capacity)} {where}"
+    )
+
+
+def _accumulation(f: Findings) -> Verdict:
+    steps = f.config.accumulation.steps
+    bn = (
+        "; the model has BatchNorm, which normalizes each micro-batch on its own statistics"
+        if f.model.has_batchnorm
+        else ""
+    )
+    if steps > 1:
+        return (
+            "applied",
+            f"{steps} micro-batches per optimizer step, gradients normalized by the window's "
+            f"total {f.recipe.count_unit}{bn}",
+            None,
+        )
+    if f.memory_share >= MEMORY_PRESSURE:
+        return (
+            "recommended",
+            f"{_memory_text(f)}: halve batch_size ({f.recipe.batch_size}) and accumulate 2 "
+            f"micro-batches to keep the effective batch in less memory{bn}",
+            None,
+        )
+    return (
+        "ok",
+        f"the batch of {f.recipe.batch_size} fits ({_memory_text(f)}); accumulation makes no "
+        f"step faster, it is for batches that do not fit{bn}",
+        None,
+    )
+
+
+def _dynamic_batching(f: Findings) -> Verdict:
+    if f.loader.bucketed:
+        return "applied", "the loader batches by length (BucketBatchSampler)", None
+    if f.padding is None:
+        varying = f" although batch shapes vary ({_names(f.varying)})" if f.varying else ""
+        return (
+            "not applicable",
+            f"the recipe gives no per-sample lengths{varying}: nothing to bucket by",
+            None,
+        )
+    random, ordered = f.padding
+    text = (
+        f"random batches of {f.recipe.batch_size} would be {random:.0%} padding, length-bucketed "
+        f"ones {ordered:.0%} (computed from recipe.lengths); the loader uses "
+        f"{f.loader.batch_sampler}"
+    )
+    if random - ordered >= PADDING_GAP:
+        gain = f"~{(1 - ordered) / (1 - random):.2f}x fewer padded tokens (computed, not timed)"
+        return (
+            "recommended",
+            f"{text}; torchturbo.data.bucketing.BucketBatchSampler fills a token budget per batch",
+            gain,
+        )
+    return "ok", f"{text}: lengths are too even for bucketing to pay", None
+
+
+def _checkpointing(f: Findings) -> Verdict:
+    if f.config.checkpointing.mode != "off":
+        blocks = f.profile.checkpointed_blocks
+        if blocks:
+            text = f"{len(blocks)} block(s) recompute in backward: {_names(blocks)}"
+            return "applied", text, None
+        return "not applicable", "checkpointing is configured but selected no block", None
+    if not f.model.blocks:
+        return "not applicable", "no block (a child of Sequential/ModuleList) to checkpoint", None
+    held = (
+        f"a forward holds {format_bytes(f.model.activation_bytes)} of activations for backward "
+        f"across {len(f.model.blocks)} block(s) ({_names(f.model.blocks)})"
+    )
+    if f.memory_share >= MEMORY_PRESSURE:
+        return (
+            "recommended",
+            f"{_memory_text(f)}; {held}: checkpointing them trades about one extra forward per "
+            "step for most of that memory",
+            None,
+        )
+    return (
+        "ok",
+        f"{held}; memory is not the limit ({_memory_text(f)}), so recomputing would only cost time",
+        None,
+    )
+
+
+# ---- hardware ----------------------------------------------------------------------------------
+
+
+def _kernels(f: Findings) -> Verdict:
+    benchmark = f.config.backend.cudnn_benchmark
+    cuda = f.device.type == "cuda"
+    if f.varying and benchmark:
+        where = "" if cuda else " (no effect on this CPU device; the same config hurts on a GPU)"
+        return (
+            "recommended",
+            f"input shapes vary across batches ({_names(f.varying)}) and backend.cudnn_benchmark "
+            f"= true: cuDNN autotunes again for every new shape; set it to false{where}",
+            None,
+        )
+    if cuda and f.model.has_conv2d and not f.varying and not benchmark:
+        return (
+            "recommended",
+            "input shapes are fixed and the model has convolutions: backend.cudnn_benchmark = "
+            "true lets cuDNN pick the fastest algorithm once per shape",
+            None,
+        )
+    if f.config.compile.mode != "off":
+        return "applied", "torch.compile generates the model's kernels (Inductor)", None
+    if cuda and benchmark:
+        return "applied", "cudnn_benchmark with fixed input shapes: cuDNN autotuned", None
+    backend = "cuDNN autotuning does not apply on CPU" if not cuda else "cuDNN is set as it should"
+    return (
+        "not applicable",
+        "whether a hand-written kernel (torch.library) pays is a judgement on the top operators "
+        f"(see the profile), not something the doctor can measure; {backend}",
+        None,
+    )
+
+
+def _alignment(f: Findings) -> Verdict:
+    layers = f.model.misaligned
+    significant = [m for m in layers if m.significant]
+
+    def describe(m: Misaligned) -> str:
+        share = "" if m.flop_share is None else f"; {_pct(m.flop_share)} of forward FLOPs"
+        return f"{m.name} ({m.kind}: {', '.join(m.problems)}{share})"
+
+    cpu = (
+        " (TensorCores are a GPU feature: this judges the model for the GPU it may train on)"
+        if f.device.type != "cuda"
+        else ""
+    )
+    if significant:
+        return (
+            "recommended",
+            f"{len(significant)} layer(s) off the alignment: "
+            f"{_names([describe(m) for m in significant], 4)}; pad widths to multiples of 8 and "
+            f"vocabularies to 64 (pad, never truncate inputs){cpu}",
+            None,
+        )
+    if layers:
+        return (
+            "ok",
+            f"only layers under {SIGNIFICANT_FLOP_SHARE:.0%} of the FLOPs are off the alignment: "
+            f"{_names([describe(m) for m in layers])}; padding them would not pay",
+            None,
+        )
+    return "ok", "every Linear, Conv and Embedding dimension is a multiple of 8 (vocab 64)", None
+
+
+def _distributed(f: Findings) -> Verdict:
+    if dist.is_available() and dist.is_initialized():
+        return (
+            "applied",
+            f"{dist.get_world_size()} processes over {dist.get_backend()}",
+            None,
+        )
+    if f.device.type == "cuda" and torch.cuda.device_count() > 1:
+        count = torch.cuda.device_count()
+        return (
+            "recommended",
+            f"{count} GPUs are visible and one process uses one: torchrun --nproc-per-node "
+            f"{count} with DDP (or FSDP2 when the model does not fit one GPU)",
+            None,
+        )
+    return (
+        "not applicable",
+        f"one process on one {f.device.type} device: there is nothing to distribute across",
+        None,
+    )
+
+
+# ---- monitoring --------------------------------------------------------------------------------
+
+
+def _profiler(f: Findings) -> Verdict:
+    ops = ", ".join(f"{name} {share:.0%}" for name, _, share in f.profile.top_operators[:3])
+    trace = f"; trace: {f.profile.trace_path}" if f.profile.trace_path else ""
+    return (
+        "applied",
+        f"profiled here; top self time: {ops}; {f.bound}: input wait is {f.input_share:.0%} of "
+        f"the step{trace}",
+        None,
+    )
+
+
+def _memory(f: Findings) -> Verdict:
+    peak = f.profile.peak
+    kind = _PEAK_KINDS.get(peak.kind, peak.kind)
+    return (
+        "applied",
+        f"measured here: {_memory_text(f)} ({kind}); activations held for backward "
+        f"{format_bytes(f.model.activation_bytes)}; parameters "
+        f"{_count(f.model.num_params)}",
+        None,
+    )
+
+
+def _communication(f: Findings) -> Verdict:
+    if not (dist.is_available() and dist.is_initialized()):
+        return "not applicable", "a single process communicates nothing", None
+    comm = f.profile.breakdown["communication"]
+    if comm == 0:
+        return (
+            "not applicable",
+            "no communication phase was recorded: DDP overlaps its all-reduce with backward, "
+            "so it is inside the backward time",
+            None,
+        )
+    share = comm / f.step_seconds
+    text = f"communication {_ms(comm)} per step ({share:.0%})"
+    if share >= COMM_SHARE:
+        return "recommended", f"{text}: try a compression hook or larger buckets", None
+    return "ok", text, None
+
+
+CHECKS: dict[str, Callable[[Findings], Verdict]] = {
+    "DataLoader configuration": _dataloader,
+    "preprocessing on the device": _preprocessing,
+    "memory-mapped files": _memmap,
+    "mixed precision": _mixed_precision,
+    "operator fusion": _fusion,
+    "channels_last": _channels_last,
+    "gradient accumulation": _accumulation,
+    "dynamic batching": _dynamic_batching,
+    "activation checkpointing": _checkpointing,
+    "custom kernels": _kernels,
+    "TensorCore alignment": _alignment,
+    "distributed strategy": _distributed,
+    "profiler bottlenecks": _profiler,
+    "memory analysis": _memory,
+    "communication efficiency": _communication,
+}

@@ -1,0 +1,190 @@
+"""``diagnose``: the order of the doctor's work, from static inspection to the 15 judgments.
+
+1. static: a fresh model on the device reads its Conv→BN pairs, alignment, dtypes, blocks, FLOPs
+   and activation bytes over one forward on a sample batch; Conv→BN folding is timed on it in
+   eval mode before it is freed;
+2. profile: a fresh model trained through ``Turbo`` on the loader (breakdown, operators, peak
+   memory, batch shapes, optional trace);
+3. quick gains: the config against its bf16 / channels_last variants, interleaved;
+4. the loader, dataset and batch shapes are read, and the items judged (``checklist``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from torchturbo.bench import fixed_batches
+from torchturbo.config import CompileConfig, PrecisionConfig, TurboConfig
+from torchturbo.data.loader import build_loader, to_device
+from torchturbo.doctor.checklist import judge
+from torchturbo.doctor.data_facts import (
+    dataset_facts,
+    loader_facts,
+    padding_fractions,
+    varying_shapes,
+)
+from torchturbo.doctor.diagnosis import Diagnosis
+from torchturbo.doctor.findings import Findings
+from torchturbo.doctor.gains import Speedups, fold_speedup, measure_configs
+from torchturbo.doctor.model_facts import ModelFacts, inspect_model
+from torchturbo.doctor.profiling import profile_training
+from torchturbo.engine import resolve_device
+from torchturbo.recipe import Recipe
+from torchturbo.system import cpu_bf16_support
+
+#: Batches the quick comparisons cycle through.
+_SAMPLE_BATCHES = 2
+
+
+def diagnose(
+    recipe: Recipe,
+    *,
+    config: TurboConfig | None = None,
+    loader: DataLoader | None = None,
+    device: str | None = None,
+    trace_dir: Path | None = None,
+    profile_steps: int = 5,
+    on_progress: Callable[[str], None] | None = None,
+) -> Diagnosis:
+    """Run the article's checklist on ``recipe``: inspect, profile, measure, judge.
+
+    ``config`` is the configuration to diagnose (default: the fp32 baseline); ``loader`` the
+    loader to judge (default: one built from ``config.data`` over the recipe's dataset);
+    ``device`` overrides ``config.device``; with ``trace_dir`` a Chrome/Perfetto trace of the
+    profiled steps is written there. ``profile_steps`` steps are timed for the breakdown and as
+    many profiled, after warm-up. ``on_progress`` is told what runs now (for a status line).
+    Process-wide switches the engine sets (cudnn.benchmark) are restored afterwards.
+    """
+    if isinstance(profile_steps, bool) or not isinstance(profile_steps, int) or profile_steps < 1:
+        raise ValueError(f"profile_steps={profile_steps!r} is invalid: expected an int >= 1")
+    begin = time.perf_counter()
+    say = on_progress or (lambda message: None)
+    config = config or TurboConfig()
+    if device is not None:
+        config = config.replace(device=device)
+    run_device = resolve_device(config.device)
+    if loader is None:
+        loader = build_loader(
+            recipe.dataset,
+            batch_size=recipe.batch_size,
+            config=config.data,
+            device=run_device,
+            collate_fn=recipe.collate,
+            seed=recipe.seed,
+        )
+    saved_benchmark = torch.backends.cudnn.benchmark
+    try:
+        say("inspecting the model")
+        batches = fixed_batches(recipe, _SAMPLE_BATCHES)
+        facts, fold = _inspect(recipe, batches[0], run_device, say)
+        say(f"profiling {2 * profile_steps + 3} training steps")
+        trace = Path(trace_dir) if trace_dir is not None else None
+        profile = profile_training(recipe, config, loader, steps=profile_steps, trace_dir=trace)
+        variant, reason = _precision_variant(config, run_device)
+        speedups, comparison_error = None, None
+        say("timing variants side by side")
+        try:
+            speedups = _measure_variants(recipe, config, facts, variant, batches)
+        except RuntimeError as err:  # e.g. an op without a bf16 kernel: report it, go on
+            comparison_error = f"the quick comparison of variants failed: {err}"
+    finally:
+        torch.backends.cudnn.benchmark = saved_benchmark
+    findings = Findings(
+        recipe=recipe,
+        config=config,
+        device=run_device,
+        model=facts,
+        loader=loader_facts(loader),
+        dataset=dataset_facts(loader.dataset),
+        profile=profile,
+        varying=varying_shapes(profile.shapes),
+        speedups=speedups,
+        precision_variant=variant,
+        precision_reason=reason,
+        comparison_error=comparison_error,
+        fold=fold,
+        padding=(
+            padding_fractions(recipe.lengths, recipe.batch_size, recipe.seed)
+            if recipe.lengths is not None
+            else None
+        ),
+    )
+    return Diagnosis(
+        workload=recipe.name,
+        device=str(run_device),
+        items=judge(findings),
+        breakdown=profile.breakdown,
+        top_operators=profile.top_operators,
+        peak_memory_bytes=profile.peak.peak_bytes,
+        peak_memory_kind=profile.peak.kind,
+        bound=findings.bound,
+        trace_path=profile.trace_path,
+        elapsed_s=time.perf_counter() - begin,
+    )
+
+
+def _inspect(
+    recipe: Recipe, batch: Any, device: torch.device, say: Callable[[str], None]
+) -> tuple[ModelFacts, Speedups | None]:
+    """Model facts, and the Conv→BN folding gain, from a model that is freed on return so that
+    it does not count in the profile's peak memory."""
+    model, _ = recipe.build()
+    model.to(device)
+    sample = to_device(batch, device, non_blocking=False)
+    facts = inspect_model(model, recipe.loss_fn, sample)
+    fold = None
+    if facts.conv_bn_pairs:
+        say("timing Conv→BatchNorm folding")
+        fold = fold_speedup(model, recipe.loss_fn, sample, facts.conv_bn_pairs, device)
+    return facts, fold
+
+
+def _precision_variant(config: TurboConfig, device: torch.device) -> tuple[str | None, str]:
+    """The low precision worth timing against the config on this device, or why there is none."""
+    if config.precision.dtype in ("bf16", "fp16"):
+        return None, f"already {config.precision.dtype}"
+    if device.type == "cuda":
+        return ("bf16" if torch.cuda.is_bf16_supported() else "fp16"), ""
+    if device.type == "cpu":
+        support = cpu_bf16_support()
+        if support.startswith("none"):
+            return None, f"this CPU has no native bf16 instructions: {support}"
+        return "bf16", ""
+    return None, f"no quick precision comparison on {device.type}"
+
+
+def _measure_variants(
+    recipe: Recipe,
+    config: TurboConfig,
+    facts: ModelFacts,
+    precision: str | None,
+    batches: list[Any],
+) -> Speedups | None:
+    """Time the config against its bf16 and channels_last variants, where they apply.
+
+    Compilation would take longer than the whole diagnosis, so a compiled config is compared
+    in eager mode: the ratios then describe eager execution.
+    """
+    base = config.replace(compile=CompileConfig()) if config.compile.mode != "off" else config
+    variants = {"config": base}
+    if precision is not None:
+        variants[precision] = base.replace(precision=PrecisionConfig(dtype=precision))
+    if facts.has_conv2d and not config.memory_format.channels_last:
+        layout = base.replace(memory_format__channels_last=True)
+        variants["channels_last"] = layout
+        if precision is not None:
+            both = layout.replace(precision=PrecisionConfig(dtype=precision))
+            variants[f"{precision}+channels_last"] = both
+    if len(variants) == 1:
+        return None
+    speedups = measure_configs(recipe, variants, batches)
+    if base is not config:
+        speedups = dataclasses.replace(speedups, note="eager, without compile")
+    return speedups

@@ -1,0 +1,180 @@
+"""A short instrumented training run through the engine: the phase split of a step (input wait,
+forward, backward, optimizer, communication), the operators that take the time, the peak memory,
+and optionally a Chrome/Perfetto trace.
+
+Two passes over the same engine and loader. The breakdown pass times phases with a
+``PhaseRecorder`` and no profiler, so its times carry no profiler overhead. The profiler pass
+(``torch.profiler`` with a wait/warm-up/active schedule) labels the same phases with
+``record_function`` so the trace shows them, and yields the operators' self times.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, record_function
+from torch.utils.data import DataLoader
+
+from torchturbo.config import TurboConfig
+from torchturbo.doctor.data_facts import BatchShapes, batch_shapes
+from torchturbo.engine import Turbo
+from torchturbo.measure.breakdown import PHASES, NullRecorder, PhaseRecorder
+from torchturbo.measure.memory import PeakMemory, track_peak_memory
+from torchturbo.recipe import Recipe
+
+#: How many operators the result lists.
+TOP_OPERATORS = 10
+_EMPTY = object()
+
+
+@dataclass(frozen=True)
+class ProfileResult:
+    #: Mean seconds per step of each phase in PHASES.
+    breakdown: dict[str, float]
+    #: (operator, self ms per step, share of all operators' self time), largest first.
+    top_operators: list[tuple[str, float, float]]
+    peak: PeakMemory
+    #: The tensor shapes of every batch the run drew, in order.
+    shapes: list[BatchShapes]
+    trace_path: Path | None
+    #: ``Turbo.applied``: technique -> None when applied, else why not.
+    applied: dict[str, str | None]
+    checkpointed_blocks: list[str]
+
+
+def profile_training(
+    recipe: Recipe,
+    config: TurboConfig,
+    loader: DataLoader,
+    *,
+    steps: int,
+    trace_dir: Path | None,
+) -> ProfileResult:
+    """Train a fresh model of the recipe for ``2 * steps + 3`` steps and measure them."""
+    turbo = Turbo(config)
+    model, optimizer = recipe.build()
+    _, _, epoch_loader = turbo.setup(model, optimizer, loader)
+    batches = _Batches(epoch_loader)
+    try:
+        # The first step pays one-time costs (lazy init, allocator growth, compilation).
+        turbo.step(recipe.loss_fn, batches.next())
+        breakdown, peak = _breakdown(turbo, recipe, batches, steps)
+        top, trace_path = _profile(turbo, recipe, batches, steps, trace_dir)
+    finally:
+        batches.close()
+        turbo.close()
+    return ProfileResult(
+        breakdown=breakdown,
+        top_operators=top,
+        peak=peak,
+        shapes=batches.shapes,
+        trace_path=trace_path,
+        applied=dict(turbo.applied),
+        checkpointed_blocks=list(turbo.checkpointed_blocks),
+    )
+
+
+def _breakdown(
+    turbo: Turbo, recipe: Recipe, batches: _Batches, steps: int
+) -> tuple[dict[str, float], PeakMemory]:
+    recorder = PhaseRecorder(turbo.device)
+    turbo.recorder = recorder
+    try:
+        with track_peak_memory(turbo.device) as peak:
+            for _ in range(steps):
+                with recorder.phase("input_wait"):
+                    batch = batches.next()
+                turbo.step(recipe.loss_fn, batch)
+    finally:
+        turbo.recorder = NullRecorder()
+    totals = recorder.totals()
+    return {phase: totals.get(phase, 0.0) / steps for phase in PHASES}, peak
+
+
+def _profile(
+    turbo: Turbo, recipe: Recipe, batches: _Batches, steps: int, trace_dir: Path | None
+) -> tuple[list[tuple[str, float, float]], Path | None]:
+    activities = [ProfilerActivity.CPU]
+    if turbo.device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    trace_path = None
+    if trace_dir is not None:
+        trace_dir.mkdir(parents=True, exist_ok=True)
+        # "*.pt.trace.json" is the name TensorBoard's profiler plugin and Perfetto both open.
+        trace_path = trace_dir / f"{recipe.name}.{time.strftime('%Y%m%d-%H%M%S')}.pt.trace.json"
+    export = (lambda p: p.export_chrome_trace(str(trace_path))) if trace_path else None
+    schedule = torch.profiler.schedule(wait=1, warmup=1, active=steps)
+    turbo.recorder = _TraceLabels()
+    try:
+        with torch.profiler.profile(
+            activities=activities, schedule=schedule, on_trace_ready=export
+        ) as prof:
+            for _ in range(steps + 2):
+                with record_function("torchturbo.input_wait"):
+                    batch = batches.next()
+                turbo.step(recipe.loss_fn, batch)
+                prof.step()
+    finally:
+        turbo.recorder = NullRecorder()
+    return _top_operators(prof.key_averages(), steps, on_device=turbo.device.type == "cuda"), (
+        trace_path
+    )
+
+
+def _top_operators(events: Any, steps: int, *, on_device: bool) -> list[tuple[str, float, float]]:
+    """Operators by self time (device time on CUDA, CPU time otherwise); labels are skipped."""
+    self_us = {}
+    for event in events:
+        if event.is_user_annotation or event.key.startswith("ProfilerStep#"):
+            continue
+        value = event.self_device_time_total if on_device else event.self_cpu_time_total
+        if value > 0:
+            self_us[event.key] = value
+    total = sum(self_us.values())
+    ranked = sorted(self_us.items(), key=lambda kv: -kv[1])[:TOP_OPERATORS]
+    return [(name, us / 1e3 / steps, us / total) for name, us in ranked]
+
+
+class _TraceLabels:
+    """A recorder that marks each phase in the profiler trace instead of timing it."""
+
+    def phase(self, name: str) -> record_function:
+        return record_function(f"torchturbo.{name}")
+
+    def totals(self) -> dict[str, float]:
+        return {}
+
+    def reset(self) -> None:
+        pass
+
+
+class _Batches:
+    """An endless stream over a loader (a new epoch when one ends) that notes batch shapes."""
+
+    def __init__(self, loader: Any) -> None:
+        self._loader = loader
+        self._iterator = iter(loader)
+        self.shapes: list[BatchShapes] = []
+
+    def next(self) -> Any:
+        try:
+            batch = next(self._iterator)
+        except StopIteration:
+            self.close()
+            self._iterator = iter(self._loader)
+            batch = next(self._iterator, _EMPTY)
+            if batch is _EMPTY:
+                raise ValueError(
+                    "the loader yields no batches: check the dataset and batch size"
+                ) from None
+        self.shapes.append(batch_shapes(batch))
+        return batch
+
+    def close(self) -> None:
+        close = getattr(self._iterator, "close", None)  # ends the epoch generator and workers
+        if close is not None:
+            close()
