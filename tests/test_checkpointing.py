@@ -126,3 +126,30 @@ def test_applying_twice_does_not_nest_checkpoints():
     apply_activation_checkpointing(twice, CheckpointConfig(mode="full"))
     apply_activation_checkpointing(twice, CheckpointConfig(mode="full"))
     assert _step_flops(once, x) == _step_flops(twice, x)
+
+
+def test_batchnorm_statistics_are_updated_once_not_twice():
+    """The recompute in backward must not move BatchNorm running stats a second time."""
+    model = nn.Sequential(
+        *[
+            nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU())
+            for _ in range(3)
+        ]
+    )
+    x = torch.randn(8, 4, 8, 8)
+    plain = copy.deepcopy(model)
+    plain(x).sum().backward()
+    checkpointed = copy.deepcopy(model)
+    apply_activation_checkpointing(checkpointed, CheckpointConfig(mode="full"))
+    checkpointed(x).sum().backward()
+    for want, got in zip(plain.buffers(), checkpointed.buffers(), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    # Negative control: plain checkpoint (no restore) counts the batch twice.
+    broken = copy.deepcopy(model)
+    for _, block in find_blocks(broken):
+        block.forward = functools.partial(
+            torch.utils.checkpoint.checkpoint, block.forward, use_reentrant=False
+        )
+    broken(x).sum().backward()
+    assert int(broken[0][1].num_batches_tracked) == 2
+    assert int(checkpointed[0][1].num_batches_tracked) == 1

@@ -4,6 +4,9 @@ Uses ``torch.utils.checkpoint.checkpoint`` with ``use_reentrant=False`` (the ree
 ignores inputs that do not require grad, breaks with ``torch.autograd.grad`` and is slated for
 removal) and ``preserve_rng_state=True`` so dropout draws the same mask when recomputed.
 
+BatchNorm running statistics are restored after the recompute, so that checkpointing a block
+updates them once per step, as without it (``_restore_norm_statistics``).
+
 The forward of each chosen block is replaced on the instance rather than wrapping the block in
 another module, so parameter names and ``state_dict`` keys stay exactly as the user wrote them
 (checkpoints load into a model with or without checkpointing).
@@ -16,8 +19,10 @@ children that have parameters.
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import functools
+from collections.abc import Iterator
 
 import torch.utils.checkpoint
 from torch import nn
@@ -86,8 +91,50 @@ def checkpoint_module(module: nn.Module) -> None:
         module.forward,
         use_reentrant=False,
         preserve_rng_state=True,
+        context_fn=functools.partial(_recompute_contexts, module),
     )
     setattr(module, CHECKPOINTED_MARK, True)
+
+
+def _recompute_contexts(
+    module: nn.Module,
+) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+    """(forward context, recompute context) for ``checkpoint``'s ``context_fn``.
+
+    The recompute runs the block's forward a second time in training mode, which would update
+    BatchNorm running statistics twice per step (running_mean drifts towards the batch twice as
+    fast, num_batches_tracked counts double). The recompute context restores them afterwards.
+    """
+    return contextlib.nullcontext(), _restore_norm_statistics(module)
+
+
+_RUNNING_STAT_NORMS = (
+    nn.BatchNorm1d,
+    nn.BatchNorm2d,
+    nn.BatchNorm3d,
+    nn.SyncBatchNorm,
+    nn.InstanceNorm1d,
+    nn.InstanceNorm2d,
+    nn.InstanceNorm3d,
+)
+
+
+@contextlib.contextmanager
+def _restore_norm_statistics(module: nn.Module) -> Iterator[None]:
+    norms = [m for m in module.modules() if isinstance(m, _RUNNING_STAT_NORMS)]
+    saved = [
+        {name: buffer.clone() for name, buffer in norm.named_buffers(recurse=False)}
+        for norm in norms
+        if norm.training and norm.track_running_stats
+    ]
+    try:
+        yield
+    finally:
+        tracked = [n for n in norms if n.training and n.track_running_stats]
+        with torch.no_grad():
+            for norm, buffers in zip(tracked, saved, strict=True):
+                for name, value in buffers.items():
+                    getattr(norm, name).copy_(value)
 
 
 def apply_activation_checkpointing(model: nn.Module, config: CheckpointConfig) -> list[str]:
