@@ -56,6 +56,12 @@ def test_doctor_prints_the_checklist_and_writes_json(tmp_path, capsys):
     assert {"mixed precision", "TensorCore alignment"} <= {item["name"] for item in items}
 
 
+def test_export_writes_a_verified_artefact(tmp_path, capsys):
+    out = tmp_path / "tiny.pt2"
+    assert main(["export", TINY, "--out", str(out)]) == 0
+    assert out.is_file() and "max relative difference" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
