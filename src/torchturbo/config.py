@@ -32,6 +32,10 @@ CompileMode = Literal[
     "off", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"
 ]
 CheckpointMode = Literal["off", "full", "selective"]
+DistStrategy = Literal["ddp", "fsdp"]
+CommHookName = Literal["none", "fp16", "bf16", "powersgd", "powersgd_fp16", "powersgd_bf16"]
+ParamDtype = Literal["fp32", "bf16", "fp16"]
+PipelineSchedule = Literal["gpipe", "1f1b"]
 
 
 def _check_types(section: Any) -> None:
@@ -269,6 +273,94 @@ class DataConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ReliabilityConfig:
+    """Checkpoints, automatic micro-batching on out-of-memory, and the non-finite guard."""
+
+    SECTION: typing.ClassVar[str] = "reliability"
+    #: Checkpoints kept by Turbo.save; older ones are deleted once a new one is complete.
+    keep_last: int = 3
+    #: Halve the micro-batch and retry the step when it runs out of memory (CUDA OOM, or the
+    #: budget below). False: the out-of-memory error propagates.
+    auto_microbatch: bool = True
+    #: Activation budget in bytes: the tensors a micro-batch keeps for backward (parameters
+    #: excluded). Exceeding it counts as out of memory, on any device. None = no budget.
+    memory_budget_bytes: int | None = None
+    #: Raise after this many consecutive optimizer steps with a non-finite loss or gradient
+    #: (fp16 overflow that the GradScaler skips does not count). 0 = never.
+    nonfinite_patience: int = 3
+
+    def __post_init__(self) -> None:
+        _check_types(self)
+        if self.keep_last < 1:
+            raise ConfigError(
+                f"[reliability] keep_last = {self.keep_last} is invalid: expected an int >= 1"
+            )
+        if self.memory_budget_bytes is not None and self.memory_budget_bytes < 1:
+            raise ConfigError(
+                f"[reliability] memory_budget_bytes = {self.memory_budget_bytes} is invalid: "
+                "expected a positive int, or no key at all for no budget"
+            )
+        if self.nonfinite_patience < 0:
+            raise ConfigError(
+                f"[reliability] nonfinite_patience = {self.nonfinite_patience} is invalid: "
+                "expected an int >= 0 (0 turns the guard off)"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class DistributedConfig:
+    """Multi-process training under torchrun (see torchturbo/distributed/). Ignored with one
+    process."""
+
+    SECTION: typing.ClassVar[str] = "distributed"
+    #: ddp: a replica per process, gradients all-reduced; fsdp: parameters, gradients and
+    #: optimizer state sharded across processes (FSDP2 ``fully_shard``).
+    strategy: DistStrategy = "ddp"
+    #: DDP gradient communication: none (fp32 all-reduce), fp16/bf16 (compressed casts; bf16
+    #: needs NCCL), powersgd (low-rank), powersgd_fp16/powersgd_bf16 (low-rank, then cast).
+    comm_hook: CommHookName = "none"
+    #: PowerSGD matrix rank: bytes sent per (n x m) gradient are about rank x (n + m).
+    powersgd_rank: int = 4
+    #: Plain all-reduce for this many steps before PowerSGD starts (torch needs >= 2).
+    powersgd_warmup: int = 10
+    #: DDP bucket size in MiB: larger buckets, fewer and larger all-reduces.
+    bucket_cap_mb: float = 25.0
+    #: Gradients are views into DDP's buckets: saves one copy and the memory of the gradients.
+    gradient_as_bucket_view: bool = False
+    #: The set of used parameters never changes between steps: DDP may skip re-checking it.
+    static_graph: bool = False
+    #: FSDP mixed precision: dtype of the unsharded parameters in forward/backward.
+    fsdp_param_dtype: ParamDtype = "fp32"
+    #: FSDP mixed precision: dtype in which gradients are reduce-scattered.
+    fsdp_reduce_dtype: ParamDtype = "fp32"
+    #: Pipeline parallelism (distributed/pipeline.py): schedule and micro-batches per batch.
+    pipeline_schedule: PipelineSchedule = "1f1b"
+    pipeline_microbatches: int = 4
+
+    def __post_init__(self) -> None:
+        _check_types(self)
+        for name in ("powersgd_rank", "pipeline_microbatches"):
+            if getattr(self, name) < 1:
+                raise ConfigError(
+                    f"[distributed] {name} = {getattr(self, name)} is invalid: expected >= 1"
+                )
+        if self.powersgd_warmup < 2:
+            raise ConfigError(
+                f"[distributed] powersgd_warmup = {self.powersgd_warmup} is invalid: expected "
+                ">= 2 (torch's PowerSGD needs plain all-reduce steps to start error feedback)"
+            )
+        if self.bucket_cap_mb <= 0:
+            raise ConfigError(
+                f"[distributed] bucket_cap_mb = {self.bucket_cap_mb} is invalid: expected > 0"
+            )
+        if self.strategy == "fsdp" and self.comm_hook != "none":
+            raise ConfigError(
+                f"[distributed] comm_hook = {self.comm_hook!r} is a DDP hook and does not apply "
+                "to strategy = 'fsdp'; use fsdp_reduce_dtype to reduce in lower precision"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
 class TurboConfig:
     """The whole configuration. Build it in code, from a preset, or from a TOML file."""
 
@@ -282,6 +374,8 @@ class TurboConfig:
     accumulation: AccumulationConfig = field(default_factory=AccumulationConfig)
     clipping: ClippingConfig = field(default_factory=ClippingConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    reliability: ReliabilityConfig = field(default_factory=ReliabilityConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
     def __post_init__(self) -> None:
         if not isinstance(self.device, str) or not (
@@ -389,6 +483,8 @@ _SECTIONS: dict[str, type] = {
     "accumulation": AccumulationConfig,
     "clipping": ClippingConfig,
     "data": DataConfig,
+    "reliability": ReliabilityConfig,
+    "distributed": DistributedConfig,
 }
 
 PRESETS: dict[str, TurboConfig] = {

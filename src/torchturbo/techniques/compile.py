@@ -12,11 +12,10 @@ from torch import nn
 from torchturbo.config import CompileConfig
 
 
-def apply_compile(model: nn.Module, config: CompileConfig) -> str | None:
-    """Compile the model in place; returns None when applied or the reason it was not."""
+def apply_compile(model: nn.Module, config: CompileConfig) -> None:
+    """Compile the model in place (nothing to do when ``config.mode`` is "off")."""
     if config.mode == "off":
-        return "compile.mode is 'off'"
+        return
     # "default" is torch.compile's name for passing no mode at all.
     mode = None if config.mode == "default" else config.mode
     model.compile(mode=mode, fullgraph=config.fullgraph, dynamic=config.dynamic)
-    return None

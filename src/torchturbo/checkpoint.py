@@ -1,0 +1,192 @@
+"""Checkpoint directories on disk: atomic, checksummed, the last K kept, safe to load.
+
+A checkpoint is a directory ``<root>/ckpt-<step>/`` of named files (``*.pt`` written by
+``torch.save``, ``*.json``, ``*.toml``) and a ``manifest.json`` with the SHA-256 of each file.
+
+- **Atomic**: the files are written into ``<root>/.tmp-ckpt-<step>-<pid>/``, each fsynced, the
+  manifest last; then the directory is renamed to its final name and the root is fsynced. A
+  crash at any moment leaves either a complete checkpoint or a temporary directory that is
+  ignored (and removed by the next save).
+- **Checked**: loading hashes every file and compares it with the manifest, so a truncated or
+  corrupted checkpoint is detected; :func:`read_latest` then falls back to the previous one with
+  a warning.
+- **Safe**: ``.pt`` files are read with ``torch.load(weights_only=True)``, which rebuilds tensors
+  and plain containers only: a checkpoint never executes code (a pickled callable is refused).
+
+What goes *into* a checkpoint is the engine's business (``torchturbo.resume``). Why hand-written:
+``torch.distributed.checkpoint`` targets sharded state and neither keeps the last K nor checksums
+files; safetensors holds flat tensors only, not optimizer state.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import re
+import shutil
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+MANIFEST = "manifest.json"
+_NAME = re.compile(r"^ckpt-(\d{10})$")
+_FORMAT = 1
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, corrupt or unsafe; the message names the path and the problem."""
+
+
+def write_checkpoint(root: str | Path, step: int, files: Mapping[str, Any], keep_last: int) -> Path:
+    """Write ``files`` (name -> object) as checkpoint ``step`` under ``root``; keep the last K.
+
+    Objects of ``.pt`` names go through ``torch.save``, ``.json`` through ``json``, ``.toml``
+    must be text. Returns the checkpoint directory.
+    """
+    root = Path(root)
+    final = root / checkpoint_name(step)
+    tmp = root / f".tmp-{final.name}-{os.getpid()}"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    except OSError as err:
+        raise CheckpointError(f"cannot write a checkpoint in {str(root)!r}: {err}") from err
+    digests = {name: _write_file(tmp / name, _encode(name, obj)) for name, obj in files.items()}
+    manifest = {"format": _FORMAT, "step": step, "files": digests}
+    _write_file(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
+    _fsync_dir(tmp)
+    if final.exists():  # the same step saved again: the new one replaces it
+        shutil.rmtree(final)
+    tmp.rename(final)
+    _fsync_dir(root)
+    _prune(root, keep_last)
+    return final
+
+
+def checkpoint_name(step: int) -> str:
+    """The directory name of checkpoint ``step``: zero-padded, so names sort as steps do."""
+    return f"ckpt-{step:010d}"
+
+
+def list_checkpoints(root: str | Path) -> list[Path]:
+    """Complete-looking checkpoint directories under ``root``, newest (highest step) first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and _NAME.match(p.name)]
+    return sorted(found, key=lambda p: p.name, reverse=True)
+
+
+def read_checkpoint(path: str | Path) -> dict[str, Any]:
+    """Verify and read one checkpoint directory: ``{file name: object}`` (the manifest excluded)."""
+    path = Path(path)
+    try:
+        manifest = json.loads((path / MANIFEST).read_bytes())
+        digests = manifest["files"]
+        if manifest.get("format") != _FORMAT or not isinstance(digests, dict):
+            raise ValueError(f"unknown manifest format {manifest.get('format')!r}")
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise CheckpointError(f"checkpoint {str(path)!r} has no readable manifest: {err}") from err
+    out: dict[str, Any] = {}
+    for name, expected in digests.items():
+        try:
+            data = (path / name).read_bytes()
+        except OSError as err:
+            raise CheckpointError(f"checkpoint {str(path)!r}: cannot read {name}: {err}") from err
+        actual = hashlib.sha256(data).hexdigest()
+        if actual != expected:
+            raise CheckpointError(
+                f"checkpoint {str(path)!r}: {name} fails its checksum (SHA-256 {actual[:12]}..., "
+                f"manifest says {str(expected)[:12]}...): the file is truncated or corrupt"
+            )
+        out[name] = _decode(path / name, data)
+    return out
+
+
+def read_latest(root: str | Path) -> tuple[Path, dict[str, Any]]:
+    """The newest checkpoint under ``root`` that verifies, warning about each one skipped.
+
+    ``root`` may also be one checkpoint directory, which is then read strictly.
+    """
+    root = Path(root)
+    if (root / MANIFEST).exists():
+        return root, read_checkpoint(root)
+    candidates = list_checkpoints(root)
+    if not candidates:
+        where = "does not exist" if not root.exists() else "holds no checkpoint (ckpt-*/)"
+        raise CheckpointError(f"cannot resume: {str(root)!r} {where}")
+    failures = []
+    for path in candidates:
+        try:
+            state = read_checkpoint(path)
+        except CheckpointError as err:
+            failures.append(str(err))
+            continue
+        for failure in failures:
+            warnings.warn(f"{failure}; falling back to {path.name}", RuntimeWarning, stacklevel=3)
+        return path, state
+    raise CheckpointError(
+        f"cannot resume from {str(root)!r}: no checkpoint verifies: " + "; ".join(failures)
+    )
+
+
+def _encode(name: str, obj: Any) -> bytes:
+    if name.endswith(".pt"):
+        buffer = io.BytesIO()
+        torch.save(obj, buffer)
+        return buffer.getvalue()
+    if name.endswith(".json"):
+        return json.dumps(obj, indent=1).encode()
+    if name.endswith(".toml"):
+        return str(obj).encode()
+    raise ValueError(f"checkpoint file {name!r}: expected a .pt, .json or .toml name")
+
+
+def _decode(path: Path, data: bytes) -> Any:
+    if path.suffix == ".pt":
+        try:
+            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        except Exception as err:  # weights_only refuses anything but tensors and plain data
+            raise CheckpointError(
+                f"checkpoint file {str(path)!r} was refused by torch.load(weights_only=True): it "
+                f"holds something other than tensors and plain data ({err})"
+            ) from err
+    if path.suffix == ".json":
+        return json.loads(data)
+    return data.decode()
+
+
+def _write_file(path: Path, data: bytes) -> str:
+    """Write and fsync ``data``; return its SHA-256."""
+    with open(path, "wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+    return hashlib.sha256(data).hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a rename or new entry in ``path`` durable (POSIX; a no-op where dirs cannot open)."""
+    try:
+        descriptor = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def _prune(root: Path, keep_last: int) -> None:
+    """Delete checkpoints beyond the newest ``keep_last``, and temporaries of dead saves."""
+    for old in list_checkpoints(root)[keep_last:]:
+        shutil.rmtree(old, ignore_errors=True)
+    for tmp in root.glob(".tmp-ckpt-*"):
+        if not tmp.name.endswith(f"-{os.getpid()}"):
+            shutil.rmtree(tmp, ignore_errors=True)

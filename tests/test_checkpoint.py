@@ -1,0 +1,270 @@
+"""Turbo.save / Turbo.load: exact resume, atomic checksummed files, fallback, safe loading.
+
+Exact means bit-identical: the model has dropout (so the RNG state matters), the loader shuffles
+(so the sampler position and its random state matter), Adam and a StepLR carry state, and
+accumulation windows span epoch boundaries. A resume that missed any of these would diverge.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from torchturbo import Turbo, TurboConfig
+from torchturbo.checkpoint import CheckpointError, read_checkpoint, write_checkpoint
+from torchturbo.epochs import LoaderPosition
+
+TOTAL_STEPS = 9  # optimizer steps of 2-batch windows: more than two epochs of both datasets
+CONFIG = TurboConfig(device="cpu").replace(accumulation__steps=2)
+BUCKETED = CONFIG.replace(data__bucketing=True, data__max_tokens=96)
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+class Tagger(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(32, 8)
+        self.drop = nn.Dropout(0.3)
+        self.head = nn.Linear(8, 5)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.drop(self.embed(tokens)))
+
+
+def _dense_loss(model, batch):
+    x, y = batch
+    return nn.functional.cross_entropy(model(x), y)
+
+
+def _token_loss(model, batch):
+    logits = model(batch["tokens"])
+    loss = nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
+    return loss, batch["mask"].sum()
+
+
+def _workload(kind: str, init_seed: int):
+    """(turbo, model, optimizer, scheduler, loader, loss_fn), with weights from ``init_seed``."""
+    data_generator = torch.Generator().manual_seed(0)
+    torch.manual_seed(init_seed)
+    if kind == "shuffled":
+        model = Net()
+        dataset = torch.utils.data.TensorDataset(
+            torch.randn(27, 8, generator=data_generator),
+            torch.randint(0, 3, (27,), generator=data_generator),
+        )
+        config, loss_fn, extra = CONFIG, _dense_loss, {"batch_size": 4}
+    else:
+        model = Tagger()
+        lengths = [int(n) for n in torch.randint(2, 20, (40,), generator=data_generator)]
+        dataset = [
+            {
+                "tokens": torch.randint(0, 32, (n,), generator=data_generator),
+                "labels": torch.randint(0, 5, (n,), generator=data_generator),
+            }
+            for n in lengths
+        ]
+        config, loss_fn, extra = BUCKETED, _token_loss, {"lengths": lengths}
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    turbo = Turbo(config)
+    model, optimizer, loader = turbo.setup(model, optimizer, dataset, seed=7, **extra)
+    return turbo, model, optimizer, scheduler, loader, loss_fn
+
+
+def _train(turbo, scheduler, loader, loss_fn, *, save_to=None, save_at=(), stop_after=None):
+    """Train to TOTAL_STEPS optimizer steps; returns the losses of the batches trained.
+
+    After each save, ``turbo.saved_after`` is the number of batches trained so far.
+    """
+    losses = []
+    while turbo.optimizer_steps < TOTAL_STEPS:
+        for batch in loader:
+            metrics = turbo.step(loss_fn, batch)
+            losses.append(metrics.loss.item())
+            if stop_after is not None and len(losses) == stop_after:
+                return losses  # "killed": possibly inside an accumulation window
+            if metrics.optimizer_stepped:
+                scheduler.step()
+                if turbo.optimizer_steps in save_at:
+                    turbo.save(save_to, scheduler=scheduler)
+                    turbo.saved_after = len(losses)
+                if turbo.optimizer_steps == TOTAL_STEPS:
+                    break
+    return losses
+
+
+def _params(model) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _uninterrupted(kind):
+    turbo, model, _opt, scheduler, loader, loss_fn = _workload(kind, init_seed=0)
+    losses = _train(turbo, scheduler, loader, loss_fn)
+    return losses, _params(model)
+
+
+def _resumed(kind, tmp_path, *, save_at, stop_after, restart_epoch=False):
+    """Train, save, stop; then resume in a fresh engine. Returns (before, after, params, saved)."""
+    turbo, _model, _opt, scheduler, loader, loss_fn = _workload(kind, init_seed=0)
+    first = _train(
+        turbo, scheduler, loader, loss_fn, save_to=tmp_path, save_at=save_at, stop_after=stop_after
+    )
+    saved_after = turbo.saved_after
+    # A new process would start from other weights and other random states.
+    torch.manual_seed(1234)
+    random.seed(5)
+    np.random.seed(5)
+    turbo, model, _opt, scheduler, loader, loss_fn = _workload(kind, init_seed=99)
+    path = turbo.load(tmp_path, scheduler=scheduler)
+    if restart_epoch:  # a resume that does not keep the sampler position: the epoch restarts
+        loader.resume(LoaderPosition(0, 0, None, torch.get_rng_state()))
+    rest = _train(turbo, scheduler, loader, loss_fn)
+    return first[:saved_after], rest, _params(model), read_checkpoint(path)["state.json"]
+
+
+@pytest.mark.parametrize("kind", ["shuffled", "bucketed"])
+def test_resume_mid_epoch_and_mid_window_is_bit_identical(kind, tmp_path):
+    expected_losses, expected = _uninterrupted(kind)
+    # Killed one batch into a window (batch 12); the last checkpoint, at optimizer step 5, is
+    # mid-epoch; the window that was cut is re-trained from its first batch.
+    before, after, actual, state = _resumed(kind, tmp_path, save_at=(4, 5), stop_after=12)
+    _epoch, batches = state["loader"]
+    assert batches > 0, "the save point must lie inside an epoch"
+    assert len(before) < 12  # batches trained after the save were lost with the process
+    assert all(torch.equal(a, e) for a, e in zip(actual, expected, strict=True))
+    # The loss trajectory after the resume point is the uninterrupted one, bit for bit.
+    assert before + after == expected_losses
+
+
+def test_negative_control_restarting_the_epoch_diverges(tmp_path):
+    _, expected = _uninterrupted("shuffled")
+    _, _, actual, _ = _resumed(
+        "shuffled", tmp_path, save_at=(5,), stop_after=12, restart_epoch=True
+    )
+    assert not all(torch.equal(a, e) for a, e in zip(actual, expected, strict=True))
+
+
+def test_save_inside_an_accumulation_window_is_refused(tmp_path):
+    turbo, _model, _opt, _sched, loader, loss_fn = _workload("shuffled", init_seed=0)
+    metrics = turbo.step(loss_fn, next(iter(loader)))
+    assert not metrics.optimizer_stepped
+    with pytest.raises(CheckpointError, match="inside an accumulation window"):
+        turbo.save(tmp_path)
+
+
+def test_keeps_the_last_k_and_leaves_no_temporaries(tmp_path):
+    turbo, _model, _opt, scheduler, loader, loss_fn = _workload("shuffled", init_seed=0)
+    turbo.config = turbo.config.replace(reliability__keep_last=2)
+    _train(turbo, scheduler, loader, loss_fn, save_to=tmp_path, save_at=(1, 2, 3, 4))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-0000000003", "ckpt-0000000004"]
+
+
+def _train_and_save_two(tmp_path):
+    turbo, _model, _opt, scheduler, loader, loss_fn = _workload("shuffled", init_seed=0)
+    _train(turbo, scheduler, loader, loss_fn, save_to=tmp_path, save_at=(2, 3))
+    return turbo
+
+
+def test_truncated_latest_checkpoint_falls_back_to_the_previous_with_a_warning(tmp_path):
+    _train_and_save_two(tmp_path)
+    model_file = tmp_path / "ckpt-0000000003" / "model.pt"
+    model_file.write_bytes(model_file.read_bytes()[:100])
+    turbo, *_ = _workload("shuffled", init_seed=0)
+    with pytest.warns(RuntimeWarning, match=r"model\.pt fails its checksum.*falling back to "):
+        path = turbo.load(tmp_path)
+    assert path.name == "ckpt-0000000002" and turbo.optimizer_steps == 2
+
+
+def test_a_modified_byte_fails_the_checksum(tmp_path):
+    _train_and_save_two(tmp_path)
+    target = tmp_path / "ckpt-0000000003" / "optimizer.pt"
+    data = bytearray(target.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    target.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"optimizer\.pt fails its checksum"):
+        read_checkpoint(tmp_path / "ckpt-0000000003")
+    assert read_checkpoint(tmp_path / "ckpt-0000000002")  # the intact one still reads
+
+
+def test_a_pickled_callable_is_refused_even_with_a_valid_checksum(tmp_path):
+    # The manifest is honest here: the checksum cannot protect against a malicious writer,
+    # torch.load(weights_only=True) does.
+    path = write_checkpoint(tmp_path, 1, {"model.pt": {"hook": os.system}}, keep_last=1)
+    with pytest.raises(CheckpointError, match="weights_only"):
+        read_checkpoint(path)
+
+
+def test_resume_from_a_directory_without_checkpoint_is_a_clear_error(tmp_path):
+    turbo, *_ = _workload("shuffled", init_seed=0)
+    with pytest.raises(CheckpointError, match="holds no checkpoint"):
+        turbo.load(tmp_path)
+    with pytest.raises(CheckpointError, match="does not exist"):
+        turbo.load(tmp_path / "missing")
+
+
+def test_an_unwritable_checkpoint_directory_is_a_clear_error(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    turbo, _model, _opt, _sched, _loader, _loss = _workload("shuffled", init_seed=0)
+    with pytest.raises(CheckpointError, match="cannot write a checkpoint in"):
+        turbo.save(blocker / "ckpt")
+
+
+# --- a real kill: SIGKILL in a subprocess at a random batch, resumed here ------------------
+
+
+def _main() -> None:
+    """Subprocess entry: train with a checkpoint after every optimizer step; SIGKILL at a batch."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dir", required=True)
+    parser.add_argument("--kill-at", type=int, required=True)
+    args = parser.parse_args()
+    turbo, _model, _opt, scheduler, loader, loss_fn = _workload("bucketed", init_seed=0)
+    trained = 0
+    while True:
+        for batch in loader:
+            metrics = turbo.step(loss_fn, batch)
+            trained += 1
+            if trained == args.kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+            if metrics.optimizer_stepped:
+                scheduler.step()
+                turbo.save(args.dir, scheduler=scheduler)
+
+
+@pytest.mark.slow
+def test_sigkill_at_a_random_batch_then_resume_is_bit_identical(tmp_path):
+    expected_losses, expected = _uninterrupted("bucketed")
+    # Any batch after the first save (batch 2) but the last, inside a window or closing one.
+    kill_at = random.Random().randint(3, len(expected_losses) - 1)
+    script = [sys.executable, str(Path(__file__).resolve()), "--dir", str(tmp_path)]
+    killed = subprocess.run([*script, "--kill-at", str(kill_at)], timeout=120, check=False)
+    assert killed.returncode == -signal.SIGKILL
+    torch.manual_seed(1234)
+    turbo, model, _opt, scheduler, loader, loss_fn = _workload("bucketed", init_seed=99)
+    turbo.load(tmp_path, scheduler=scheduler)
+    rest = _train(turbo, scheduler, loader, loss_fn)
+    assert rest == expected_losses[len(expected_losses) - len(rest) :], f"killed at {kill_at}"
+    assert all(torch.equal(a, e) for a, e in zip(_params(model), expected, strict=True))
+
+
+if __name__ == "__main__":
+    _main()
