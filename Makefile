@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/torchturbo demo
+	$(BIN)/torchturbo tune --workload vision --time-budget 150s --out turbo-report
 
 test: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks

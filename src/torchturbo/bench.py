@@ -74,15 +74,19 @@ class Trial:
         """Mean samples (or tokens) per step, the numerator of throughput."""
         return float(torch.stack(self.counts).mean()) if self.counts else 0.0
 
-    def memory_footprint(self) -> tuple[int, str]:
-        """(bytes, kind) of one step: the peak it adds over what was resident before, plus the
-        parameters and optimizer state that persist between steps.
+    def memory_footprint(self) -> tuple[int | None, str]:
+        """(bytes, kind): the memory one training step of this trial needs.
 
-        Counting only what this trial adds keeps other trials living in the same process (the
-        tuner and the benchmarks interleave several) out of its figure.
+        On CUDA: the allocator peak the step adds over what was allocated before it, plus the
+        parameters and optimizer state that persist between steps. Counting only what this trial
+        adds keeps the other trials living in the same process (the tuner and the benchmarks
+        interleave several) out of its figure.
+
+        On CPU there is no allocator peak, and the process RSS barely moves between steps (freed
+        memory stays mapped), so the figure is an estimate built from exact parts: bytes saved
+        for backward + parameters + gradients (same size) + optimizer state. Compiled models hide
+        their saved tensors from the hooks: for them the figure is None rather than a guess.
         """
-        with track_peak_memory(self.turbo.device) as peak:
-            self.step()
         persistent = sum(_nbytes(p) for p in self.model.parameters())
         persistent += sum(
             _nbytes(v)
@@ -90,7 +94,29 @@ class Trial:
             for v in state.values()
             if isinstance(v, torch.Tensor)
         )
+        if self.turbo.device.type == "cpu":
+            saved = self.activation_bytes(self.batches[0])
+            if saved is None:
+                return None, "n/a: compiled graphs hide their saved tensors on CPU"
+            gradients = sum(_nbytes(p) for p in self.model.parameters() if p.requires_grad)
+            return saved + gradients + persistent, "cpu_estimate"
+        with track_peak_memory(self.turbo.device) as peak:
+            self.step()
         return max(0, peak.peak_bytes - peak.baseline_bytes) + persistent, peak.kind
+
+    def activation_bytes(self, batch: Any) -> int | None:
+        """Bytes held for backward after one forward; None for compiled models.
+
+        Compiled graphs save tensors inside the compiled autograd function, out of reach of
+        saved-tensor hooks, so a number there would be wrong rather than approximate.
+        """
+        if self.config.compile.mode != "off":
+            return None
+        result = activation_bytes(
+            lambda: self.turbo.forward(self.recipe.loss_fn, batch)[0], model=self.model
+        )
+        self.optimizer.zero_grad(set_to_none=True)
+        return result
 
     def close(self) -> None:
         self.turbo.close()
@@ -197,8 +223,8 @@ def _rows(
     for name, trial in trials.items():
         device = trial.turbo.device
         peak = measured_peak_flops(device, dtype_for_precision(trial.config.precision.dtype))
+        curve = trial.loss_curve()  # before the memory probe, so every row ends on one step
         memory_bytes, memory_kind = trial.memory_footprint()
-        curve = trial.loss_curve()
         rows.append(
             VariantResult(
                 variant=name,
@@ -210,7 +236,7 @@ def _rows(
                 mfu=mfu(flops, timings[name].median, peak),
                 peak_memory_bytes=memory_bytes,
                 peak_memory_kind=memory_kind,
-                activation_bytes=_activation_bytes(trial, batch),
+                activation_bytes=trial.activation_bytes(batch),
                 loss_first=curve[0],
                 loss_last=curve[-1],
                 first_step_s=first_step[name],
@@ -218,21 +244,3 @@ def _rows(
             )
         )
     return rows
-
-
-def _activation_bytes(trial: Trial, batch: Any) -> int | None:
-    """Bytes held for backward after one forward; None for compiled models.
-
-    Compiled graphs save tensors inside the compiled autograd function, out of reach of
-    saved-tensor hooks, so a number there would be wrong rather than approximate.
-    """
-    if trial.config.compile.mode != "off":
-        return None
-    model = trial.model
-    result = activation_bytes(
-        lambda: trial.turbo.forward(trial.recipe.loss_fn, batch)[0],
-        model=model,
-        exclude=list(model.parameters()),
-    )
-    trial.optimizer.zero_grad(set_to_none=True)
-    return result

@@ -24,6 +24,12 @@ def format_mfu(value: float | None) -> str:
     return "n/a" if value is None else f"{100 * value:.1f}%"
 
 
+def wide_console() -> Console:
+    """A console that does not squeeze tables to 80 columns when output goes to a file or pipe."""
+    console = Console()
+    return console if console.is_terminal else Console(width=160)
+
+
 def rows_table(title: str, rows: Sequence[Any]) -> Table:
     """One row per variant: ratio first, because that is the number that holds across runs."""
     table = Table(title=title)
@@ -33,7 +39,7 @@ def rows_table(title: str, rows: Sequence[Any]) -> Table:
         "throughput",
         "step ms (median ± IQR%)",
         "MFU",
-        "peak mem",
+        "step memory",
         "activations",
         "loss first → last",
         "first step s",
@@ -55,12 +61,10 @@ def rows_table(title: str, rows: Sequence[Any]) -> Table:
 
 
 def print_rows(title: str, rows: Sequence[Any], console: Console | None = None) -> None:
-    console = console or Console()
+    console = console or wide_console()
     console.print(rows_table(title, rows))
-    notes = {f"{r.variant}: {k}": v for r in rows for k, v in r.notes.items() if v != "disabled"}
-    for key, reason in notes.items():
-        console.print(f"[dim]not applied, {key}: {reason}[/dim]")
-    if rows:
-        console.print(
-            f"[dim]peak memory is {rows[0].peak_memory_kind}; see docs/measurement.md[/dim]"
-        )
+    for row in rows:
+        for technique, reason in row.notes.items():
+            console.print(f"[dim]{row.variant}: {technique} not applied: {reason}[/dim]")
+    kinds = sorted({row.peak_memory_kind for row in rows})
+    console.print(f"[dim]step memory: {'; '.join(kinds)} (docs/measurement.md)[/dim]")

@@ -25,7 +25,7 @@ from torchturbo.data.bucketing import BucketBatchSampler
 from torchturbo.data.loader import LoaderTuning, describe, tune_loader
 from torchturbo.engine import resolve_device
 from torchturbo.measure.breakdown import PhaseRecorder
-from torchturbo.measure.timing import measure_interleaved, noise_band
+from torchturbo.measure.timing import measure_interleaved, noise_band, time_once
 from torchturbo.recipe import Recipe
 from torchturbo.system import summary
 from torchturbo.techniques.memory_format import has_2d_convolutions
@@ -37,6 +37,14 @@ from torchturbo.tune.stages import STAGES, Candidate, StageContext
 PARITY_STEPS = 6
 #: Distinct batches every trial cycles through.
 NUM_BATCHES = 8
+#: Time set aside for a compile candidate's compilation: a ResNet-sized model took 20-60 s on a
+#: 2-core CPU (the vision workload); starting one with less left would overrun the budget.
+COMPILE_ALLOWANCE_S = 45.0
+#: A candidate whose steady step is this many times slower than the best's is rejected at
+#: once: fp16 on a CPU without fp16 units runs ~50x slower, and measuring it would eat the budget.
+SLOW_FACTOR = 5.0
+#: Steps timed one by one for that probe (the fastest counts: robust to a stray slow step).
+PROBE_STEPS = 3
 #: Batches timed per loader setting: enough for a steady rate, cheap next to the tuning budget.
 LOADER_BATCHES = 8
 
@@ -264,6 +272,8 @@ def _try(
         "parity": None,
     }
     estimate = 3 * (best.trial.step_seconds or 0.1) * _steps_per_measurement(run.options)
+    if candidate.config.compile.mode != best.config.compile.mode:
+        estimate += COMPILE_ALLOWANCE_S
     if run.time_left() < estimate:
         row.update(verdict="skipped", reason=f"time budget: {run.time_left():.0f} s left")
         return row, None, 0.0
@@ -272,6 +282,18 @@ def _try(
         trial, first = start_trial(
             candidate.recipe or run.recipe, candidate.config, _batches(run, candidate)
         )
+        # The parity steps double as a cheap speed probe: a candidate far slower than the best
+        # (fp16 without fp16 units) is rejected before the interleaved measurement.
+        probe = min(time_once(trial.step, run.device) for _ in range(PROBE_STEPS))
+        if best.trial.step_seconds and probe > SLOW_FACTOR * best.trial.step_seconds:
+            trial.close()
+            row.update(
+                verdict="rejected",
+                reason=f"not faster: its fastest of {PROBE_STEPS} steps took "
+                f"{probe / best.trial.step_seconds:.1f}x the current best's step, so it was not "
+                "measured further",
+            )
+            return row, None, 0.0
         while len(trial.losses) < _parity_len(candidate):
             trial.step()
         timings = measure_interleaved(
