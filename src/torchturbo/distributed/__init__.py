@@ -1,0 +1,43 @@
+"""Distributed training under torchrun: process group start-up, DDP with comm hooks, FSDP2,
+pipeline parallelism and communication accounting. See docs/techniques/distributed.md."""
+
+from torchturbo.distributed.comm import CommStats, counting_hook
+from torchturbo.distributed.ddp import COMM_HOOKS, check_comm_hook, wrap_ddp
+from torchturbo.distributed.fsdp import apply_fsdp
+from torchturbo.distributed.launch import (
+    DistEnv,
+    current_env,
+    init_distributed,
+    is_main_process,
+    main_print,
+    read_launch_env,
+    shutdown,
+)
+from torchturbo.distributed.pipeline import (
+    PipelineRun,
+    balanced_boundaries,
+    build_pipeline,
+    split_sequential,
+)
+from torchturbo.distributed.setup import apply_distributed
+
+__all__ = [
+    "COMM_HOOKS",
+    "CommStats",
+    "DistEnv",
+    "PipelineRun",
+    "apply_distributed",
+    "apply_fsdp",
+    "balanced_boundaries",
+    "build_pipeline",
+    "check_comm_hook",
+    "counting_hook",
+    "current_env",
+    "init_distributed",
+    "is_main_process",
+    "main_print",
+    "read_launch_env",
+    "shutdown",
+    "split_sequential",
+    "wrap_ddp",
+]

@@ -1,0 +1,316 @@
+"""Every 2-process check of torchturbo.distributed in one launch (tests/test_distributed.py).
+
+    python -m torch.distributed.run --standalone --nproc-per-node 2 dist_checks.py OUT_DIR
+
+One launch because starting 2 processes costs seconds; each check writes its numbers into
+OUT_DIR/rank{r}.json and the test asserts on them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from torchturbo.config import AccumulationConfig, DataConfig, DistributedConfig, TurboConfig
+from torchturbo.data.collate import IGNORE_INDEX
+from torchturbo.distributed import (
+    CommStats,
+    apply_distributed,
+    build_pipeline,
+    init_distributed,
+    main_print,
+    shutdown,
+    wrap_ddp,
+)
+from torchturbo.engine import Turbo
+
+#: Micro-batch sizes per rank: unequal within a window and across ranks.
+SIZES = {0: [3, 6, 5, 2], 1: [7, 2, 4, 4]}
+MICRO_STEPS = 2
+
+
+def tiny_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def hook_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 4)
+    )
+
+
+def micro_batches(rank: int, features: int = 8, outputs: int = 4) -> list[tuple[torch.Tensor, ...]]:
+    """Rank ``rank``'s micro-batches; the same on every process (seeded per rank)."""
+    generator = torch.Generator().manual_seed(100 + rank)
+    teacher = torch.randn(features, outputs, generator=torch.Generator().manual_seed(7))
+    batches = []
+    for size in SIZES[rank]:
+        x = torch.randn(size, features, generator=generator)
+        batches.append((x, torch.tanh(x @ teacher)))
+    return batches
+
+
+def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Mean over samples of the per-sample squared error; the engine weighs it by batch size."""
+    x, y = batch
+    return ((model(x) - y) ** 2).sum(-1).mean()
+
+
+def reference_params(world_size: int) -> list[torch.Tensor]:
+    """One process, SGD on the union of all ranks' micro-batches of each window, global mean."""
+    model = tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    per_rank = [micro_batches(r) for r in range(world_size)]
+    for window in range(len(SIZES[0]) // MICRO_STEPS):
+        chosen = [b for r in per_rank for b in r[window * MICRO_STEPS : (window + 1) * MICRO_STEPS]]
+        x = torch.cat([b[0] for b in chosen])
+        y = torch.cat([b[1] for b in chosen])
+        optimizer.zero_grad()
+        ((model(x) - y) ** 2).sum(-1).mean().backward()
+        optimizer.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def full_params(model: nn.Module) -> list[torch.Tensor]:
+    """Parameters as whole tensors (FSDP holds DTensor shards)."""
+    return [
+        (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+        for p in model.parameters()
+    ]
+
+
+def max_error(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return max(float((x - y).abs().max()) for x, y in zip(a, b, strict=True))
+
+
+def differs_across_ranks(tensors: list[torch.Tensor]) -> bool:
+    flat = torch.cat([t.flatten() for t in tensors])
+    gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, flat)
+    return not torch.equal(gathered[0], gathered[1])
+
+
+def engine_run(config: TurboConfig, *, mode: str = "turbo") -> dict:
+    """Train 2 windows with the engine under 2 processes.
+
+    mode: ``turbo`` = apply_distributed; ``no_no_sync`` = the same but all-reducing every
+    micro-step; ``local`` = plain DDP averaging each rank's locally normalized gradients.
+    """
+    rank = dist.get_rank()
+    turbo = Turbo(config)
+    model = tiny_model()
+    model, _optimizer, _ = turbo.setup(model, torch.optim.SGD(model.parameters(), lr=0.5))
+    stats = CommStats() if config.distributed.strategy == "ddp" else None
+    if mode == "local":
+        ddp = wrap_ddp(model, config.distributed, turbo.device, stats=stats)
+        turbo.model = ddp
+        turbo.sync_context = lambda closing: contextlib.nullcontext() if closing else ddp.no_sync()
+    else:
+        apply_distributed(turbo, model, stats=stats)
+    if mode == "no_no_sync":
+        turbo.sync_context = lambda closing: contextlib.nullcontext()
+    first_grads_differ = None
+    for index, batch in enumerate(micro_batches(rank)):
+        turbo.step(loss_fn, batch)
+        if index == 0:
+            grads = [
+                p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                for p in turbo.model.parameters()
+            ]
+            first_grads_differ = differs_across_ranks(grads)
+    result = {"params": full_params(turbo.model), "first_grads_differ": first_grads_differ}
+    if stats is not None:
+        result["reductions"] = stats.reductions
+        result["bytes"] = stats.bytes
+    return result
+
+
+def check_accumulation(world_size: int) -> dict:
+    reference = reference_params(world_size)
+    base = TurboConfig(device="cpu", accumulation=AccumulationConfig(steps=MICRO_STEPS))
+    exact = engine_run(base)
+    local = engine_run(base, mode="local")
+    every_step = engine_run(base, mode="no_no_sync")
+    fsdp = engine_run(base.replace(distributed__strategy="fsdp"))
+    return {
+        "grad_scale": max(float(p.abs().max()) for p in reference),
+        "err_exact": max_error(exact["params"], reference),
+        "err_local": max_error(local["params"], reference),
+        "err_fsdp": max_error(fsdp["params"], reference),
+        "reductions_no_sync": exact["reductions"],
+        "reductions_every_step": every_step["reductions"],
+        "first_grads_differ_no_sync": exact["first_grads_differ"],
+        "first_grads_differ_every_step": every_step["first_grads_differ"],
+    }
+
+
+def hook_run(hook: str, steps: int, **overrides: object) -> dict:
+    """Plain DDP training loop with a counted hook on a learnable regression."""
+    rank = dist.get_rank()
+    config = DistributedConfig(comm_hook=hook, **overrides)
+    model = hook_model()
+    stats = CommStats()
+    ddp = wrap_ddp(model, config, torch.device("cpu"), stats=stats)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    generator = torch.Generator().manual_seed(rank)
+    teacher = torch.randn(32, 4, generator=torch.Generator().manual_seed(3))
+    losses, bytes_per_step = [], []
+    for _ in range(steps):
+        x = torch.randn(32, 32, generator=generator)
+        loss = ((ddp(x) - torch.tanh(x @ teacher)) ** 2).mean()
+        stats.reset()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+        bytes_per_step.append(stats.bytes)
+    return {"losses": losses, "bytes": bytes_per_step, "params": full_params(ddp.module)}
+
+
+def powersgd_expected_bytes(model: nn.Module, rank: int) -> int:
+    """What PowerSGD sends per step: 1-D tensors and matrices not worth compressing whole, and
+    the P (n x r) and Q (m x r) factors of the others (torch's min_compression_rate = 2)."""
+    numbers = 0
+    for p in model.parameters():
+        if p.dim() <= 1:
+            numbers += p.numel()
+            continue
+        n, m = p.shape[0], p.numel() // p.shape[0]
+        r = min(n, m, rank)
+        numbers += (n + m) * r if (n + m) * r * 2 < n * m else n * m
+    return numbers * 4
+
+
+def check_hooks() -> dict:
+    plain = hook_run("none", 1)
+    fp16 = hook_run("fp16", 1)
+    psgd = hook_run("powersgd", 40, powersgd_rank=2, powersgd_warmup=2)
+    psgd_fp16 = hook_run("powersgd_fp16", 4, powersgd_rank=2, powersgd_warmup=2)
+    try:
+        hook_run("bf16", 1)
+        bf16_error = None
+    except ValueError as err:
+        bf16_error = str(err)
+    return {
+        "bytes_none": plain["bytes"][0],
+        "bytes_fp16": fp16["bytes"][0],
+        "fp16_param_error": max_error(fp16["params"], plain["params"]),
+        "param_scale": max(float(p.abs().max()) for p in plain["params"]),
+        "bytes_powersgd_warmup": psgd["bytes"][0],
+        "bytes_powersgd": psgd["bytes"][-1],
+        "bytes_powersgd_expected": powersgd_expected_bytes(hook_model(), 2),
+        "bytes_powersgd_fp16": psgd_fp16["bytes"][-1],
+        "powersgd_losses": psgd["losses"],
+        "bf16_error": bf16_error,
+    }
+
+
+def check_pipeline(schedule: str) -> dict:
+    torch.manual_seed(0)
+    full = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(4)])
+    stage_copy = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(4)])
+    stage_copy.load_state_dict(full.state_dict())
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    y = torch.randn(8, 16, generator=torch.Generator().manual_seed(2))
+
+    def mse(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return ((output - target) ** 2).mean()
+
+    config = DistributedConfig(pipeline_schedule=schedule, pipeline_microbatches=4)
+    run = build_pipeline(stage_copy, config, mse, torch.device("cpu"))
+    loss = run.step(inputs=x) if run.is_first else run.step(target=y)
+    reference_loss = mse(full(x), y)
+    reference_loss.backward()
+    # A slice of a Sequential keeps the children's names, so parameters match by name.
+    full_named = dict(full.named_parameters())
+    errors, scale = [], 0.0
+    for name, p in run.stage_module.named_parameters():
+        ref = full_named[name].grad
+        errors.append(float((p.grad - ref).abs().max()))
+        scale = max(scale, float(ref.abs().max()))
+    return {
+        "loss": None if loss is None else float(loss),
+        "reference_loss": float(reference_loss.detach()),
+        "grad_error": max(errors),
+        "grad_scale": scale,
+        "stage_children": len(run.stage_module),
+    }
+
+
+def check_flush_guard() -> str | None:
+    """Turbo.flush() after a no_sync micro-step must fail loudly, not step on local gradients."""
+    turbo = Turbo(TurboConfig(device="cpu", accumulation=AccumulationConfig(steps=2)))
+    model = tiny_model()
+    model, _optimizer, _ = turbo.setup(model, torch.optim.SGD(model.parameters(), lr=0.5))
+    apply_distributed(turbo, model)
+    turbo.step(loss_fn, micro_batches(dist.get_rank())[0])
+    try:
+        turbo.flush()
+    except RuntimeError as err:
+        return str(err)
+    return None
+
+
+def check_bucketed_epoch() -> dict:
+    """An epoch of length-bucketed batches (uneven per rank) through the engine: no hang, equal
+    step counts, replicas still identical."""
+    generator = torch.Generator().manual_seed(0)
+    lengths = [int(n) for n in torch.randint(2, 60, (45,), generator=generator)]
+    samples = []
+    for length in lengths:
+        tokens = torch.randint(0, 32, (length,), generator=generator)
+        samples.append({"tokens": tokens, "labels": tokens.roll(-1)})
+    config = TurboConfig(
+        device="cpu",
+        accumulation=AccumulationConfig(steps=2),
+        data=DataConfig(bucketing=True, max_tokens=160),
+    )
+    turbo = Turbo(config)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(32, 16), nn.Linear(16, 32))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer, loader = turbo.setup(model, optimizer, samples, lengths=lengths, seed=0)
+    apply_distributed(turbo, model)
+
+    def token_loss(model: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = model(batch["tokens"])
+        loss = F.cross_entropy(
+            logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE_INDEX
+        )
+        return loss, batch["mask"].sum()
+
+    steps = sum(1 for batch in loader if turbo.step(token_loss, batch) is not None)
+    params = [p.detach() for p in turbo.model.parameters()]
+    return {
+        "steps": steps,
+        "optimizer_steps": turbo.optimizer_steps,
+        "replicas_differ": differs_across_ranks(params),
+    }
+
+
+def main() -> None:
+    out_dir = Path(sys.argv[1])
+    torch.set_num_threads(1)
+    env = init_distributed("cpu")
+    main_print(f"MAIN_PRINT_MARK from rank {env.rank}")
+    result = {"rank": env.rank, "world_size": env.world_size, "backend": env.backend}
+    result["accumulation"] = check_accumulation(env.world_size)
+    result["hooks"] = check_hooks()
+    result["bucketed_epoch"] = check_bucketed_epoch()
+    result["flush_error"] = check_flush_guard()
+    result["pipeline"] = {s: check_pipeline(s) for s in ("gpipe", "1f1b")}
+    (out_dir / f"rank{env.rank}.json").write_text(json.dumps(result, indent=1))
+    shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,174 @@
+"""torchturbo.distributed: launch helpers in-process; DDP, comm hooks, FSDP2 and pipelining on
+2 CPU processes over gloo, all checks in one bounded torchrun launch (tests/scripts/dist_checks.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from torch import nn
+
+from torchturbo.distributed import (
+    balanced_boundaries,
+    check_comm_hook,
+    read_launch_env,
+    split_sequential,
+)
+
+SCRIPT = Path(__file__).parent / "scripts" / "dist_checks.py"
+TIMEOUT_S = 120  # a collective waiting for a peer must fail the test, not stall the suite
+
+FULL_ENV = {
+    "RANK": "1",
+    "WORLD_SIZE": "2",
+    "LOCAL_RANK": "1",
+    "MASTER_ADDR": "127.0.0.1",
+    "MASTER_PORT": "29500",
+}
+
+
+def test_launch_env_is_read_whole_or_not_at_all():
+    assert read_launch_env({}) is None
+    env = read_launch_env(FULL_ENV)
+    assert (env.rank, env.local_rank, env.world_size) == (1, 1, 2)
+    assert env.is_distributed
+
+
+@pytest.mark.parametrize(
+    ("environ", "message"),
+    [
+        ({"RANK": "0", "WORLD_SIZE": "2"}, "half set up"),
+        ({k: v for k, v in FULL_ENV.items() if k != "MASTER_PORT"}, "['MASTER_PORT'] are not"),
+        (FULL_ENV | {"RANK": "2"}, "RANK = 2 is invalid for WORLD_SIZE = 2"),
+        (FULL_ENV | {"WORLD_SIZE": "two"}, "WORLD_SIZE = 'two' is invalid"),
+    ],
+)
+def test_half_set_launch_env_is_a_clear_error(environ, message):
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        read_launch_env(environ)
+
+
+def test_comm_hook_names_and_backends_are_validated_up_front():
+    check_comm_hook("bf16", "nccl")
+    check_comm_hook("fp16", "gloo")
+    with pytest.raises(ValueError, match="needs the NCCL backend"):
+        check_comm_hook("powersgd_bf16", "gloo")
+    with pytest.raises(ValueError, match="'powersgd_fp16'"):
+        check_comm_hook("int8", "gloo")
+
+
+def test_pipeline_split_balances_parameters_at_child_boundaries():
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 8), nn.Linear(8, 8), nn.Linear(8, 8))
+    # The first Linear holds 4160 of 4824 parameters: it is a stage of its own.
+    assert balanced_boundaries(model, 2) == [1]
+    assert [len(s) for s in split_sequential(model, 3)] == [1, 1, 2]
+    stages = split_sequential(model, 2, boundaries=[3])
+    assert [len(s) for s in stages] == [3, 1]
+    assert stages[1][0] is model[3]  # the same modules, not copies
+    with pytest.raises(ValueError, match="boundaries"):
+        split_sequential(model, 2, boundaries=[0])
+    with pytest.raises(ValueError, match="expected 1 to the model's 4 children"):
+        split_sequential(model, 5)
+    with pytest.raises(ValueError, match=r"nn\.Sequential"):
+        split_sequential(nn.ModuleList([nn.Linear(2, 2)]), 1)
+
+
+def run_two_ranks(out_dir: Path) -> tuple[list[dict], str]:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += ["--nproc-per-node", "2", str(SCRIPT), str(out_dir)]
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    # A new session so that on timeout the whole group (torchrun and its workers) is killed.
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True
+    )
+    try:
+        output, _ = process.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        pytest.fail(f"2-process run hung for {TIMEOUT_S}s:\n{output.decode()[-3000:]}")
+    text = output.decode()
+    assert process.returncode == 0, text[-3000:]
+    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(2)], text
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    return run_two_ranks(tmp_path_factory.mktemp("dist"))
+
+
+@pytest.mark.slow
+def test_process_group_is_gloo_and_only_rank_zero_prints(two_ranks):
+    results, output = two_ranks
+    assert [r["backend"] for r in results] == ["gloo", "gloo"]
+    assert [line for line in output.splitlines() if "MAIN_PRINT_MARK" in line] == [
+        "MAIN_PRINT_MARK from rank 0"
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rank", [0, 1])
+def test_ddp_accumulation_over_unequal_counts_equals_one_process(two_ranks, rank):
+    result = two_ranks[0][rank]["accumulation"]
+    # fp32 sums in another order over 2 SGD steps: agreement to ~1e-6 of the parameters' size.
+    tolerance = 1e-5 * result["grad_scale"]
+    assert result["err_exact"] <= tolerance
+    assert result["err_fsdp"] <= tolerance  # FSDP2, same normalization, same parameters
+    # Negative control: DDP averaging locally normalized gradients is far off.
+    assert result["err_local"] > 1000 * tolerance
+    # no_sync: one reduction per window (2 windows), and the first micro-step's gradients stay
+    # local (they differ across ranks); without it, every micro-step reduces and they agree.
+    assert result["reductions_no_sync"] == 2
+    assert result["reductions_every_step"] == 4
+    assert result["first_grads_differ_no_sync"] is True
+    assert result["first_grads_differ_every_step"] is False
+
+
+@pytest.mark.slow
+def test_compression_hooks_send_fewer_bytes_and_still_train(two_ranks):
+    hooks = two_ranks[0][0]["hooks"]
+    assert hooks["bytes_fp16"] * 2 == hooks["bytes_none"]
+    # fp16 keeps ~3 significant digits of each averaged gradient: one SGD step moves the
+    # parameters by lr x grad, so the difference stays far below the parameters' size.
+    assert hooks["fp16_param_error"] <= 1e-4 * hooks["param_scale"]
+    # PowerSGD sends everything during warm-up, then exactly P and Q (and 1-D tensors).
+    assert hooks["bytes_powersgd_warmup"] == hooks["bytes_none"]
+    assert hooks["bytes_powersgd"] == hooks["bytes_powersgd_expected"]
+    assert hooks["bytes_powersgd"] < 0.2 * hooks["bytes_none"]
+    assert hooks["bytes_powersgd_fp16"] * 2 == hooks["bytes_powersgd"]
+    losses = hooks["powersgd_losses"]
+    assert sum(losses[-5:]) / 5 < 0.5 * sum(losses[:5]) / 5
+    assert "needs the NCCL backend" in hooks["bf16_error"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pipeline_stages_match_the_unsplit_model(two_ranks, schedule):
+    first, last = (r["pipeline"][schedule] for r in two_ranks[0])
+    assert first["stage_children"] == last["stage_children"] == 2
+    assert first["loss"] is None
+    # Mean of 4 equal micro-batch means = full-batch mean; fp32 reordering only.
+    assert last["loss"] == pytest.approx(last["reference_loss"], rel=1e-6)
+    for stage in (first, last):
+        assert stage["grad_error"] <= 1e-5 * stage["grad_scale"]
+
+
+@pytest.mark.slow
+def test_bucketed_epoch_with_uneven_batches_finishes_in_sync(two_ranks):
+    first, second = (r["bucketed_epoch"] for r in two_ranks[0])
+    # 7 micro-steps in windows of 2: the trailing partial window is stepped, not lost.
+    assert first == second
+    assert first["optimizer_steps"] == (first["steps"] + 1) // 2
+    assert first["replicas_differ"] is False
+
+
+@pytest.mark.slow
+def test_flush_after_no_sync_micro_step_is_refused(two_ranks):
+    for result in two_ranks[0]:
+        assert "never all-reduced" in result["flush_error"]
