@@ -145,20 +145,24 @@ def _incremental_rows(results: dict) -> list[tuple[str, ...]]:
             "",
         )
     ]
+    # A candidate's "ratio" is measured against the best of its time, interleaved in one run, so
+    # the ratio to the baseline is the product of the ratios of the rows so far.
     previous = baseline
+    cumulative: float | None = 1.0
     for name in results.get("adopted") or []:
         c = _adopted_candidate(results, name)
         throughput = _num(c.get("throughput"))
-        vs_baseline = _num(c.get("ratio"))
-        if vs_baseline is None:
-            vs_baseline = _ratio(throughput, baseline)
+        vs_previous = _num(c.get("ratio"))
+        if vs_previous is None:
+            vs_previous = _ratio(throughput, previous)
+        cumulative = None if cumulative is None or vs_previous is None else cumulative * vs_previous
         rows.append(
             (
                 f"+ {name}",
                 str(c.get("stage") or ""),
                 _fmt_rate(throughput),
-                _fmt_x(vs_baseline),
-                _fmt_x(_ratio(throughput, previous)),
+                _fmt_x(cumulative),
+                _fmt_x(vs_previous),
                 _fmt_float(c.get("step_ms"), 1),
                 _fmt_bytes(c.get("memory_bytes")),
                 _fmt_int(c.get("break_even_steps")),
@@ -173,7 +177,7 @@ _CANDIDATE_HEADERS = (
     "candidate",
     "verdict",
     "{unit}",
-    "vs baseline",
+    "vs best so far",
     "noise",
     "step ms",
     "peak memory",
@@ -185,19 +189,16 @@ _CANDIDATE_HEADERS = (
 
 
 def _candidate_rows(results: dict) -> list[tuple[str, ...]]:
-    baseline = _num(results.get("baseline_throughput"))
     rows = []
     for c in results.get("candidates") or []:
-        vs_baseline = _num(c.get("ratio"))
-        if vs_baseline is None:
-            vs_baseline = _ratio(_num(c.get("throughput")), baseline)
+        vs_best = _num(c.get("ratio"))  # measured against the best of its time, same run
         rows.append(
             (
                 str(c.get("stage") or ""),
                 str(c.get("name") or ""),
                 str(c.get("verdict") or ""),
                 _fmt_rate(c.get("throughput")),
-                _fmt_x(vs_baseline),
+                _fmt_x(vs_best),
                 _fmt_pct(c.get("noise")),
                 _fmt_float(c.get("step_ms"), 1),
                 _fmt_bytes(c.get("memory_bytes")),
