@@ -55,6 +55,10 @@ def main() -> int:
     args = parser.parse_args()
 
     with_compile = not (args.no_compile or args.quick)
+    # Every compiled variant of the grid is the same model class, so all share one Dynamo cache
+    # entry per code object; past the default of 8 recompiles Dynamo silently runs eager, which
+    # would make the grid's later compile rows lie. The documented knob raises that limit.
+    torch._dynamo.config.recompile_limit = 64
     overrides = {"batch_size": 8, "num_samples": 64} if args.quick else {}
     recipe = get_workload(args.workload, **overrides)
     stages = {name: STAGES[name] for name in KNOB_STAGES if with_compile or name != "compile"}

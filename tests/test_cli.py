@@ -62,6 +62,16 @@ def test_export_writes_a_verified_artefact(tmp_path, capsys):
     assert out.is_file() and "max relative difference" in capsys.readouterr().out
 
 
+def test_train_checkpoints_and_resumes(tmp_path, capsys):
+    ckpt = tmp_path / "ckpt"
+    args = ["train", TINY, "--device", "cpu", "--checkpoint-dir", str(ckpt), "--save-every", "2"]
+    assert main([*args, "--steps", "2"]) == 0
+    assert main([*args, "--steps", "4", "--resume"]) == 0
+    out = capsys.readouterr().out
+    assert "trained to optimizer step 4" in out and "resumed from" in out
+    assert "resumed from None" not in out.splitlines()[-1]
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -71,6 +81,7 @@ def test_export_writes_a_verified_artefact(tmp_path, capsys):
         (["bench", "--workload", "imagenet"], "imagenet"),
         (["bench", TINY, "--steps", "1"], "--steps 1"),
         (["bench", TINY, "--device", "cuda:7"], "no CUDA device"),
+        (["train", TINY, "--steps", "2", "--resume"], "--resume needs --checkpoint-dir"),
     ],
 )
 def test_user_errors_print_one_line_and_exit_2(argv, message, capsys):

@@ -18,6 +18,11 @@ _EXPORTS = {
     "ConfigError": "torchturbo.config",
     "Recipe": "torchturbo.recipe",
     "load_recipe": "torchturbo.recipe",
+    "RecipeError": "torchturbo.recipe",
+    "train": "torchturbo.train",
+    "CheckpointError": "torchturbo.checkpoint",
+    "NonFiniteError": "torchturbo.guard",
+    "MemoryBudgetError": "torchturbo.oom",
 }
 
 __all__ = ["__version__", *_EXPORTS]
