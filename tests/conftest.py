@@ -47,3 +47,33 @@ class ConvNet(nn.Module):
 def classification_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]):
     inputs, targets = batch
     return nn.functional.cross_entropy(model(inputs), targets)
+
+
+def run_two_ranks(script, out_dir, timeout_s: float = 120) -> tuple[list[dict], str]:
+    """Run ``script out_dir`` on 2 local gloo processes under torchrun; a hang fails the test.
+
+    --standalone makes torchrun pick a free port itself, so parallel runs do not collide. Each
+    rank writes ``rank{r}.json`` into ``out_dir``; returns those and the combined output.
+    """
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += ["--nproc-per-node", "2", str(script), str(out_dir)]
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    # A new session so that on timeout the whole group (torchrun and its workers) is killed.
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True
+    )
+    try:
+        output, _ = process.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        pytest.fail(f"2-process run hung for {timeout_s}s:\n{output.decode()[-8000:]}")
+    text = output.decode()
+    assert process.returncode == 0, text[-8000:]
+    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(2)], text

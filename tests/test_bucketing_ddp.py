@@ -4,42 +4,18 @@ match a single process on the union of both ranks' batches."""
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_two_ranks
 
 SCRIPT = Path(__file__).parent / "scripts" / "ddp_bucketing.py"
 TIMEOUT_S = 120  # a DDP hang must fail the test, not stall the suite
 
 
-def run_two_ranks(out_dir: Path) -> list[dict]:
-    # --standalone makes torchrun pick a free port on localhost itself, so parallel runs do not
-    # collide.
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    command += ["--nproc-per-node", "2", str(SCRIPT), str(out_dir)]
-    env = os.environ | {"OMP_NUM_THREADS": "1"}
-    # A new session so that on timeout the whole group (torchrun and its workers) is killed.
-    process = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True
-    )
-    try:
-        output, _ = process.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        pytest.fail(f"2-rank DDP run hung for {TIMEOUT_S}s:\n{output.decode()[-8000:]}")
-    assert process.returncode == 0, output.decode()[-8000:]
-    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(2)]
-
-
 @pytest.mark.slow
 def test_ddp_epoch_over_bucketed_batches(tmp_path):
-    rank0, rank1 = run_two_ranks(tmp_path)
+    (rank0, rank1), _ = run_two_ranks(SCRIPT, tmp_path, TIMEOUT_S)
 
     # The epoch has an odd number of global batches, so the sampler had to pad one rank's share;
     # both ranks ran every planned step of it.

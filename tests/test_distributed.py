@@ -4,14 +4,10 @@
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_two_ranks
 from torch import nn
 
 from torchturbo.distributed import (
@@ -79,28 +75,9 @@ def test_pipeline_split_balances_parameters_at_child_boundaries():
         split_sequential(nn.ModuleList([nn.Linear(2, 2)]), 1)
 
 
-def run_two_ranks(out_dir: Path) -> tuple[list[dict], str]:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    command += ["--nproc-per-node", "2", str(SCRIPT), str(out_dir)]
-    env = os.environ | {"OMP_NUM_THREADS": "1"}
-    # A new session so that on timeout the whole group (torchrun and its workers) is killed.
-    process = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True
-    )
-    try:
-        output, _ = process.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        pytest.fail(f"2-process run hung for {TIMEOUT_S}s:\n{output.decode()[-3000:]}")
-    text = output.decode()
-    assert process.returncode == 0, text[-3000:]
-    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(2)], text
-
-
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
-    return run_two_ranks(tmp_path_factory.mktemp("dist"))
+    return run_two_ranks(SCRIPT, tmp_path_factory.mktemp("dist"), TIMEOUT_S)
 
 
 @pytest.mark.slow
