@@ -14,7 +14,6 @@ from torchturbo.data.augment import BatchAugment
 from torchturbo.doctor.diagnosis import CHECKLIST, Item, State
 from torchturbo.doctor.findings import (
     COMM_SHARE,
-    LOADER_SHARE,
     MEMMAP_RAM_SHARE,
     MEMORY_PRESSURE,
     PADDING_GAP,
@@ -77,7 +76,7 @@ def _dataloader(f: Findings) -> Verdict:
         f"({share:.0%})"
     )
     problems = []
-    if share >= LOADER_SHARE:
+    if f.loader_matters:
         if lf.num_workers == 0:
             problems.append("num_workers=0 loads in the main process, in series with compute")
         else:
@@ -89,10 +88,10 @@ def _dataloader(f: Findings) -> Verdict:
     if not problems:
         return "ok", f"{settings}; {wait}: the loader keeps up", None
     advice = "tune by measurement (torchturbo tune measures worker counts and their memory)"
-    if f.device.type == "cpu" and share >= LOADER_SHARE:
+    if f.device.type == "cpu" and f.loader_matters:
         advice += "; on a CPU device workers take cores from compute"
     gain = None
-    if share >= LOADER_SHARE:
+    if f.loader_matters:
         gain = f"up to {_times(1 / (1 - share))} if loading overlapped compute fully"
     return "recommended", f"{settings}; {wait}: {'; '.join(problems)}; {advice}", gain
 

@@ -16,8 +16,11 @@ from torchturbo.doctor.model_facts import ModelFacts
 from torchturbo.doctor.profiling import ProfileResult
 from torchturbo.recipe import Recipe
 
-#: Input wait above this share of the step is worth fixing in the loader.
+#: Input wait above this share of the step is worth fixing in the loader...
 LOADER_SHARE = 0.05
+#: ...unless it is below this, in seconds per step: fetching a ready batch from a DataLoader costs
+#: ~50 us of Python, which on a tiny model's sub-millisecond step is a "share" nobody can remove.
+LOADER_MIN_WAIT_S = 1e-3
 #: Input wait above this share of the step makes the run input-bound: removing it gains more
 #: than a compute technique of similar effort (1.25x and up).
 INPUT_BOUND_SHARE = 0.2
@@ -63,6 +66,12 @@ class Findings:
     def input_share(self) -> float:
         step = self.step_seconds
         return self.profile.breakdown["input_wait"] / step if step else 0.0
+
+    @property
+    def loader_matters(self) -> bool:
+        """Input wait large enough, relatively and absolutely, to be worth fixing."""
+        wait = self.profile.breakdown["input_wait"]
+        return self.input_share >= LOADER_SHARE and wait >= LOADER_MIN_WAIT_S
 
     @property
     def bound(self) -> Bound:
