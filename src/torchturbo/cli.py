@@ -280,9 +280,9 @@ def _run_bench(args: argparse.Namespace) -> int:
 
 
 def _run_tune(args: argparse.Namespace) -> int:
-    from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn
 
+    from torchturbo.report import wide_console
     from torchturbo.tune.report import incremental_table, write_report
     from torchturbo.tune.search import TuneOptions, tune
 
@@ -295,7 +295,7 @@ def _run_tune(args: argparse.Namespace) -> int:
     )
     check_writable(args.out)
     recipe = load_target(args)
-    console = Console()
+    console = wide_console()
     columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[left]}"))
     with Progress(*columns, console=console, transient=True) as progress:
         task = progress.add_task("starting", total=options.time_budget_s, left="")
