@@ -62,6 +62,13 @@ def test_export_writes_a_verified_artefact(tmp_path, capsys):
     assert out.is_file() and "max relative difference" in capsys.readouterr().out
 
 
+def test_train_under_a_tiny_memory_budget_splits_and_reports_the_micro_batch(capsys):
+    argv = ["train", TINY, "--device", "cpu", "--steps", "2", "--memory-budget", "200KiB"]
+    assert main(argv) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "trained to optimizer step 2" in last and "micro-batch split 1 " not in last
+
+
 def test_train_checkpoints_and_resumes(tmp_path, capsys):
     ckpt = tmp_path / "ckpt"
     args = ["train", TINY, "--device", "cpu", "--checkpoint-dir", str(ckpt), "--save-every", "2"]

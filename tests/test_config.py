@@ -48,6 +48,8 @@ INVALID = [
     ('[distributed]\nstrategy = "fsdp"\ncomm_hook = "fp16"', "does not apply"),
     ("[distributed]\npipeline_microbatches = 0", "pipeline_microbatches = 0"),
     ("[precision]\ncolour = 1", "unknown key(s) ['colour']"),
+    ('[precision]\ndtyp = "bf16"', "did you mean 'dtyp' -> 'dtype'?"),
+    ("[precison]\ndtype = 1", "did you mean 'precison' -> 'precision'?"),
     ("[turbo]\nx = 1", "unknown config section(s) ['turbo']"),
     ("precision = 3", "[precision] must be a table"),
     ("[precision", "not valid TOML"),

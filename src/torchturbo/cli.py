@@ -159,9 +159,12 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--save-every", type=int, default=0, help="steps between checkpoints")
     train.add_argument("--resume", action="store_true", help="continue from --checkpoint-dir")
     train.add_argument(
+        "--memory-budget",
         "--activation-budget",
+        dest="activation_budget",
         type=parse_size,
-        help="bytes of activations one micro-batch may hold; above it the batch is split",
+        help="bytes of activations one micro-batch may hold (e.g. 64MiB); above it the batch is "
+        "split into smaller micro-batches with accumulation, and the split is reported",
     )
     train.set_defaults(run=_run_train)
     return parser

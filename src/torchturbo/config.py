@@ -8,6 +8,7 @@ file with ``steps = "4"`` fails with a message, not deep inside the engine.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import sys
 import types
 import typing
@@ -420,7 +421,9 @@ class TurboConfig:
         unknown = set(data) - set(_SECTIONS) - {"device"}
         if unknown:
             raise ConfigError(
-                f"unknown config section(s) {sorted(unknown)}; allowed: {['device', *_SECTIONS]}"
+                f"unknown config section(s) {sorted(unknown)}"
+                f"{_did_you_mean(unknown, {'device', *_SECTIONS})}; "
+                f"allowed: {['device', *_SECTIONS]}"
             )
         kwargs: dict[str, Any] = {}
         if "device" in data:
@@ -463,13 +466,26 @@ class TurboConfig:
             raise ConfigError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}") from None
 
 
+def _did_you_mean(unknown: set[str], allowed: set[str]) -> str:
+    """' (did you mean 'dtype'?)' for the closest valid names of typo'd keys, else ''."""
+    guesses = [
+        f"{key!r} -> {match[0]!r}"
+        for key in sorted(unknown)
+        if (match := difflib.get_close_matches(key, sorted(allowed), n=1))
+    ]
+    return f" (did you mean {', '.join(guesses)}?)" if guesses else ""
+
+
 def _section_from_dict(section_type: type, name: str, values: Any) -> Any:
     if not isinstance(values, dict):
         raise ConfigError(f"[{name}] must be a table, got {values!r}")
     allowed = {f.name for f in dataclasses.fields(section_type)}
     unknown = set(values) - allowed
     if unknown:
-        raise ConfigError(f"[{name}] unknown key(s) {sorted(unknown)}; allowed: {sorted(allowed)}")
+        raise ConfigError(
+            f"[{name}] unknown key(s) {sorted(unknown)}{_did_you_mean(unknown, allowed)}; "
+            f"allowed: {sorted(allowed)}"
+        )
     converted = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
     return section_type(**converted)
 
