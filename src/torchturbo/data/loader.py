@@ -80,6 +80,9 @@ def build_loader(
     - ``batch_sampler`` yields whole batches and owns their order and size, so it excludes
       ``batch_size`` and ``drop_last`` (an error when given) and ``shuffle`` (ignored). An
       ``IterableDataset`` also owns its order: ``shuffle`` is ignored for it too.
+
+    Only the loader fields of ``config`` are read here; length bucketing (``bucketing``,
+    ``max_tokens``, ``pad_to_multiple``) reaches it as ``batch_sampler`` and ``collate_fn``.
     """
     if not isinstance(config, DataConfig):
         raise ConfigError(f"build_loader: config must be a DataConfig, got {type(config).__name__}")
