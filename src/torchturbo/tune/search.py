@@ -26,6 +26,7 @@ from torchturbo.data.loader import LoaderTuning, describe, tune_loader
 from torchturbo.engine import resolve_device
 from torchturbo.measure.breakdown import PhaseRecorder
 from torchturbo.measure.timing import measure_interleaved, noise_band, time_once
+from torchturbo.oom import split_batch
 from torchturbo.recipe import Recipe
 from torchturbo.system import summary
 from torchturbo.techniques.memory_format import has_2d_convolutions
@@ -368,24 +369,8 @@ def _window_losses(trial: Trial, config: TurboConfig) -> list[float]:
 
 
 def _split_batches(batches: list[Any], split: int) -> list[Any]:
-    """Each batch cut into ``split`` equal micro-batches (tensors split along dim 0)."""
-    out = []
-    for batch in batches:
-        parts = _split(batch, split)
-        out.extend(parts)
-    return out
-
-
-def _split(batch: Any, split: int) -> list[Any]:
-    if isinstance(batch, torch.Tensor):
-        return list(batch.chunk(split))
-    if isinstance(batch, dict):
-        pieces = {k: _split(v, split) for k, v in batch.items()}
-        return [{k: v[i] for k, v in pieces.items()} for i in range(split)]
-    if isinstance(batch, (list, tuple)):
-        pieces = [_split(v, split) for v in batch]
-        return [type(batch)(p[i] for p in pieces) for i in range(split)]
-    raise ValueError(f"cannot split a batch of type {type(batch).__name__} into micro-batches")
+    """Each batch cut into ``split`` equal micro-batches, as the engine's OOM path cuts them."""
+    return [piece for batch in batches for piece in split_batch(batch, split)]
 
 
 def _bucketed_batches(recipe: Recipe) -> list[Any]:
