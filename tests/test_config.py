@@ -115,3 +115,11 @@ def test_sections_are_frozen():
     config = TurboConfig()
     with pytest.raises(AttributeError):
         config.precision.dtype = "bf16"  # type: ignore[misc]
+
+
+def test_replace_validates_the_fields_of_a_section_together():
+    """selective + every_n is valid together, though selective alone is not (the memory stage)."""
+    config = TurboConfig().replace(checkpointing__mode="selective", checkpointing__every_n=2)
+    assert config.checkpointing == CheckpointConfig(mode="selective", every_n=2)
+    with pytest.raises(ConfigError, match="needs module_types"):
+        TurboConfig().replace(checkpointing__mode="selective")

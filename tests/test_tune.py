@@ -152,3 +152,12 @@ def _only(*names):
     from torchturbo.tune.stages import STAGES
 
     return {name: STAGES[name] for name in names}
+
+
+def test_over_the_memory_budget_the_memory_stage_tries_checkpointing_and_micro_batches():
+    options = dataclasses.replace(QUICK, memory_budget=1)  # nothing fits: every candidate tried
+    _, results = tune(tiny_recipe(), options, stages=_only("memory"))
+    names = [c["name"] for c in results["candidates"][1:]]
+    assert names[:2] == ["checkpointing:full", "checkpointing:every_2nd"]
+    assert "micro-batch 4 x2" in names
+    assert all(c["verdict"] == "rejected" and c["reason"] for c in results["candidates"][1:])

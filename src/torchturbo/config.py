@@ -390,15 +390,22 @@ class TurboConfig:
                 raise ConfigError(f"[{name}] must be a {section_type.__name__}")
 
     def replace(self, **sections: Any) -> TurboConfig:
-        """A copy with whole sections or ``section__field`` values replaced."""
+        """A copy with whole sections or ``section__field`` values replaced.
+
+        The fields of one section are replaced together, so that options which are only valid
+        in combination (``mode = "selective"`` with ``every_n = 2``) validate as a whole.
+        """
         updates: dict[str, Any] = {}
+        fields: dict[str, dict[str, Any]] = {}
         for key, value in sections.items():
             if "__" in key:
                 section_name, field_name = key.split("__", 1)
-                base = updates.get(section_name, getattr(self, section_name))
-                updates[section_name] = dataclasses.replace(base, **{field_name: value})
+                fields.setdefault(section_name, {})[field_name] = value
             else:
                 updates[key] = value
+        for section_name, values in fields.items():
+            base = updates.get(section_name, getattr(self, section_name))
+            updates[section_name] = dataclasses.replace(base, **values)
         return dataclasses.replace(self, **updates)
 
     def to_dict(self) -> dict[str, Any]:
