@@ -117,6 +117,17 @@ def test_block_discovery_takes_outermost_repeated_blocks():
     assert [n for n, _ in every_2nd] == ["blocks.0", "blocks.2"]
 
 
+def test_blocks_that_are_sequentials_of_blocks_are_not_taken_twice():
+    # A ResNet's stages: a Sequential of stages, each a Sequential of residual blocks.
+    def stage() -> nn.Sequential:
+        return nn.Sequential(*(nn.Sequential(nn.Linear(4, 4), nn.ReLU()) for _ in range(2)))
+
+    model = nn.Module()
+    model.stem = nn.Linear(4, 4)
+    model.stages = nn.Sequential(stage(), stage())
+    assert [n for n, _ in find_blocks(model)] == ["stages.0", "stages.1"]
+
+
 def test_applying_twice_does_not_nest_checkpoints():
     model = MLP(width=32, depth=2)
     x = torch.randn(4, 32)

@@ -41,7 +41,7 @@ def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     for name, module in model.named_modules():
         if not isinstance(module, (nn.Sequential, nn.ModuleList)):
             continue
-        if any(name.startswith(t + ".") for t in taken):
+        if any(name == t or name.startswith(t + ".") for t in taken):
             continue
         for child_name, child in module.named_children():
             if next(child.children(), None) is None:
