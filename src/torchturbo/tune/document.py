@@ -1,0 +1,197 @@
+"""The report document: one list of blocks, rendered to markdown and to self-contained HTML.
+
+:func:`build_blocks` lays out the report once (headline, tables, plots, how to use the tuned
+config), and both renderers walk the same list, so the markdown and the HTML never disagree. The
+HTML is written by hand with ``html.escape`` rather than through a markdown library or a template
+engine: it is a handful of headings, tables and images, a page that must open offline needs no
+more, and it costs no dependency.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from torchturbo.tune.plots import PLOTS
+from torchturbo.tune.summary import (
+    budget_line,
+    confirmation_line,
+    headline,
+    loader_line,
+    system_line,
+)
+from torchturbo.tune.tables import (
+    CANDIDATE_HEADERS,
+    INCREMENTAL_HEADERS,
+    STAGE_HEADERS,
+    candidate_rows,
+    header_row,
+    incremental_rows,
+    stage_rows,
+)
+
+_VERDICTS = ("adopted", "rejected", "skipped", "kept")
+
+
+@dataclass(frozen=True)
+class _Heading:
+    text: str
+    level: int = 2
+
+
+@dataclass(frozen=True)
+class _Para:
+    text: str
+    strong: bool = False
+
+
+@dataclass(frozen=True)
+class _Grid:
+    headers: tuple[str, ...]
+    rows: list[tuple[str, ...]]
+    verdict_column: int | None = None  # colours rows in HTML
+
+
+@dataclass(frozen=True)
+class _Image:
+    name: str
+    caption: str
+
+
+@dataclass(frozen=True)
+class _Code:
+    text: str
+    language: str
+
+
+_Block = _Heading | _Para | _Grid | _Image | _Code
+
+
+def build_blocks(results: dict, drawn: Iterable[str]) -> list[_Block]:
+    """The report, in order; ``drawn`` names the plots that have a PNG (the rest say why not)."""
+    drawn = set(drawn)
+    recipe = str(results.get("recipe") or "recipe")
+    blocks: list[_Block] = [
+        _Heading(f"torchturbo tune report: {recipe}", 1),
+        _Para(system_line(results)),
+        _Para(headline(results), strong=True),
+        _Para(confirmation_line(results)),
+        _Para(budget_line(results)),
+        _Heading("Incremental table"),
+        _Para("The baseline, then one adopted technique per row; throughput is cumulative."),
+        _Grid(header_row(INCREMENTAL_HEADERS, results), incremental_rows(results)),
+        _Heading("Stages"),
+        _Grid(header_row(STAGE_HEADERS, results), stage_rows(results)),
+        _Heading("Every candidate"),
+        _Grid(header_row(CANDIDATE_HEADERS, results), candidate_rows(results), verdict_column=2),
+        _Heading("Input pipeline"),
+        _Para(loader_line(results)),
+        _Heading("Plots"),
+    ]
+    for plot in PLOTS:
+        if plot.name in drawn:
+            blocks.append(_Image(plot.name, plot.caption))
+        else:
+            blocks.append(_Para(f"No {plot.name} plot: the results hold {plot.missing}."))
+    blocks += [
+        _Heading("How to use"),
+        _Para("The tuned configuration is turbo.toml, beside this report. In a training script:"),
+        _Code(
+            "import torchturbo\n\n"
+            'turbo = torchturbo.Turbo(torchturbo.TurboConfig.load("turbo.toml"))\n'
+            "model, optimizer, loader = turbo.setup(model, optimizer, dataset)\n"
+            "for batch in loader:\n"
+            "    metrics = turbo.step(loss_fn, batch)",
+            "python",
+        ),
+        _Para("To measure it again, side by side with the baseline:"),
+        _Code(f"torchturbo bench {recipe} --config turbo.toml", "bash"),
+    ]
+    return blocks
+
+
+def _md(text: str) -> str:
+    """Markdown-safe inline text: no raw HTML, no table breaks."""
+    return html.escape(text, quote=False).replace("|", "\\|").replace("\n", " ")
+
+
+def render_markdown(blocks: list[_Block]) -> str:
+    """report.md: images are linked to the PNGs written beside it."""
+    parts = []
+    for block in blocks:
+        match block:
+            case _Heading(text, level):
+                parts.append(f"{'#' * level} {_md(text)}")
+            case _Para(text, strong):
+                parts.append(f"**{_md(text)}**" if strong else _md(text))
+            case _Grid(headers, rows):
+                lines = [
+                    "| " + " | ".join(map(_md, headers)) + " |",
+                    "|" + " --- |" * len(headers),
+                    *("| " + " | ".join(map(_md, row)) + " |" for row in rows),
+                ]
+                parts.append("\n".join(lines))
+            case _Image(name, caption):
+                parts.append(f"![{_md(caption)}]({name}.png)")
+            case _Code(text, language):
+                parts.append(f"```{language}\n{text}\n```")
+    return "\n\n".join(parts) + "\n"
+
+
+_STYLE = """
+body { font-family: system-ui, sans-serif; max-width: 1200px; margin: 2em auto; padding: 0 1em;
+       color: #212121; line-height: 1.45; }
+.headline { font-size: 1.3em; }
+table { border-collapse: collapse; margin: 0.5em 0 1.5em; font-size: 0.9em; }
+th, td { border: 1px solid #e0e0e0; padding: 0.3em 0.6em; text-align: left; vertical-align: top; }
+th { background: #f5f5f5; }
+tr.adopted td { background: #e8f5e9; }
+tr.rejected td { background: #ffebee; }
+tr.skipped td, tr.kept td { color: #616161; }
+pre { background: #f5f5f5; padding: 0.8em; overflow-x: auto; }
+figure { margin: 1em 0; }
+img { max-width: 100%; }
+"""
+
+
+def _html_grid(grid: _Grid) -> str:
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in grid.headers)
+    body = []
+    for row in grid.rows:
+        verdict = row[grid.verdict_column] if grid.verdict_column is not None else ""
+        attr = f' class="{verdict}"' if verdict in _VERDICTS else ""
+        cells = "".join(f"<td>{html.escape(cell)}</td>" for cell in row)
+        body.append(f"<tr{attr}>{cells}</tr>")
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+
+
+def render_html(blocks: list[_Block], pngs: dict[str, bytes], title: str) -> str:
+    """report.html: one self-contained page, every text escaped and every PNG embedded."""
+    parts = []
+    for block in blocks:
+        match block:
+            case _Heading(text, level):
+                parts.append(f"<h{level}>{html.escape(text)}</h{level}>")
+            case _Para(text, strong):
+                inner = f"<strong>{html.escape(text)}</strong>" if strong else html.escape(text)
+                parts.append(f'<p class="headline">{inner}</p>' if strong else f"<p>{inner}</p>")
+            case _Grid():
+                parts.append(_html_grid(block))
+            case _Image(name, caption):
+                # Embedded, not linked: the page must open offline and survive being mailed alone.
+                data = base64.b64encode(pngs[name]).decode("ascii")
+                parts.append(
+                    f'<figure><img src="data:image/png;base64,{data}" alt="{html.escape(caption)}">'
+                    f"<figcaption>{html.escape(caption)}</figcaption></figure>"
+                )
+            case _Code(text, _):
+                parts.append(f"<pre><code>{html.escape(text)}</code></pre>")
+    return (
+        '<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n'
+        '<meta name="viewport" content="width=device-width, initial-scale=1">\n'
+        f"<title>{html.escape(title)}</title>\n<style>{_STYLE}</style>\n</head>\n<body>\n"
+        + "\n".join(parts)
+        + "\n</body>\n</html>\n"
+    )

@@ -1,0 +1,187 @@
+"""The report's four plots (throughput, memory, step-time breakdown, loss) as PNG bytes.
+
+:data:`PLOTS` lists them in report order, each with a caption and the words the report uses when
+the results hold no data for it; a drawing function returns None rather than an empty figure.
+Plots use matplotlib's object API on an Agg canvas rather than pyplot, so drawing never switches
+the caller's backend or leaves figures in pyplot's registry.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from torchturbo.tune.fields import BASELINE_LABEL, baseline_candidate, num
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+_BASELINE_COLOR = "#757575"
+_ADOPTED_COLOR = "#2e7d32"
+_UNCHANGED_COLOR = "#bdbdbd"
+
+
+def _figure(height: float = 3.6) -> Figure:
+    # Imported here: matplotlib takes a noticeable fraction of a second to import, and the
+    # terminal table (or `import torchturbo.tune.report`) should not pay for it.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(7.0, height), dpi=100, layout="constrained")
+    FigureCanvasAgg(figure)
+    return figure
+
+
+def _plain(label: str) -> str:
+    """Matplotlib reads `$...$` as math; names must print as they are."""
+    return label.replace("$", r"\$")
+
+
+def _stage_bars(
+    results: dict, baseline: float | None, key: str, scale: float
+) -> tuple[list[str], list[float], list[str]]:
+    """Bar labels, values and colours: the baseline (when known), then each stage in order."""
+    labels, values, colors = [], [], []
+    if baseline is not None:
+        labels.append("baseline")
+        values.append(baseline / scale)
+        colors.append(_BASELINE_COLOR)
+    adopted = set(results.get("adopted") or [])
+    for s in results.get("stages") or []:
+        value = num(s.get(key))
+        if value is None:
+            continue
+        changed = s.get("best") in adopted and not s.get("skipped_reason")
+        suffix = f"+ {s['best']}" if changed else "skipped" if s.get("skipped_reason") else "kept"
+        labels.append(_plain(f"{s.get('stage')}: {suffix}"))
+        values.append(value / scale)
+        colors.append(_ADOPTED_COLOR if changed else _UNCHANGED_COLOR)
+    return labels, values, colors
+
+
+def _barh(figure: Figure, labels: list[str], values: list[float], colors: list[str]) -> Any:
+    axes = figure.add_subplot()
+    bars = axes.barh(range(len(values)), values, color=colors)
+    axes.set_yticks(range(len(values)), labels, fontsize=8)
+    axes.invert_yaxis()  # baseline on top, stages downwards in the order they ran
+    axes.grid(axis="x", alpha=0.3)
+    return axes, bars
+
+
+def _plot_throughput(results: dict) -> Figure | None:
+    baseline = num(results.get("baseline_throughput"))
+    labels, values, colors = _stage_bars(results, baseline, "throughput", 1.0)
+    if not values or (baseline is not None and len(values) == 1):
+        return None
+    figure = _figure(height=1.2 + 0.35 * len(values))
+    axes, bars = _barh(figure, labels, values, colors)
+    if baseline:
+        axes.bar_label(bars, [f"{v / baseline:.2f}x" for v in values], padding=3, fontsize=8)
+        axes.set_xlim(0, max(values) * 1.15)
+    axes.set_xlabel(str(results.get("unit") or "throughput"))
+    axes.set_title("Throughput after each stage (green: a technique adopted)", fontsize=10)
+    return figure
+
+
+def _plot_memory(results: dict) -> Figure | None:
+    mib = 2.0**20
+    baseline = num(baseline_candidate(results).get("memory_bytes"))
+    labels, values, colors = _stage_bars(results, baseline, "memory_bytes", mib)
+    if not values or (baseline is not None and len(values) == 1):
+        return None
+    figure = _figure(height=1.2 + 0.35 * len(values))
+    axes, bars = _barh(figure, labels, values, colors)
+    axes.bar_label(bars, [f"{v:,.0f}" for v in values], padding=3, fontsize=8)
+    budget = num(results.get("memory_budget_bytes"))
+    limit = max(values)
+    if budget is not None:
+        axes.axvline(budget / mib, color="#c62828", linestyle="--", label="memory budget")
+        axes.legend(fontsize=8, loc="lower right")
+        limit = max(limit, budget / mib)
+    axes.set_xlim(0, limit * 1.15)
+    axes.set_xlabel("peak memory (MiB)")
+    axes.set_title("Peak memory after each stage", fontsize=10)
+    return figure
+
+
+def _plot_breakdown(results: dict) -> Figure | None:
+    breakdown = results.get("breakdown")
+    if not isinstance(breakdown, dict):
+        return None
+    columns = {
+        label: {k: v for k, v in (breakdown.get(key) or {}).items() if num(v) is not None}
+        for key, label in (("baseline", "baseline"), ("best", "chosen"))
+    }
+    columns = {label: phases for label, phases in columns.items() if phases}
+    if not columns:
+        return None
+    # Phases in the order they first appear: the order of a step (forward, backward, ...).
+    phases = list(dict.fromkeys(p for column in columns.values() for p in column))
+    figure = _figure()
+    axes = figure.add_subplot()
+    bottoms = [0.0] * len(columns)
+    for phase in phases:
+        heights = [1000 * float(column.get(phase, 0.0)) for column in columns.values()]
+        axes.bar(list(columns), heights, bottom=bottoms, label=_plain(phase), width=0.5)
+        bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
+    for x, total in enumerate(bottoms):
+        axes.annotate(f"{total:.1f} ms", (x, total), ha="center", va="bottom", fontsize=8)
+    axes.set_ylim(0, max(bottoms) * 1.15 or 1.0)
+    axes.set_ylabel("ms per step")
+    axes.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    axes.set_title("Where a step's time goes, before and after", fontsize=10)
+    return figure
+
+
+def _plot_loss(results: dict) -> Figure | None:
+    curves = results.get("loss_curves")
+    if not isinstance(curves, dict):
+        return None
+    series = {}
+    for key, label in (("baseline", f"baseline ({BASELINE_LABEL})"), ("best", "chosen")):
+        points = [(i, v) for i, v in enumerate(curves.get(key) or [], 1) if num(v) is not None]
+        if points:
+            series[label] = points
+    if not series:
+        return None
+    from matplotlib.ticker import MaxNLocator  # lazily, as in _figure
+
+    figure = _figure()
+    axes = figure.add_subplot()
+    for label, points in series.items():
+        steps, losses = zip(*points, strict=True)
+        axes.plot(steps, losses, label=label, marker="." if len(points) < 30 else None)
+    axes.xaxis.set_major_locator(MaxNLocator(integer=True))
+    axes.set_xlabel("step")
+    axes.set_ylabel("loss")
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize=8)
+    axes.set_title("Training loss, baseline and chosen configuration", fontsize=10)
+    return figure
+
+
+@dataclass(frozen=True)
+class Plot:
+    """One plot of the report: its file stem, caption and drawing function."""
+
+    name: str
+    caption: str
+    draw: Callable[[dict], Figure | None]
+    missing: str  # said in the report when the results hold no data for it
+
+
+PLOTS = (
+    Plot("throughput", "Throughput after each stage", _plot_throughput, "no stage throughputs"),
+    Plot("memory", "Peak memory after each stage", _plot_memory, "no memory figures"),
+    Plot("breakdown", "Step time by phase", _plot_breakdown, "no step-time breakdown"),
+    Plot("loss", "Loss curves", _plot_loss, "no loss curves"),
+)
+
+
+def png(figure: Figure) -> bytes:
+    """The figure as PNG bytes, kept in memory: written to disk and embedded in the HTML."""
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=100)
+    return buffer.getvalue()
