@@ -200,6 +200,13 @@ class Turbo:
         """Whether gradients of an unfinished accumulation window are pending."""
         return self._window.seen > 0
 
+    @property
+    def window_reference(self) -> torch.Tensor | None:
+        """The open window's count reference (first micro-batch's count x micro-steps): each
+        micro-step's loss is weighted by ``count / reference``. None while no window is open.
+        Distributed wrappers read it to normalize gradients across ranks."""
+        return self._window.reference
+
     def save(self, directory: str | Path, *, scheduler: Any = None) -> Path:
         """Checkpoint the run atomically under ``directory`` (see ``torchturbo.resume``).
 

@@ -84,13 +84,10 @@ def apply_distributed(
 
 
 def window_reference(turbo: Turbo) -> Callable[[], torch.Tensor]:
-    """This rank's count reference ``ref_r`` of the open accumulation window, read when needed.
-
-    TODO: the engine keeps it in the private ``_window``; read a public accessor once it has one.
-    """
+    """This rank's count reference ``ref_r`` of the open accumulation window, read when needed."""
 
     def reference() -> torch.Tensor:
-        value = turbo._window.reference
+        value = turbo.window_reference
         if value is None:
             raise RuntimeError("no accumulation window is open: call turbo.step, not backward")
         return value
