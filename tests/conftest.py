@@ -49,20 +49,19 @@ def classification_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tenso
     return nn.functional.cross_entropy(model(inputs), targets)
 
 
-def run_two_ranks(script, out_dir, timeout_s: float = 120) -> tuple[list[dict], str]:
-    """Run ``script out_dir`` on 2 local gloo processes under torchrun; a hang fails the test.
+def torchrun_two(args: list[str], timeout_s: float = 120) -> str:
+    """Run ``python -m torch.distributed.run --nproc-per-node 2 *args`` on 2 local gloo
+    processes; return the combined output. A hang or a non-zero exit fails the test.
 
-    --standalone makes torchrun pick a free port itself, so parallel runs do not collide. Each
-    rank writes ``rank{r}.json`` into ``out_dir``; returns those and the combined output.
+    --standalone makes torchrun pick a free port itself, so parallel runs do not collide.
     """
-    import json
     import os
     import signal
     import subprocess
     import sys
 
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    command += ["--nproc-per-node", "2", str(script), str(out_dir)]
+    command += ["--nproc-per-node", "2", *args]
     env = os.environ | {"OMP_NUM_THREADS": "1"}
     # A new session so that on timeout the whole group (torchrun and its workers) is killed.
     process = subprocess.Popen(
@@ -76,4 +75,13 @@ def run_two_ranks(script, out_dir, timeout_s: float = 120) -> tuple[list[dict], 
         pytest.fail(f"2-process run hung for {timeout_s}s:\n{output.decode()[-8000:]}")
     text = output.decode()
     assert process.returncode == 0, text[-8000:]
+    return text
+
+
+def run_two_ranks(script, out_dir, timeout_s: float = 120) -> tuple[list[dict], str]:
+    """Run ``script out_dir`` under :func:`torchrun_two`; each rank writes ``rank{r}.json``
+    into ``out_dir``. Returns those and the combined output."""
+    import json
+
+    text = torchrun_two([str(script), str(out_dir)], timeout_s)
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(2)], text

@@ -4,10 +4,11 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
-from conftest import run_two_ranks
+from conftest import run_two_ranks, torchrun_two
 from torch import nn
 
 from torchturbo.distributed import (
@@ -18,6 +19,7 @@ from torchturbo.distributed import (
 )
 
 SCRIPT = Path(__file__).parent / "scripts" / "dist_checks.py"
+TINY_RECIPE = Path(__file__).parent / "recipes" / "tiny.py"
 TIMEOUT_S = 120  # a collective waiting for a peer must fail the test, not stall the suite
 
 FULL_ENV = {
@@ -149,3 +151,34 @@ def test_bucketed_epoch_with_uneven_batches_finishes_in_sync(two_ranks):
 def test_flush_after_no_sync_micro_step_is_refused(two_ranks):
     for result in two_ranks[0]:
         assert "never all-reduced" in result["flush_error"]
+
+
+@pytest.mark.slow
+def test_tuner_ranks_follow_rank_zero_and_end_with_one_config(two_ranks):
+    rank0, rank1 = (result["tune"] for result in two_ranks[0])
+    # Rank 1's own budget was spent before it started: alone it would have skipped everything.
+    assert rank1 == rank0
+    assert rank0["processes"] == 2
+    rows = rank0["rows"]
+    assert {"comm_hook:fp16", "comm_hook:powersgd", "bucket_cap_mb:5"} <= set(rows)
+    assert all(row["verdict"] != "skipped" for row in rows.values())
+    assert rows["comm_hook:fp16"]["bytes"] * 2 == rows["fp32 eager"]["bytes"]
+    assert rows["comm_hook:powersgd"]["bytes"] < rows["comm_hook:fp16"]["bytes"]
+
+
+@pytest.mark.slow
+def test_bench_under_torchrun_reports_once_and_counts_the_fp16_hook(tmp_path):
+    config = tmp_path / "ddp_fp16.toml"
+    config.write_text('[distributed]\nstrategy = "ddp"\ncomm_hook = "fp16"\n')
+    out = tmp_path / "bench.json"
+    command = ["-m", "torchturbo", "bench", f"{TINY_RECIPE}:recipe", "--device", "cpu"]
+    command += ["--config", str(config), "--steps", "4", "--json", str(out)]
+    output = torchrun_two(command, TIMEOUT_S)
+    assert output.count("torchturbo bench: tiny (2 processes, gloo)") == 1  # rank 0 only
+    payload = json.loads(out.read_text())
+    assert payload["processes"] == 2
+    baseline, fp16 = payload["results"]
+    assert (baseline["variant"], fp16["variant"]) == ("baseline", "ddp_fp16.toml")
+    assert fp16["comm_bytes_per_step"] * 2 == baseline["comm_bytes_per_step"] > 0
+    # Same initial weights and first batch: the hook only changes gradients, not the first loss.
+    assert fp16["loss_first"] == baseline["loss_first"]

@@ -5,19 +5,33 @@ weights) training on a fixed, pre-collated list of batches, so every variant see
 the same order and input loading is kept out of the compute measurement. :func:`compare_configs`
 times trials interleaved through ``measure.timing`` and adds throughput, MFU, memory and loss.
 The CLI's ``bench``, ``benchmarks/techniques.py`` and the tuner all measure through here.
+
+Under torchrun every rank builds the same trials and steps them in the same order (the
+interleaving is deterministic), so their collectives pair up. Each trial's model is wrapped by
+``apply_distributed`` (DDP or FSDP2 per ``[distributed]``), each rank trains on its own seeded
+batches, throughput counts the samples of all ranks, DDP's gradient traffic is counted per step,
+and the other figures (step time, loss, memory) are rank 0's, which is the rank that reports.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import statistics
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
 from torchturbo.config import TurboConfig
+from torchturbo.distributed.comm import CommStats
+from torchturbo.distributed.launch import current_env
+from torchturbo.distributed.setup import apply_distributed
 from torchturbo.engine import Turbo
 from torchturbo.measure.flops import count_step_flops
 from torchturbo.measure.memory import activation_bytes, track_peak_memory
@@ -27,8 +41,13 @@ from torchturbo.recipe import Recipe
 
 
 def fixed_batches(recipe: Recipe, count: int, *, seed: int | None = None) -> list[Any]:
-    """The first ``count`` batches of a seeded shuffle of the recipe's dataset, collated."""
-    generator = torch.Generator().manual_seed(recipe.seed if seed is None else seed)
+    """The first ``count`` batches of a seeded shuffle of the recipe's dataset, collated.
+
+    The default seed is the recipe's plus the process's rank, so that under torchrun each rank
+    trains on different batches, as data-parallel ranks do.
+    """
+    seed = recipe.seed + current_env().rank if seed is None else seed
+    generator = torch.Generator().manual_seed(seed)
     loader = DataLoader(
         recipe.dataset,
         batch_size=recipe.batch_size,
@@ -56,6 +75,13 @@ class Trial:
         self.turbo = Turbo(config)
         model, optimizer = recipe.build()
         self.model, self.optimizer, _ = self.turbo.setup(model, optimizer)
+        distributed = current_env().is_distributed
+        #: DDP's gradient traffic, counted when running under torchrun with strategy = "ddp".
+        self.comm = CommStats() if distributed and config.distributed.strategy == "ddp" else None
+        if distributed:
+            self.model = apply_distributed(self.turbo, self.model, stats=self.comm)
+        #: Per step: (bytes, seconds) of gradient communication, when counted.
+        self.comm_steps: list[tuple[int, float]] = []
         self.losses: list[torch.Tensor] = []
         #: Median seconds per step from the latest interleaved measurement (set by callers).
         self.step_seconds: float | None = None
@@ -63,16 +89,38 @@ class Trial:
         self._next = itertools.cycle(batches).__next__
 
     def step(self) -> None:
+        before = (self.comm.bytes, self.comm.seconds) if self.comm else None
         metrics = self.turbo.step(self.recipe.loss_fn, self._next())
         self.losses.append(metrics.loss)
         self.counts.append(metrics.count)
+        if self.comm and before:
+            self.comm_steps.append((self.comm.bytes - before[0], self.comm.seconds - before[1]))
+
+    def comm_per_step(self) -> tuple[int, float] | None:
+        """Median (bytes, seconds) of gradient communication per step over the later half of the
+        steps (after DDP's first-step bucket rebuild and PowerSGD's plain warm-up steps), or None
+        when nothing is counted."""
+        recent = self.comm_steps[len(self.comm_steps) // 2 :]
+        if not recent:
+            return None
+        return (
+            int(statistics.median(b for b, _ in recent)),
+            statistics.median(s for _, s in recent),
+        )
 
     def loss_curve(self) -> list[float]:
         return [float(loss) for loss in self.losses]
 
     def mean_count(self) -> float:
-        """Mean samples (or tokens) per step, the numerator of throughput."""
-        return float(torch.stack(self.counts).mean()) if self.counts else 0.0
+        """Mean samples (or tokens) per step over all ranks, the numerator of throughput.
+
+        Under torchrun this is a collective: every rank must call it at the same point.
+        """
+        mean = torch.stack(self.counts).double().mean() if self.counts else torch.zeros(())
+        if current_env().is_distributed:
+            mean = mean.to(self.turbo.device)
+            dist.all_reduce(mean)
+        return float(mean)
 
     def memory_footprint(self) -> tuple[int | None, str]:
         """(bytes, kind): the memory one training step of this trial needs.
@@ -112,9 +160,12 @@ class Trial:
         """
         if self.config.compile.mode != "off":
             return None
-        result = activation_bytes(
-            lambda: self.turbo.forward(self.recipe.loss_fn, batch)[0], model=self.model
-        )
+        # A DDP forward outside no_sync() expects a backward with its all-reduce to follow.
+        quiet = isinstance(self.model, DistributedDataParallel)
+        with self.model.no_sync() if quiet else contextlib.nullcontext():
+            result = activation_bytes(
+                lambda: self.turbo.forward(self.recipe.loss_fn, batch)[0], model=self.model
+            )
         self.optimizer.zero_grad(set_to_none=True)
         return result
 
@@ -123,6 +174,9 @@ class Trial:
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
+    """Bytes this process holds: for an FSDP2 shard (a DTensor), its local part only."""
+    if isinstance(tensor, DTensor):
+        tensor = tensor.to_local()
     return tensor.numel() * tensor.element_size()
 
 
@@ -144,6 +198,12 @@ class VariantResult:
     loss_last: float
     first_step_s: float
     notes: dict[str, str]
+    #: Processes that trained together (torchrun's WORLD_SIZE); throughput counts all of them.
+    processes: int = 1
+    #: DDP gradient bytes this rank all-reduced per step, and the milliseconds they were in
+    #: flight; None when not counted (one process, or FSDP).
+    comm_bytes_per_step: int | None = None
+    comm_ms_per_step: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -225,6 +285,7 @@ def _rows(
         peak = measured_peak_flops(device, dtype_for_precision(trial.config.precision.dtype))
         curve = trial.loss_curve()  # before the memory probe, so every row ends on one step
         memory_bytes, memory_kind = trial.memory_footprint()
+        comm = trial.comm_per_step()
         rows.append(
             VariantResult(
                 variant=name,
@@ -241,6 +302,9 @@ def _rows(
                 loss_last=curve[-1],
                 first_step_s=first_step[name],
                 notes={k: v for k, v in trial.turbo.applied.items() if v is not None},
+                processes=current_env().world_size,
+                comm_bytes_per_step=None if comm is None else comm[0],
+                comm_ms_per_step=None if comm is None else comm[1] * 1e3,
             )
         )
     return rows

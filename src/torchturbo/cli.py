@@ -8,9 +8,10 @@ traceback instead.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -249,7 +250,7 @@ def _run_version(args: argparse.Namespace) -> int:
 def _run_bench(args: argparse.Namespace) -> int:
     from torchturbo.bench import compare_configs
     from torchturbo.config import TurboConfig
-    from torchturbo.report import print_rows
+    from torchturbo.distributed import is_main_process, launched
 
     if args.steps < 2:
         raise ValueError(f"--steps {args.steps} is too few: give at least 2 timed steps")
@@ -263,28 +264,39 @@ def _run_bench(args: argparse.Namespace) -> int:
         configs[name] = chosen
     recipe = load_target(args)
     steps_per_repeat = 3 if args.steps >= 6 else 1
-    rows = _with_status(
-        f"bench {recipe.name}",
-        lambda say: compare_configs(
-            recipe,
-            configs,
-            baseline="baseline",
-            repeats=max(2, args.steps // steps_per_repeat),
-            steps_per_repeat=steps_per_repeat,
-            on_progress=say,
-        ),
-    )
-    print_rows(f"torchturbo bench: {recipe.name}", rows)
+    with launched(chosen.device) as env:
+        rows = _with_status(
+            f"bench {recipe.name}",
+            lambda say: compare_configs(
+                recipe,
+                configs,
+                baseline="baseline",
+                repeats=max(2, args.steps // steps_per_repeat),
+                steps_per_repeat=steps_per_repeat,
+                on_progress=say,
+            ),
+        )
+        if not is_main_process():
+            return 0
+    title = f"torchturbo bench: {recipe.name}"
+    if env.is_distributed:
+        title += f" ({env.world_size} processes, {env.backend})"
+    from torchturbo.report import print_rows
+
+    print_rows(title, rows)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        payload = {"workload": recipe.name, "results": [r.to_dict() for r in rows]}
+        payload = {
+            "workload": recipe.name,
+            "processes": env.world_size,
+            "results": [r.to_dict() for r in rows],
+        }
         args.json.write_text(json.dumps(payload, indent=2))
     return 0
 
 
 def _run_tune(args: argparse.Namespace) -> int:
-    from rich.progress import BarColumn, Progress, TextColumn
-
+    from torchturbo.distributed import is_main_process, launched
     from torchturbo.report import wide_console
     from torchturbo.tune.report import incremental_table, write_report
     from torchturbo.tune.search import TuneOptions, tune
@@ -299,19 +311,11 @@ def _run_tune(args: argparse.Namespace) -> int:
     check_writable(args.out)
     recipe = load_target(args)
     console = wide_console()
-    columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[left]}"))
-    with Progress(*columns, console=console, transient=True) as progress:
-        task = progress.add_task("starting", total=options.time_budget_s, left="")
-
-        def show(stage: str, candidate: str, left: float) -> None:
-            progress.update(
-                task,
-                description=f"tune {recipe.name} [{stage}] {candidate}",
-                completed=options.time_budget_s - max(0.0, left),
-                left=f"{max(0.0, left):.0f} s left",
-            )
-
+    progress = _tune_progress(console, f"tune {recipe.name}", options.time_budget_s)
+    with launched(args.device or "auto"), progress as show:
         config, results = tune(recipe, options, on_progress=show)
+        if not is_main_process():
+            return 0
     # The report's "how to use" line repeats what the user typed to name the target.
     results["recipe"] = args.recipe or f"--workload {recipe.name}"
     paths = write_report(args.out, results, config.to_toml())
@@ -322,6 +326,33 @@ def _run_tune(args: argparse.Namespace) -> int:
     )
     console.print(f"use it: torchturbo bench {results['recipe']} --config {paths['config']}")
     return 0
+
+
+@contextlib.contextmanager
+def _tune_progress(
+    console: Any, title: str, budget_s: float
+) -> Iterator[Callable[[str, str, float], None]]:
+    """A progress bar over the time budget, drawn by rank 0 only."""
+    from rich.progress import BarColumn, Progress, TextColumn
+
+    from torchturbo.distributed import is_main_process
+
+    if not is_main_process():
+        yield lambda stage, candidate, left: None
+        return
+    columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[left]}"))
+    with Progress(*columns, console=console, transient=True) as progress:
+        task = progress.add_task("starting", total=budget_s, left="")
+
+        def show(stage: str, candidate: str, left: float) -> None:
+            progress.update(
+                task,
+                description=f"{title} [{stage}] {candidate}",
+                completed=budget_s - max(0.0, left),
+                left=f"{max(0.0, left):.0f} s left",
+            )
+
+        yield show
 
 
 def _run_doctor(args: argparse.Namespace) -> int:
@@ -408,9 +439,13 @@ def check_writable(directory: Path) -> None:
 
 
 def _with_status(title: str, work: Callable[[Callable[[str], None]], Any]) -> Any:
-    """Run ``work(say)`` under a live status line that ``say`` updates."""
+    """Run ``work(say)`` under a live status line that ``say`` updates (rank 0 only)."""
     from rich.console import Console
 
+    from torchturbo.distributed import is_main_process
+
+    if not is_main_process():
+        return work(lambda message: None)
     console = Console(stderr=True)
     with console.status(title) as status:
         return work(lambda message: status.update(f"{title}: {message}"))

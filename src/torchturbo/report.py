@@ -33,7 +33,8 @@ def wide_console() -> Console:
 def rows_table(title: str, rows: Sequence[Any]) -> Table:
     """One row per variant: ratio first, because that is the number that holds across runs."""
     table = Table(title=title)
-    for header in (
+    communicates = any(r.comm_bytes_per_step is not None for r in rows)
+    headers = [
         "variant",
         "ratio",
         "throughput",
@@ -43,10 +44,13 @@ def rows_table(title: str, rows: Sequence[Any]) -> Table:
         "activations",
         "loss first → last",
         "first step s",
-    ):
+    ]
+    if communicates:
+        headers += ["comm/step", "comm ms/step"]
+    for header in headers:
         table.add_column(header, justify="left" if header == "variant" else "right")
     for r in rows:
-        table.add_row(
+        cells = [
             r.variant,
             f"{r.ratio:.2f}x",
             f"{r.throughput:,.0f} {r.unit}",
@@ -56,7 +60,11 @@ def rows_table(title: str, rows: Sequence[Any]) -> Table:
             format_bytes(r.activation_bytes),
             f"{r.loss_first:.3f} → {r.loss_last:.3f}",
             f"{r.first_step_s:.2f}",
-        )
+        ]
+        if communicates:
+            ms = r.comm_ms_per_step
+            cells += [format_bytes(r.comm_bytes_per_step), "n/a" if ms is None else f"{ms:.1f}"]
+        table.add_row(*cells)
     return table
 
 

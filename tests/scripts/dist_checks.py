@@ -30,6 +30,9 @@ from torchturbo.distributed import (
     wrap_ddp,
 )
 from torchturbo.engine import Turbo
+from torchturbo.recipe import Recipe
+from torchturbo.tune.search import TuneOptions, tune
+from torchturbo.tune.stages import bucket_stage, comm_hook_stage
 
 #: Micro-batch sizes per rank: unequal within a window and across ranks.
 SIZES = {0: [3, 6, 5, 2], 1: [7, 2, 4, 4]}
@@ -297,6 +300,40 @@ def check_bucketed_epoch() -> dict:
     }
 
 
+def check_tune(rank: int) -> dict:
+    """The tuner's DDP stages, with clocks that disagree: rank 1's budget is already spent, so
+    on its own it would skip every candidate while rank 0 measures them; rank 0 decides."""
+    generator = torch.Generator().manual_seed(0)
+    inputs = torch.randn(256, 32, generator=generator)
+    targets = (inputs[:, :4].sum(dim=1) > 0).long()
+    recipe = Recipe(
+        name="mlp",
+        model=hook_model,
+        optimizer=lambda params: torch.optim.SGD(params, lr=0.05),
+        loss_fn=lambda model, batch: F.cross_entropy(model(batch[0]), batch[1]),
+        dataset=torch.utils.data.TensorDataset(inputs, targets),
+        batch_size=16,
+    )
+    options = TuneOptions(
+        time_budget_s=600.0 if rank == 0 else 1e-9,
+        device="cpu",
+        warmup=1,
+        repeats=2,
+        steps_per_repeat=1,
+        confirm_repeats=2,
+    )
+    stages = {"comm_hook": comm_hook_stage, "ddp_buckets": bucket_stage}
+    config, results = tune(recipe, options, stages=stages)
+    return {
+        "config": config.to_dict(),
+        "processes": results["processes"],
+        "rows": {
+            row["name"]: {"verdict": row["verdict"], "bytes": row.get("comm_bytes_per_step")}
+            for row in results["candidates"]
+        },
+    }
+
+
 def main() -> None:
     out_dir = Path(sys.argv[1])
     torch.set_num_threads(1)
@@ -308,6 +345,7 @@ def main() -> None:
     result["bucketed_epoch"] = check_bucketed_epoch()
     result["flush_error"] = check_flush_guard()
     result["pipeline"] = {s: check_pipeline(s) for s in ("gpipe", "1f1b")}
+    result["tune"] = check_tune(env.rank)
     (out_dir / f"rank{env.rank}.json").write_text(json.dumps(result, indent=1))
     shutdown()
 

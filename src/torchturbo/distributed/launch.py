@@ -15,9 +15,10 @@ writing one report would race.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -115,6 +116,22 @@ def shutdown() -> None:
     """Leave the process group (a no-op without one); call once at the end of a script."""
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def launched(device: str = "auto") -> Iterator[DistEnv]:
+    """Run a command inside torchrun's process group when launched by torchrun.
+
+    Joins the group on entry (a single process without torchrun) and, if it joined, leaves it on
+    exit: after a barrier when the command succeeded, so that no rank tears the group down while
+    a peer still communicates. A rank that fails exits at once; torchrun then stops the others.
+    """
+    joined = not (dist.is_available() and dist.is_initialized())
+    env = init_distributed(device)
+    yield env
+    if joined and env.is_distributed:
+        dist.barrier()
+        shutdown()
 
 
 def is_main_process() -> bool:

@@ -35,11 +35,11 @@ def _storage_key(tensor: torch.Tensor) -> tuple[_StorageKey, int] | None:
     """(device, address) of the tensor's storage and its size; None for storage-less tensors."""
     try:
         storage = tensor.untyped_storage()
-    except (RuntimeError, NotImplementedError):  # sparse, nested and some wrapper subclasses
+        nbytes = storage.nbytes()
+        key = (str(storage.device), storage.data_ptr()) if nbytes else None
+    except (RuntimeError, NotImplementedError):  # sparse, nested, DTensor and other wrappers
         return None
-    if storage.nbytes() == 0:
-        return None
-    return (str(storage.device), storage.data_ptr()), storage.nbytes()
+    return (key, nbytes) if key else None
 
 
 def _tensors_in(obj: Any) -> Iterator[torch.Tensor]:

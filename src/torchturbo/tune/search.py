@@ -6,6 +6,13 @@ fixed batches as the baseline, interleaved with the current best (see ``bench.Tr
 that adopt or reject it are in ``decide.py``. A candidate that raises is rejected with its error
 and the run goes on. The time budget is checked before each candidate; a final confirmation run
 re-measures the chosen configuration against the fp32 baseline.
+
+Under torchrun every rank runs the tuner: every trial is a DDP/FSDP trial, all ranks measure,
+and every branch taken on a measurement (time left, the speed probe, a failure, the verdict)
+follows rank 0's value (``distributed.consensus``), so the ranks' collectives keep pairing up and
+all ranks end with rank 0's config. A failure must happen on every rank alike (a technique that
+does not apply); one that strikes one rank inside a collective stops the run (torchrun ends the
+other ranks when one fails; the process group's timeout bounds a wait).
 """
 
 from __future__ import annotations
@@ -23,6 +30,8 @@ from torchturbo.bench import Trial, fixed_batches, start_trial
 from torchturbo.config import TurboConfig
 from torchturbo.data.bucketing import BucketBatchSampler
 from torchturbo.data.loader import LoaderTuning, describe, tune_loader
+from torchturbo.distributed.consensus import agree, any_rank
+from torchturbo.distributed.launch import current_env
 from torchturbo.engine import resolve_device
 from torchturbo.measure.breakdown import PhaseRecorder
 from torchturbo.measure.timing import measure_interleaved, noise_band, time_once
@@ -125,7 +134,7 @@ def tune(
     baseline = _Incumbent("baseline", base_config, baseline_trial, first, None)
     for _ in range(PARITY_STEPS):
         baseline_trial.step()
-    baseline.memory_bytes = baseline_trial.memory_footprint()[0]
+    baseline.memory_bytes = agree(baseline_trial.memory_footprint()[0])
     reference = baseline_trial.loss_curve()[:PARITY_STEPS]
     best = baseline
     try:
@@ -163,7 +172,7 @@ def _loader_stage(run: _Run, baseline: _Incumbent) -> LoaderTuning:
     ).values()
     baseline.trial.step_seconds = timing.median
     recipe = run.recipe
-    return tune_loader(
+    tuning = tune_loader(
         recipe.dataset,
         recipe.batch_size,
         collate_fn=recipe.collate,
@@ -173,10 +182,12 @@ def _loader_stage(run: _Run, baseline: _Incumbent) -> LoaderTuning:
         repeats=2,
         step_seconds=timing.median,
     )
+    return agree(tuning)
 
 
 def _context(run: _Run, best: _Incumbent) -> StageContext:
     recipe = run.recipe
+    env = current_env()
     return StageContext(
         recipe=recipe,
         best=best.config,
@@ -184,6 +195,8 @@ def _context(run: _Run, best: _Incumbent) -> StageContext:
         has_convolutions=has_2d_convolutions(recipe.model()),
         best_memory_bytes=best.memory_bytes,
         memory_budget=run.options.memory_budget,
+        world_size=env.world_size,
+        backend=env.backend,
         micro_batches=lambda split: _split_batches(run.batches, split),
         bucketed_batches=(lambda: _bucketed_batches(recipe)) if recipe.lengths else None,
     )
@@ -271,14 +284,17 @@ def _try(
         "one_time_s": None,
         "break_even_steps": None,
         "parity": None,
+        "comm_bytes_per_step": None,
     }
     estimate = 3 * (best.trial.step_seconds or 0.1) * _steps_per_measurement(run.options)
     if candidate.config.compile.mode != best.config.compile.mode:
         estimate += COMPILE_ALLOWANCE_S
-    if run.time_left() < estimate:
-        row.update(verdict="skipped", reason=f"time budget: {run.time_left():.0f} s left")
+    left, estimate = agree((run.time_left(), estimate))
+    if left < estimate:
+        row.update(verdict="skipped", reason=f"time budget: {left:.0f} s left")
         return row, None, 0.0
     trial = None
+    error: Exception | None = None
     try:
         trial, first = start_trial(
             candidate.recipe or run.recipe, candidate.config, _batches(run, candidate)
@@ -286,12 +302,13 @@ def _try(
         # The parity steps double as a cheap speed probe: a candidate far slower than the best
         # (fp16 without fp16 units) is rejected before the interleaved measurement.
         probe = min(time_once(trial.step, run.device) for _ in range(PROBE_STEPS))
-        if best.trial.step_seconds and probe > SLOW_FACTOR * best.trial.step_seconds:
+        probe, best_step = agree((probe, best.trial.step_seconds))
+        if best_step and probe > SLOW_FACTOR * best_step:
             trial.close()
             row.update(
                 verdict="rejected",
                 reason=f"not faster: its fastest of {PROBE_STEPS} steps took "
-                f"{probe / best.trial.step_seconds:.1f}x the current best's step, so it was not "
+                f"{probe / best_step:.1f}x the current best's step, so it was not "
                 "measured further",
             )
             return row, None, 0.0
@@ -308,10 +325,14 @@ def _try(
         trial.step_seconds = timings["candidate"].median
         memory_bytes = trial.memory_footprint()[0]
     except Exception as err:  # a technique that fails on this model is a finding, not a crash
+        error = err
+    if any_rank(error is not None, run.device):
         if trial is not None:
             trial.close()
-        row.update(verdict="rejected", reason=f"error: {type(err).__name__}: {err}"[:500])
+        message = f"{type(error).__name__}: {error}" if error else "it failed on another rank"
+        row.update(verdict="rejected", reason=agree(f"error: {message}"[:500]))
         return row, None, 0.0
+    assert trial is not None
     throughput = trial.mean_count() / timings["candidate"].median
     ratio = throughput / (best.trial.mean_count() / timings["best"].median)
     noise = noise_band(timings)
@@ -340,13 +361,16 @@ def _try(
         one_time_s=one_time,
         break_even_steps=None if break_even == float("inf") else break_even,
         parity=dataclasses.asdict(parity),
+        comm_bytes_per_step=(trial.comm_per_step() or (None,))[0],
         verdict="adopted" if verdict.adopt else "rejected",
         reason=verdict.reason,
     )
-    if not verdict.adopt:
+    row, adopt = agree((row, verdict.adopt))
+    if not adopt:
         trial.close()
-        return row, None, ratio
-    return row, _Incumbent(candidate.name, candidate.config, trial, first, memory_bytes), ratio
+        return row, None, row["ratio"]
+    incumbent = _Incumbent(candidate.name, candidate.config, trial, first, row["memory_bytes"])
+    return row, incumbent, row["ratio"]
 
 
 def _steps_per_measurement(options: TuneOptions) -> int:
@@ -404,6 +428,7 @@ def _confirm(run: _Run, baseline: _Incumbent, best: _Incumbent) -> dict[str, Any
     return {
         "recipe": run.recipe.name,
         "device": str(run.device),
+        "processes": current_env().world_size,
         "torch": torch.__version__,
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "unit": f"{run.recipe.count_unit}/s",
@@ -450,6 +475,7 @@ def _baseline_row(baseline: _Incumbent, step_s: float) -> dict[str, Any]:
         "one_time_s": None,
         "break_even_steps": None,
         "parity": None,
+        "comm_bytes_per_step": (baseline.trial.comm_per_step() or (None,))[0],
         "verdict": "kept",
         "reason": "the reference every candidate is measured against",
     }

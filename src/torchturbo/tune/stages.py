@@ -39,6 +39,8 @@ class StageContext:
     best_memory_bytes: int | None
     memory_budget: int | None
     world_size: int = 1
+    #: The process group's backend under torchrun ("nccl", "gloo"), None in one process.
+    backend: str | None = None
     micro_batches: Callable[[int], list[Any]] | None = None
     bucketed_batches: Callable[[], list[Any]] | None = None
     notes: dict[str, str] = field(default_factory=dict)
@@ -117,10 +119,52 @@ def dynamic_batching_stage(ctx: StageContext) -> list[Candidate] | str:
     ]
 
 
-def distributed_stage(ctx: StageContext) -> list[Candidate] | str:
+#: PowerSGD's plain all-reduce steps while tuning: torch's minimum, so that the measured steps
+#: are compressed ones. A real run may want a longer warm-up (docs/distributed.md).
+TUNING_POWERSGD_WARMUP = 2
+#: DDP bucket sizes tried around torch's 25 MiB default: fewer, larger all-reduces amortize
+#: per-call latency; smaller ones start communicating earlier in backward.
+BUCKET_CAPS_MB = (5.0, 100.0)
+
+
+def _ddp_only(ctx: StageContext) -> str | None:
     if ctx.world_size <= 1:
-        return "single process: run under torchrun to tune DDP/FSDP knobs"
-    return "distributed knobs are not tuned yet (DDP hooks and FSDP land with the distributed work)"
+        return "single process: run under torchrun --nproc-per-node N to tune DDP communication"
+    if ctx.best.distributed.strategy != "ddp":
+        return "strategy = 'fsdp': FSDP reduce-scatters without DDP's hooks and buckets"
+    return None
+
+
+def comm_hook_stage(ctx: StageContext) -> list[Candidate] | str:
+    skip = _ddp_only(ctx)
+    if skip:
+        return skip
+    candidates = [
+        Candidate("comm_hook:fp16", ctx.best.replace(distributed__comm_hook="fp16")),
+        Candidate(
+            "comm_hook:powersgd",
+            ctx.best.replace(
+                distributed__comm_hook="powersgd",
+                distributed__powersgd_warmup=TUNING_POWERSGD_WARMUP,
+            ),
+        ),
+    ]
+    if ctx.backend == "nccl":  # torch refuses bf16 all-reduce on gloo
+        candidates.append(
+            Candidate("comm_hook:bf16", ctx.best.replace(distributed__comm_hook="bf16"))
+        )
+    return candidates
+
+
+def bucket_stage(ctx: StageContext) -> list[Candidate] | str:
+    skip = _ddp_only(ctx)
+    if skip:
+        return skip
+    return [
+        Candidate(f"bucket_cap_mb:{cap:g}", ctx.best.replace(distributed__bucket_cap_mb=cap))
+        for cap in BUCKET_CAPS_MB
+        if cap != ctx.best.distributed.bucket_cap_mb
+    ]
 
 
 #: Stage name -> function, in the order the article applies them.
@@ -130,5 +174,6 @@ STAGES: dict[str, Callable[[StageContext], list[Candidate] | str]] = {
     "compile": compile_stage,
     "memory": memory_stage,
     "dynamic_batching": dynamic_batching_stage,
-    "distributed": distributed_stage,
+    "comm_hook": comm_hook_stage,
+    "ddp_buckets": bucket_stage,
 }

@@ -65,13 +65,19 @@ def system_line(results: dict) -> str:
 def budget_line(results: dict) -> str:
     memory_budget = results.get("memory_budget_bytes")
     return (
-        f"Recipe {results.get('recipe', 'n/a')} on {results.get('device', 'n/a')}. "
+        f"Recipe {results.get('recipe', 'n/a')} on {results.get('device', 'n/a')}"
+        f"{_processes(results)}. "
         f"The search took {fmt_float(results.get('elapsed_s'), 0)} s of a "
         f"{fmt_float(results.get('time_budget_s'), 0)} s budget; memory budget: "
         f"{'none' if memory_budget is None else fmt_bytes(memory_budget)}; planned run: "
         f"{fmt_int(results.get('planned_steps'))} steps (one-time costs such as compilation are "
         f"weighed against it); loss tolerance: {fmt_pct(results.get('loss_tolerance'))}."
     )
+
+
+def _processes(results: dict) -> str:
+    count = results.get("processes") or 1
+    return f", {count} processes under torchrun (rank 0's measurements)" if count > 1 else ""
 
 
 def loader_line(results: dict) -> str:
