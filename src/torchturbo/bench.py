@@ -2,7 +2,9 @@
 
 A :class:`Trial` is one configuration applied to a fresh model (the recipe's seed fixes the initial
 weights) training on a fixed, pre-collated list of batches, so every variant sees the same data in
-the same order and input loading is kept out of the compute measurement. :func:`compare_configs`
+the same order and input loading is kept out of the compute measurement. Each trial also draws
+its random numbers (dropout) from its own stream, so that interleaving trials does not hand them
+different dropout masks: loss curves differ only by what the configuration changes. :func:`compare_configs`
 times trials interleaved through ``measure.timing`` and adds throughput, MFU, memory and loss.
 The CLI's ``bench``, ``benchmarks/techniques.py`` and the tuner all measure through here.
 
@@ -87,10 +89,16 @@ class Trial:
         self.step_seconds: float | None = None
         self.counts: list[torch.Tensor] = []
         self._next = itertools.cycle(batches).__next__
+        #: This trial's RNG stream, starting where the seeded model initialization left it.
+        self._rng = _rng_state(self.turbo.device)
 
     def step(self) -> None:
         before = (self.comm.bytes, self.comm.seconds) if self.comm else None
-        metrics = self.turbo.step(self.recipe.loss_fn, self._next())
+        device = self.turbo.device
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            _set_rng_state(self._rng, device)
+            metrics = self.turbo.step(self.recipe.loss_fn, self._next())
+            self._rng = _rng_state(device)
         self.losses.append(metrics.loss)
         self.counts.append(metrics.count)
         if self.comm and before:
@@ -171,6 +179,17 @@ class Trial:
 
     def close(self) -> None:
         self.turbo.close()
+
+
+def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng_state(state: tuple[torch.Tensor, torch.Tensor | None], device: torch.device) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
