@@ -51,3 +51,19 @@ def test_without_private_streams_interleaved_engines_see_different_masks():
         [float(turbo.step(recipe.loss_fn, batch).loss) for turbo in runs] for batch in batches
     ]
     assert all(a != b for a, b in losses)
+
+
+def test_a_trial_aligned_with_another_takes_the_same_next_batch_without_training():
+    recipe = dropout_recipe()
+    batches = fixed_batches(recipe, 4)
+    ahead, behind = (Trial(recipe, TurboConfig(device="cpu"), batches) for _ in range(2))
+    for _ in range(7):
+        ahead.step()
+    behind.step()
+    weights = [p.detach().clone() for p in behind.model.parameters()]
+    behind.align_with(ahead)
+    assert behind.position % 4 == ahead.position % 4 == 3
+    assert all(torch.equal(a, b) for a, b in zip(weights, behind.model.parameters(), strict=True))
+    other = Trial(recipe, TurboConfig(device="cpu"), fixed_batches(recipe, 4))
+    other.align_with(ahead)  # different batch lists: nothing to align
+    assert other.position == 0

@@ -146,6 +146,10 @@ def test_an_exhausted_time_budget_skips_candidates():
     options = dataclasses.replace(QUICK, time_budget_s=0.001)
     _, results = tune(tiny_recipe(), options, stages=_only("precision"))
     assert {c["verdict"] for c in results["candidates"][1:]} == {"skipped"}
+    # Nothing adopted: the best is the baseline itself, not a noisy re-measurement of it.
+    assert results["confirmed_ratio"] == 1.0
+    confirmation = results["confirmation"]
+    assert confirmation["best_step_ms"] == confirmation["baseline_step_ms"]
 
 
 def _only(*names):

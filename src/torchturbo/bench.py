@@ -4,8 +4,9 @@ A :class:`Trial` is one configuration applied to a fresh model (the recipe's see
 weights) training on a fixed, pre-collated list of batches, so every variant sees the same data in
 the same order and input loading is kept out of the compute measurement. Each trial also draws
 its random numbers (dropout) from its own stream, so that interleaving trials does not hand them
-different dropout masks: loss curves differ only by what the configuration changes. :func:`compare_configs`
-times trials interleaved through ``measure.timing`` and adds throughput, MFU, memory and loss.
+different dropout masks: loss curves differ only by what the configuration changes.
+:func:`compare_configs` times trials interleaved through ``measure.timing`` and adds throughput,
+MFU, memory and loss.
 The CLI's ``bench``, ``benchmarks/techniques.py`` and the tuner all measure through here.
 
 Under torchrun every rank builds the same trials and steps them in the same order (the
@@ -88,7 +89,8 @@ class Trial:
         #: Median seconds per step from the latest interleaved measurement (set by callers).
         self.step_seconds: float | None = None
         self.counts: list[torch.Tensor] = []
-        self._next = itertools.cycle(batches).__next__
+        #: Steps taken so far: the next batch is ``batches[position % len(batches)]``.
+        self.position = 0
         #: This trial's RNG stream, starting where the seeded model initialization left it.
         self._rng = _rng_state(self.turbo.device)
 
@@ -97,12 +99,21 @@ class Trial:
         device = self.turbo.device
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             _set_rng_state(self._rng, device)
-            metrics = self.turbo.step(self.recipe.loss_fn, self._next())
+            batch = self.batches[self.position % len(self.batches)]
+            metrics = self.turbo.step(self.recipe.loss_fn, batch)
+            self.position += 1
             self._rng = _rng_state(device)
         self.losses.append(metrics.loss)
         self.counts.append(metrics.count)
         if self.comm and before:
             self.comm_steps.append((self.comm.bytes - before[0], self.comm.seconds - before[1]))
+
+    def align_with(self, other: Trial) -> None:
+        """Skip ahead (without training) to the batch ``other`` takes next, when both cycle
+        through the same batches: interleaved steps then time the same batch for both, which
+        matters when batches differ in cost (variable-length text)."""
+        if self.batches is other.batches:
+            self.position += (other.position - self.position) % len(self.batches)
 
     def comm_per_step(self) -> tuple[int, float] | None:
         """Median (bytes, seconds) of gradient communication per step over the later half of the

@@ -314,6 +314,7 @@ def _try(
             return row, None, 0.0
         while len(trial.losses) < _parity_len(candidate):
             trial.step()
+        trial.align_with(best.trial)
         timings = measure_interleaved(
             {"best": best.trial.step, "candidate": trial.step},
             device=run.device,
@@ -415,14 +416,23 @@ def _bucketed_batches(recipe: Recipe) -> list[Any]:
 
 
 def _confirm(run: _Run, baseline: _Incumbent, best: _Incumbent) -> dict[str, Any]:
-    """Re-measure the chosen config against the baseline with more repeats, then report."""
+    """Re-measure the chosen config against the baseline with more repeats, then report.
+
+    When nothing was adopted the best *is* the baseline trial: it is timed once, and the ratio is
+    1 by definition (interleaving a trial with itself would time different batches).
+    """
+    variants = {"baseline": baseline.trial.step}
+    if best is not baseline:
+        best.trial.align_with(baseline.trial)
+        variants["best"] = best.trial.step
     timings = measure_interleaved(
-        {"baseline": baseline.trial.step, "best": best.trial.step},
+        variants,
         device=run.device,
         warmup=1,
         repeats=run.options.confirm_repeats,
         steps_per_repeat=run.options.steps_per_repeat,
     )
+    timings.setdefault("best", timings["baseline"])
     base_tp = baseline.trial.mean_count() / timings["baseline"].median
     best_tp = best.trial.mean_count() / timings["best"].median
     return {
