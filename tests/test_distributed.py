@@ -182,3 +182,23 @@ def test_bench_under_torchrun_reports_once_and_counts_the_fp16_hook(tmp_path):
     assert fp16["comm_bytes_per_step"] * 2 == baseline["comm_bytes_per_step"] > 0
     # Same initial weights and first batch: the hook only changes gradients, not the first loss.
     assert fp16["loss_first"] == baseline["loss_first"]
+
+
+@pytest.mark.slow
+def test_comm_hooks_benchmark_reports_bytes_loss_and_scaling(tmp_path):
+    import subprocess
+    import sys
+
+    script = Path(__file__).parents[1] / "benchmarks" / "comm_hooks.py"
+    out = tmp_path / "comm_hooks.json"
+    command = [sys.executable, str(script), "--quick", "--json", str(out)]
+    # The script bounds its own torchrun launch; this timeout only backs it up.
+    subprocess.run([*command, "--timeout", str(TIMEOUT_S)], check=True, timeout=TIMEOUT_S + 30)
+    report = json.loads(out.read_text())
+    hooks = report["hooks"]
+    assert set(hooks) == {"none", "fp16", "powersgd"}
+    assert hooks["fp16"]["bytes_per_step"] * 2 == hooks["none"]["bytes_per_step"]
+    assert hooks["powersgd"]["bytes_per_step"] <= 0.1 * hooks["none"]["bytes_per_step"]
+    for row in hooks.values():
+        assert row["steps"] > 0 and row["loss_last"] < row["loss_first"]
+    assert report["scaling_efficiency"] > 0 and report["nproc"] == 2
