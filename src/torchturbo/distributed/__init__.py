@@ -1,5 +1,5 @@
 """Distributed training under torchrun: process group start-up, DDP with comm hooks, FSDP2,
-pipeline parallelism and communication accounting. See docs/techniques/distributed.md."""
+pipeline parallelism and communication accounting. See docs/distributed.md."""
 
 from torchturbo.distributed.comm import CommStats, counting_hook
 from torchturbo.distributed.ddp import COMM_HOOKS, check_comm_hook, wrap_ddp
