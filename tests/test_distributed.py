@@ -202,3 +202,18 @@ def test_comm_hooks_benchmark_reports_bytes_loss_and_scaling(tmp_path):
     for row in hooks.values():
         assert row["steps"] > 0 and row["loss_last"] < row["loss_first"]
     assert report["scaling_efficiency"] > 0 and report["nproc"] == 2
+
+
+@pytest.mark.slow
+def test_doctor_under_torchrun_judges_communication_from_counted_bytes(tmp_path):
+    out = tmp_path / "doctor.json"
+    command = ["-m", "torchturbo", "doctor", f"{TINY_RECIPE}:recipe", "--device", "cpu"]
+    output = torchrun_two([*command, "--steps", "2", "--json", str(out)], TIMEOUT_S)
+    assert output.count("communication efficiency") == 1  # rank 0 renders, rank 1 stays quiet
+    diagnosis = json.loads(out.read_text())
+    assert diagnosis["processes"] == 2
+    params = 16 * 3 * 9 + 16 + 16 * 16 * 9 + 16 + 16 * 2 + 2  # TinyConv, fp32 gradients
+    assert diagnosis["comm_bytes_per_step"] == 4 * params
+    (item,) = [i for i in diagnosis["items"] if i["name"] == "communication efficiency"]
+    assert item["state"] in {"ok", "recommended"}
+    assert "DDP all-reduced 10.9 KiB per step" in item["evidence"]

@@ -128,13 +128,7 @@ def test_result_serializes_and_renders(misaligned):
     from rich.console import Console
 
     data = json.loads(json.dumps(misaligned.to_dict()))
-    assert set(data["breakdown"]) == {
-        "input_wait",
-        "forward",
-        "backward",
-        "optimizer",
-        "communication",
-    }
+    assert set(data["breakdown"]) == {"input_wait", "forward", "backward", "optimizer"}
     assert data["top_operators"] and 0 < data["top_operators"][0]["share"] <= 1
     console = Console(record=True, width=200)
     render(misaligned, console)

@@ -387,7 +387,7 @@ def test_phase_recorder_rejects_unknown_and_nested_phases():
     with pytest.raises(ValueError, match=r"'forwrd'.*input_wait, forward"):
         recorder.phase("forwrd").__enter__()
     with recorder.phase("backward"), pytest.raises(RuntimeError, match="is open"):
-        recorder.phase("communication").__enter__()
+        recorder.phase("optimizer").__enter__()
 
 
 def test_null_recorder_runs_the_block_and_records_nothing():

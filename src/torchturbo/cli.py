@@ -357,6 +357,7 @@ def _tune_progress(
 
 def _run_doctor(args: argparse.Namespace) -> int:
     from torchturbo.config import TurboConfig
+    from torchturbo.distributed import is_main_process, launched
     from torchturbo.doctor import diagnose, render
 
     if args.steps < 1:
@@ -365,17 +366,21 @@ def _run_doctor(args: argparse.Namespace) -> int:
     if args.trace:
         check_writable(args.trace)
     recipe = load_target(args)
-    diagnosis = _with_status(
-        f"doctor {recipe.name}",
-        lambda say: diagnose(
-            recipe,
-            config=config,
-            device=args.device,
-            trace_dir=args.trace,
-            profile_steps=args.steps,
-            on_progress=say,
-        ),
-    )
+    device = args.device or (config.device if config else "auto")
+    with launched(device):
+        diagnosis = _with_status(
+            f"doctor {recipe.name}",
+            lambda say: diagnose(
+                recipe,
+                config=config,
+                device=args.device,
+                trace_dir=args.trace,
+                profile_steps=args.steps,
+                on_progress=say,
+            ),
+        )
+        if not is_main_process():
+            return 0
     render(diagnosis)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

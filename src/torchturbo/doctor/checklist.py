@@ -443,18 +443,27 @@ def _memory(f: Findings) -> Verdict:
 def _communication(f: Findings) -> Verdict:
     if not (dist.is_available() and dist.is_initialized()):
         return "not applicable", "a single process communicates nothing", None
-    comm = f.profile.breakdown["communication"]
-    if comm == 0:
+    sent, seconds = f.profile.comm_bytes_per_step, f.profile.comm_seconds_per_step
+    if sent is None or seconds is None:
         return (
             "not applicable",
-            "no communication phase was recorded: DDP overlaps its all-reduce with backward, "
-            "so it is inside the backward time",
+            f"strategy = {f.config.distributed.strategy!r}: torchturbo counts DDP's gradient "
+            "traffic through its comm hook, which FSDP does not use",
             None,
         )
-    share = comm / f.step_seconds
-    text = f"communication {_ms(comm)} per step ({share:.0%})"
-    if share >= COMM_SHARE:
-        return "recommended", f"{text}: try a compression hook or larger buckets", None
+    share = seconds / f.step_seconds
+    text = (
+        f"measured here: DDP all-reduced {format_bytes(round(sent))} per step "
+        f"(comm_hook = {f.config.distributed.comm_hook!r}), a reduction in flight {_ms(seconds)} "
+        f"per step ({share:.0%} of the step, overlapping backward and waiting for the slowest rank)"
+    )
+    if share >= COMM_SHARE and f.config.distributed.comm_hook == "none":
+        return (
+            "recommended",
+            f"{text}: try comm_hook = 'fp16' (half the bytes) or 'powersgd', or a larger "
+            "bucket_cap_mb; `torchrun ... -m torchturbo tune` measures them",
+            None,
+        )
     return "ok", text, None
 
 

@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader
 from torchturbo.bench import fixed_batches
 from torchturbo.config import CompileConfig, PrecisionConfig, TurboConfig
 from torchturbo.data.loader import build_loader, to_device
+from torchturbo.distributed.launch import current_env
 from torchturbo.doctor.checklist import judge
 from torchturbo.doctor.data_facts import (
     dataset_facts,
@@ -127,6 +128,9 @@ def diagnose(
         bound=findings.bound,
         trace_path=profile.trace_path,
         elapsed_s=time.perf_counter() - begin,
+        processes=current_env().world_size,
+        comm_bytes_per_step=profile.comm_bytes_per_step,
+        comm_seconds_per_step=profile.comm_seconds_per_step,
     )
 
 

@@ -53,8 +53,7 @@ class Diagnosis:
     workload: str
     device: str
     items: list[Item]
-    #: Mean seconds per step of each phase: input_wait, forward, backward, optimizer,
-    #: communication (0 when a phase did not occur).
+    #: Mean seconds per step of each phase: input_wait, forward, backward, optimizer.
     breakdown: dict[str, float]
     #: (operator, self time in ms per step, share of all operators' self time), largest first.
     top_operators: list[tuple[str, float, float]]
@@ -65,6 +64,12 @@ class Diagnosis:
     trace_path: Path | None
     #: Wall-clock seconds the whole diagnosis took.
     elapsed_s: float
+    #: Processes under torchrun (1 without it); figures are rank 0's.
+    processes: int = 1
+    #: DDP gradient bytes all-reduced per step by this rank, and seconds with a reduction in
+    #: flight per step (overlapping backward); None without DDP.
+    comm_bytes_per_step: float | None = None
+    comm_seconds_per_step: float | None = None
 
     def item(self, name: str) -> Item:
         """The item called ``name`` (a KeyError lists the names)."""

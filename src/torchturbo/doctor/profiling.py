@@ -20,6 +20,9 @@ from torch.profiler import ProfilerActivity, record_function
 from torch.utils.data import DataLoader
 
 from torchturbo.config import TurboConfig
+from torchturbo.distributed.comm import CommStats
+from torchturbo.distributed.launch import current_env
+from torchturbo.distributed.setup import apply_distributed
 from torchturbo.doctor.data_facts import BatchShapes, batch_shapes
 from torchturbo.engine import Turbo
 from torchturbo.measure.breakdown import PHASES, NullRecorder, PhaseRecorder
@@ -44,6 +47,10 @@ class ProfileResult:
     #: ``Turbo.applied``: technique -> None when applied, else why not.
     applied: dict[str, str | None]
     checkpointed_blocks: list[str]
+    #: Under torchrun with DDP: gradient bytes this rank all-reduced per step, and seconds per
+    #: step with a bucket reduction in flight (it overlaps backward). None otherwise.
+    comm_bytes_per_step: float | None = None
+    comm_seconds_per_step: float | None = None
 
 
 def profile_training(
@@ -57,12 +64,19 @@ def profile_training(
     """Train a fresh model of the recipe for ``2 * steps + 3`` steps and measure them."""
     turbo = Turbo(config)
     model, optimizer = recipe.build()
-    _, _, epoch_loader = turbo.setup(model, optimizer, loader)
+    model, _, epoch_loader = turbo.setup(model, optimizer, loader)
+    distributed = current_env().is_distributed
+    comm = CommStats() if distributed and config.distributed.strategy == "ddp" else None
+    if distributed:
+        apply_distributed(turbo, model, stats=comm)
     batches = _Batches(epoch_loader)
     try:
         # The first step pays one-time costs (lazy init, allocator growth, compilation).
         turbo.step(recipe.loss_fn, batches.next())
+        if comm is not None:
+            comm.reset()
         breakdown, peak = _breakdown(turbo, recipe, batches, steps)
+        comm_totals = comm.as_dict() if comm is not None else None
         top, trace_path = _profile(turbo, recipe, batches, steps, trace_dir)
     finally:
         batches.close()
@@ -75,6 +89,8 @@ def profile_training(
         trace_path=trace_path,
         applied=dict(turbo.applied),
         checkpointed_blocks=list(turbo.checkpointed_blocks),
+        comm_bytes_per_step=comm_totals["bytes"] / steps if comm_totals else None,
+        comm_seconds_per_step=comm_totals["seconds"] / steps if comm_totals else None,
     )
 
 

@@ -1,4 +1,4 @@
-"""The split of a step into phases: input wait, forward, backward, optimizer, communication.
+"""The split of a step into phases: input wait, forward, backward, optimizer.
 
 The engine wraps each phase of its step in ``recorder.phase(name)``. By default it holds a
 :class:`NullRecorder`, whose phases cost nothing; measurement code swaps in a
@@ -25,7 +25,9 @@ import torch
 from torchturbo.measure.timing import sync
 
 #: The phase names a step is split into.
-PHASES = ("input_wait", "forward", "backward", "optimizer", "communication")
+#: DDP's gradient communication overlaps backward, so it is not a phase of its own: it is counted
+#: apart, by the comm hook (torchturbo.distributed.comm).
+PHASES = ("input_wait", "forward", "backward", "optimizer")
 
 
 class Recorder(Protocol):
