@@ -8,12 +8,14 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import run_two_ranks, torchrun_two
 from torch import nn
 
 from torchturbo.distributed import (
     balanced_boundaries,
     check_comm_hook,
+    measured_child_seconds,
     read_launch_env,
     split_sequential,
 )
@@ -77,6 +79,24 @@ def test_pipeline_split_balances_parameters_at_child_boundaries():
         split_sequential(nn.ModuleList([nn.Linear(2, 2)]), 1)
 
 
+def test_pipeline_balanced_by_measured_time_gives_heavy_convolutions_their_own_stage():
+    model = nn.Sequential(
+        nn.Conv2d(8, 8, 3, padding=1),  # 584 parameters, the largest feature maps: the cost
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(8, 512),  # 4,608 parameters applied to 4 vectors: next to free
+        nn.Linear(512, 8),
+    )
+    sample = torch.randn(4, 8, 128, 128)
+    seconds = measured_child_seconds(model, sample)
+    assert seconds[0] == max(seconds)
+    assert balanced_boundaries(model, 2, seconds) == [1]
+    assert balanced_boundaries(model, 2) == [4]  # by parameter count: the Linears dominate
+    assert all(p.grad is None for p in model.parameters())  # the measurement left no gradients
+    with pytest.raises(ValueError, match="2 costs given for a model with 5 children"):
+        balanced_boundaries(model, 2, [1.0, 2.0])
+
+
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     return run_two_ranks(SCRIPT, tmp_path_factory.mktemp("dist"), TIMEOUT_S)
@@ -133,6 +153,16 @@ def test_pipeline_stages_match_the_unsplit_model(two_ranks, schedule):
     assert first["stage_children"] == last["stage_children"] == 2
     assert first["loss"] is None
     # Mean of 4 equal micro-batch means = full-batch mean; fp32 reordering only.
+    assert last["loss"] == pytest.approx(last["reference_loss"], rel=1e-6)
+    for stage in (first, last):
+        assert stage["grad_error"] <= 1e-5 * stage["grad_scale"]
+
+
+@pytest.mark.slow
+def test_pipeline_cut_by_rank_zeros_timing_matches_the_unsplit_model(two_ranks):
+    first, last = (r["pipeline"]["1f1b-timed"] for r in two_ranks[0])
+    # Four equal blocks: any cut rank 0 measured, as long as both ranks cut at the same place.
+    assert first["stage_children"] + last["stage_children"] == 4
     assert last["loss"] == pytest.approx(last["reference_loss"], rel=1e-6)
     for stage in (first, last):
         assert stage["grad_error"] <= 1e-5 * stage["grad_scale"]

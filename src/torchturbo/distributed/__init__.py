@@ -18,6 +18,7 @@ from torchturbo.distributed.pipeline import (
     PipelineRun,
     balanced_boundaries,
     build_pipeline,
+    measured_child_seconds,
     split_sequential,
 )
 from torchturbo.distributed.setup import apply_distributed
@@ -38,6 +39,7 @@ __all__ = [
     "is_main_process",
     "launched",
     "main_print",
+    "measured_child_seconds",
     "read_launch_env",
     "shutdown",
     "split_sequential",

@@ -2,11 +2,14 @@
 
 The article's ``torch.distributed.pipeline.sync.Pipe`` was removed from PyTorch;
 ``torch.distributed.pipelining`` replaces it. A model that runs its children in sequence (an
-``nn.Sequential``) is cut at child boundaries, given explicitly or balanced by parameter count;
-rank r keeps stage r only. Each batch is split into ``pipeline_microbatches`` micro-batches that
-flow through the stages: ``gpipe`` runs all forwards then all backwards (activations of every
-micro-batch alive at once), ``1f1b`` interleaves one forward with one backward once the pipeline
-is full (at most ``stages`` micro-batches of activations alive), same result, less memory.
+``nn.Sequential``) is cut at child boundaries, given explicitly or balanced by a cost per child:
+the parameter count (memory), or the measured forward + backward time of each child on a sample
+batch (speed; parameter counts mislead there: an early convolution has few parameters and the
+largest feature maps). Rank r keeps stage r only. Each batch is split into
+``pipeline_microbatches`` micro-batches that flow through the stages: ``gpipe`` runs all
+forwards then all backwards (activations of every micro-batch alive at once), ``1f1b``
+interleaves one forward with one backward once the pipeline is full (at most ``stages``
+micro-batches of activations alive), same result, less memory.
 
 The loss is computed on the last stage from its output and the target, ``loss_fn(output,
 target)`` (a mean over the micro-batch), and gradients are those of the mean over micro-batches:
@@ -16,6 +19,8 @@ for equal micro-batches, the full batch's mean loss.
 from __future__ import annotations
 
 import itertools
+import statistics
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -24,14 +29,24 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from torchturbo.config import DistributedConfig
+from torchturbo.distributed.consensus import agree
 from torchturbo.distributed.launch import current_env
+from torchturbo.measure.timing import sync
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
 
-def balanced_boundaries(model: nn.Sequential, num_stages: int) -> list[int]:
-    """Child indices where stages 1..num_stages-1 start, balancing parameter counts greedily."""
-    sizes = [sum(p.numel() for p in child.parameters()) for child in model]
+def balanced_boundaries(
+    model: nn.Sequential, num_stages: int, costs: Sequence[float] | None = None
+) -> list[int]:
+    """Child indices where stages 1..num_stages-1 start, balancing ``costs`` (one per child;
+    default: parameter counts) greedily."""
+    if costs is None:
+        sizes: list[float] = [sum(p.numel() for p in child.parameters()) for child in model]
+    else:
+        sizes = list(costs)
+    if len(sizes) != len(model):
+        raise ValueError(f"{len(sizes)} costs given for a model with {len(model)} children")
     if not 1 <= num_stages <= len(sizes):
         raise ValueError(
             f"num_stages = {num_stages} is invalid: expected 1 to the model's {len(sizes)} "
@@ -56,6 +71,32 @@ def balanced_boundaries(model: nn.Sequential, num_stages: int) -> list[int]:
             boundaries.append(index)
         running += size
     return boundaries
+
+
+def measured_child_seconds(
+    model: nn.Sequential, sample: torch.Tensor, *, repeats: int = 3
+) -> list[float]:
+    """Median seconds of each child's forward and backward, on the activations ``sample``
+    produces as it flows through the model: the per-stage cost a pipeline should balance.
+
+    Each child's backward starts from the gradient of its output's sum (the shape, not the value,
+    sets the cost). Gradients accumulated by the measurement are cleared afterwards.
+    """
+    device = sample.device
+    seconds: list[list[float]] = [[] for _ in model]
+    for _ in range(repeats):
+        x = sample
+        for index, child in enumerate(model):
+            x = x.detach().requires_grad_(x.is_floating_point())
+            sync(device)
+            begin = time.perf_counter()
+            out = child(x)
+            out.float().sum().backward()
+            sync(device)
+            seconds[index].append(time.perf_counter() - begin)
+            x = out
+    model.zero_grad(set_to_none=True)
+    return [statistics.median(s) for s in seconds]
 
 
 def split_sequential(
@@ -123,11 +164,20 @@ def build_pipeline(
     device: torch.device,
     *,
     boundaries: Sequence[int] | None = None,
+    sample: torch.Tensor | None = None,
 ) -> PipelineRun:
-    """Keep this rank's stage of ``model`` on ``device`` and schedule it (one stage per rank)."""
+    """Keep this rank's stage of ``model`` on ``device`` and schedule it (one stage per rank).
+
+    Stages start at ``boundaries`` when given; else, with a ``sample`` batch, they balance the
+    measured time of each child (rank 0's measurement, so that every rank cuts alike); else the
+    parameter counts.
+    """
     env = current_env()
     if env.world_size < 2:
         raise ValueError("pipeline parallelism needs at least 2 processes: launch with torchrun")
+    if boundaries is None and sample is not None:
+        costs = agree(measured_child_seconds(model.to(device), sample.to(device)))
+        boundaries = balanced_boundaries(model, env.world_size, costs)
     stages = split_sequential(model, env.world_size, boundaries)
     stage_module = stages[env.rank].to(device)
     stage = PipelineStage(stage_module, env.rank, env.world_size, device)
