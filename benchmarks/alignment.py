@@ -12,13 +12,13 @@ it gains). 1001 is odd, 1000 a multiple of 8 but not of 64, 1024 a multiple of e
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from torchturbo.measure import measure_interleaved, noise_band
+from torchturbo.results import write_results
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -95,8 +95,7 @@ def main() -> int:
             "noise_band": noise,
             "results": results,
         }
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(payload, indent=2))
+        write_results(args.json, payload)
     return 0
 
 

@@ -19,7 +19,6 @@ images/s counts every image that reaches the device augmented; ratios are over t
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -32,6 +31,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
 from torchturbo.data.augment import BatchAugment
+from torchturbo.results import write_results
 
 MEAN = (0.485, 0.456, 0.406)
 STD = (0.229, 0.224, 0.225)
@@ -321,8 +321,7 @@ def main() -> None:
         "quick": args.quick,
         "results": rows,
     }
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2))
+    write_results(args.json, result)
     print(f"wrote {args.json}")
 
 

@@ -19,7 +19,6 @@ one untimed pass each, timed passes alternate between the variants (A B, B A, ..
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -33,6 +32,7 @@ from torchturbo.data.bucketing import BucketBatchSampler, pack_batches, padding_
 from torchturbo.data.collate import pad_collate
 from torchturbo.measure.timing import measure_interleaved
 from torchturbo.recipe import Recipe
+from torchturbo.results import write_results
 from torchturbo.workloads import get_workload
 
 VARIANTS = ("naive", "bucketed")
@@ -161,8 +161,7 @@ def main() -> None:
     result = measure(args)
     print_table(result)
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2))
+        write_results(args.json, result)
 
 
 if __name__ == "__main__":

@@ -25,14 +25,12 @@ from __future__ import annotations
 import argparse
 import gc
 import itertools
-import json
 import os
 import platform
 import signal
 import statistics
 import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -43,6 +41,7 @@ from torchturbo.config import TurboConfig
 from torchturbo.distributed import init_distributed, shutdown
 from torchturbo.engine import Turbo
 from torchturbo.measure.timing import measure_interleaved
+from torchturbo.results import write_results
 from torchturbo.workloads import WORKLOADS, get_workload
 
 HOOKS = ("none", "fp16", "powersgd")
@@ -131,8 +130,7 @@ def write_report(
     }
     print_table(report)
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=2))
+        write_results(args.json, report)
 
 
 def print_table(report: dict[str, Any]) -> None:

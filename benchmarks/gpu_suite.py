@@ -13,7 +13,6 @@ dry run a test executes so that the script cannot rot.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -27,6 +26,7 @@ from techniques import variants
 
 from torchturbo.bench import compare_configs
 from torchturbo.measure.peak import measured_peak_flops
+from torchturbo.results import write_results
 from torchturbo.system import summary
 from torchturbo.tune.search import TuneOptions, tune
 from torchturbo.workloads import WORKLOADS, get_workload
@@ -111,7 +111,7 @@ def main() -> int:
     args = parser.parse_args()
     results = run(args.device, args.quick)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "gpu_suite.json").write_text(json.dumps(results, indent=2))
+    write_results(args.out / "gpu_suite.json", results)
     table = markdown(results)
     (args.out / "gpu_suite.md").write_text(table)
     print(table)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import platform
 import sys
 from collections.abc import Callable
@@ -36,6 +35,7 @@ from rich.table import Table
 from torch import nn
 
 from torchturbo.measure import measure_interleaved, noise_band, time_once
+from torchturbo.results import write_results
 from torchturbo.techniques.export import capture_model_inputs
 from torchturbo.techniques.fusion import fuse_for_inference
 from torchturbo.workloads import WORKLOADS, get_workload
@@ -205,8 +205,7 @@ def main() -> int:
             "threads": torch.get_num_threads(),
             "results": rows,
         }
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(payload, indent=2))
+        write_results(args.json, payload)
         print(f"wrote {args.json}")
     return 0
 

@@ -11,7 +11,6 @@ and runs the composite, so a CUDA row measures dispatch overhead only.
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import torch
 
 from torchturbo.kernels import bias_gelu, bias_gelu_reference, load_cpu_kernels
 from torchturbo.measure import measure_interleaved, noise_band, ratio, time_once
+from torchturbo.results import write_results
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -120,8 +120,7 @@ def main() -> int:
             "build_s": build_s,
             "results": results,
         }
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(payload, indent=2))
+        write_results(args.json, payload)
     return 0
 
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import io
-import json
 import os
 import platform
 import random
@@ -48,6 +47,7 @@ from torchturbo.data.loader import (
     usable_cpus,
 )
 from torchturbo.measure.timing import Timing, measure_interleaved, sync
+from torchturbo.results import write_results
 from torchturbo.workloads import get_workload
 
 MEAN = torch.tensor([0.485, 0.456, 0.406]).view(3, 1, 1)
@@ -404,8 +404,7 @@ def main() -> None:
     result = measure(args)
     report(result)
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2))
+        write_results(args.json, result)
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from torchturbo.data.memmap import MemmapDataset, write_memmap
+from torchturbo.results import write_results
 
 IMAGE_SHAPE = (3, 64, 64)
 GiB = 1 << 30
@@ -259,8 +260,7 @@ def main() -> None:
             shutil.rmtree(workdir, ignore_errors=True)
     print(json.dumps(result, indent=2))
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2))
+        write_results(args.json, result)
 
 
 if __name__ == "__main__":

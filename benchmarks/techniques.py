@@ -10,7 +10,6 @@ variants pay their compile time in the first step, reported apart ("first step s
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import torch
 from torchturbo.bench import compare_configs
 from torchturbo.config import TurboConfig
 from torchturbo.report import print_rows
+from torchturbo.results import write_results
 from torchturbo.workloads import WORKLOADS, get_workload
 
 
@@ -72,8 +72,7 @@ def main() -> int:
             "torch": torch.__version__,
             "results": [row.to_dict() for row in rows],
         }
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(payload, indent=2))
+        write_results(args.json, payload)
     return 0
 
 

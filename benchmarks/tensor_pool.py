@@ -14,12 +14,12 @@ is alloc_ms / variant_ms (> 1: faster than plain allocation).
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
 
 from torchturbo.measure import measure_interleaved, noise_band, ratio, time_once
+from torchturbo.results import write_results
 from torchturbo.techniques.tensor_pool import TensorPool
 
 
@@ -122,8 +122,7 @@ def main() -> int:
             "threads": torch.get_num_threads(),
             "results": results,
         }
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(payload, indent=2))
+        write_results(args.json, payload)
     return 0
 
 

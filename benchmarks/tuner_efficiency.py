@@ -21,6 +21,7 @@ import torch
 
 from torchturbo.bench import compare_configs
 from torchturbo.config import TurboConfig
+from torchturbo.results import write_results
 from torchturbo.tune.search import TuneOptions, tune
 from torchturbo.tune.stages import STAGES
 from torchturbo.workloads import WORKLOADS, get_workload
@@ -100,8 +101,7 @@ def main() -> int:
     }
     print(json.dumps(result, indent=2))
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2))
+        write_results(args.json, result)
     return 0
 
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
+import torchturbo.results as results_module
 from torchturbo.config import TurboConfig
-from torchturbo.tune import files
 from torchturbo.tune.report import incremental_table, write_report
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -314,7 +314,7 @@ def test_an_interrupted_write_keeps_the_previous_results(
     def crash(fd: int) -> None:
         raise OSError("disk full")
 
-    monkeypatch.setattr(files.os, "fsync", crash)
+    monkeypatch.setattr(results_module.os, "fsync", crash)
     changed = copy.deepcopy(full_results())
     changed["best_throughput"] = 1.0
     with pytest.raises(OSError, match="disk full"):

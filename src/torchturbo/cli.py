@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -285,13 +284,14 @@ def _run_bench(args: argparse.Namespace) -> int:
 
     print_rows(title, rows)
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
+        from torchturbo.results import write_results
+
         payload = {
             "workload": recipe.name,
             "processes": env.world_size,
             "results": [r.to_dict() for r in rows],
         }
-        args.json.write_text(json.dumps(payload, indent=2))
+        write_results(args.json, payload)
     return 0
 
 
@@ -383,8 +383,9 @@ def _run_doctor(args: argparse.Namespace) -> int:
             return 0
     render(diagnosis)
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(diagnosis.to_dict(), indent=2))
+        from torchturbo.results import write_results
+
+        write_results(args.json, diagnosis.to_dict())
     return 0
 
 

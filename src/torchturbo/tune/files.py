@@ -1,29 +1,13 @@
-"""Writing into the report's output folder: checked up front, every file replaced atomically.
+"""The report's output folder, checked up front so that hours of tuning are not lost to it.
 
-Every file is written to a temporary name in the output folder and renamed into place, so an
-interrupted run leaves the previous file or the new one, never half of one.
+Files go into it through :func:`torchturbo.results.write_atomic` (temporary name, then rename).
 """
 
 from __future__ import annotations
 
 import errno
 import os
-import secrets
 from pathlib import Path
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write beside ``path`` under a temporary name, then rename over it (atomic on POSIX)."""
-    temporary = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-    try:
-        with open(temporary, "xb") as f:  # open(), not mkstemp: the file keeps the umask's mode
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
 
 
 def prepare_dir(out_dir: Path) -> None:

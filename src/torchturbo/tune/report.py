@@ -19,8 +19,9 @@ from pathlib import Path
 from rich.table import Table
 from rich.text import Text
 
+from torchturbo.results import write_atomic
 from torchturbo.tune.document import build_blocks, render_html, render_markdown
-from torchturbo.tune.files import prepare_dir, write_atomic
+from torchturbo.tune.files import prepare_dir
 from torchturbo.tune.plots import PLOTS, png
 from torchturbo.tune.summary import headline
 from torchturbo.tune.tables import INCREMENTAL_HEADERS, header_row, incremental_rows
