@@ -64,11 +64,7 @@ def _parser() -> argparse.ArgumentParser:
         ),
     )
     _add_target_arguments(bench)
-    choice = bench.add_mutually_exclusive_group()
-    choice.add_argument(
-        "--preset", choices=("baseline", "fast"), default="fast", help="a named config"
-    )
-    choice.add_argument("--config", type=Path, help="a TOML config file (e.g. a tuned turbo.toml)")
+    _add_config_arguments(bench, default_preset="fast")
     bench.add_argument("--steps", type=int, default=15, help="timed steps per variant (default 15)")
     bench.add_argument("--json", type=Path, help="also write the rows as JSON here")
     bench.set_defaults(run=_run_bench)
@@ -151,9 +147,7 @@ def _parser() -> argparse.ArgumentParser:
         ),
     )
     _add_target_arguments(train)
-    choice = train.add_mutually_exclusive_group()
-    choice.add_argument("--preset", choices=("baseline", "fast"), default="baseline")
-    choice.add_argument("--config", type=Path, help="a TOML config file (e.g. a tuned turbo.toml)")
+    _add_config_arguments(train, default_preset="baseline")
     train.add_argument("--steps", type=int, required=True, help="optimizer steps to train")
     train.add_argument("--checkpoint-dir", type=Path, help="where checkpoints go")
     train.add_argument("--save-every", type=int, default=0, help="steps between checkpoints")
@@ -227,6 +221,25 @@ def _add_target_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available)")
 
 
+def _add_config_arguments(parser: argparse.ArgumentParser, *, default_preset: str) -> None:
+    choice = parser.add_mutually_exclusive_group()
+    choice.add_argument(
+        "--preset",
+        choices=("baseline", "fast"),
+        default=default_preset,
+        help=f"a named config (default {default_preset})",
+    )
+    choice.add_argument("--config", type=Path, help="a TOML config file (e.g. a tuned turbo.toml)")
+
+
+def chosen_config(args: argparse.Namespace) -> Any:
+    """The TurboConfig named by --config or --preset, with --device applied."""
+    from torchturbo.config import TurboConfig
+
+    config = TurboConfig.load(args.config) if args.config else TurboConfig.preset(args.preset)
+    return config.replace(device=args.device) if args.device else config
+
+
 def load_target(args: argparse.Namespace) -> Any:
     """The recipe named on the command line, or the built-in workload."""
     if args.recipe:
@@ -253,9 +266,7 @@ def _run_bench(args: argparse.Namespace) -> int:
 
     if args.steps < 2:
         raise ValueError(f"--steps {args.steps} is too few: give at least 2 timed steps")
-    chosen = TurboConfig.load(args.config) if args.config else TurboConfig.preset(args.preset)
-    if args.device:
-        chosen = chosen.replace(device=args.device)
+    chosen = chosen_config(args)
     baseline = TurboConfig(device=chosen.device)
     configs = {"baseline": baseline}
     name = args.config.name if args.config else args.preset
@@ -402,16 +413,13 @@ def _run_export(args: argparse.Namespace) -> int:
 
 
 def _run_train(args: argparse.Namespace) -> int:
-    from torchturbo.config import TurboConfig
     from torchturbo.train import train
 
     if args.steps < 1:
         raise ValueError(f"--steps {args.steps} is invalid: train at least 1 step")
     if args.resume and args.checkpoint_dir is None:
         raise ValueError("--resume needs --checkpoint-dir to know where to resume from")
-    config = TurboConfig.load(args.config) if args.config else TurboConfig.preset(args.preset)
-    if args.device:
-        config = config.replace(device=args.device)
+    config = chosen_config(args)
     if args.activation_budget:
         config = config.replace(reliability__memory_budget_bytes=args.activation_budget)
     result = train(
