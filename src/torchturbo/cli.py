@@ -60,7 +60,10 @@ def _parser() -> argparse.ArgumentParser:
             "Train the workload (or your recipe) with the fp32 eager baseline and with the chosen "
             "config side by side, interleaved in one process, and print step time (median and "
             "spread), throughput, MFU, memory and loss. Ratios are what to read: absolute times "
-            "on a shared machine are noise."
+            "on a shared machine are noise. Under `torchrun --nproc-per-node N -m torchturbo "
+            "bench ...` every variant trains as DDP or FSDP per [distributed], each rank on its "
+            "own batches, the table adds gradient bytes and communication ms per step, and only "
+            "rank 0 prints and writes."
         ),
     )
     _add_target_arguments(bench)
@@ -77,7 +80,9 @@ def _parser() -> argparse.ArgumentParser:
             "batching), measure each candidate against the current best, interleaved, and keep "
             "it only if it is faster beyond the measured noise, keeps the loss within tolerance "
             "of fp32, fits the memory budget and repays its one-time cost within the planned "
-            "steps. Writes turbo.toml, results.json, report.md and report.html to --out."
+            "steps. Writes turbo.toml, results.json, report.md and report.html to --out. Under "
+            "torchrun every rank measures DDP/FSDP trials, rank 0 decides (its decisions are "
+            "broadcast), DDP comm hooks and bucket sizes are tuned too, and rank 0 writes."
         ),
     )
     _add_target_arguments(tune)
@@ -109,7 +114,9 @@ def _parser() -> argparse.ArgumentParser:
             "Inspect the model and loader (conv+BN pairs, misaligned dimensions, loader "
             "settings, varying shapes), profile a few training steps (time split, top "
             "operators, peak memory, input- or compute-bound) and print each checklist item "
-            "with its state, evidence and, where a quick measurement gives one, the gain."
+            "with its state, evidence and, where a quick measurement gives one, the gain. Under "
+            "torchrun the model runs as DDP/FSDP and 'communication efficiency' is judged from "
+            "the gradient bytes and time counted per step."
         ),
     )
     _add_target_arguments(doctor)
