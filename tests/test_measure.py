@@ -29,6 +29,7 @@ from torchturbo.measure import (
     memory,
     mfu,
     noise_band,
+    paired_noise,
     ratio,
     time_once,
     timing,
@@ -110,6 +111,19 @@ def test_noise_band_is_the_largest_relative_iqr():
     assert noise_band([quiet]) == 0.0
     with pytest.raises(ValueError):
         noise_band({})
+
+
+def test_paired_noise_cancels_batch_cost_that_both_variants_share():
+    # Rounds alternate cheap and costly batches; the candidate is 1.25x faster on every one.
+    best = Timing([1.0, 3.0, 1.0, 3.0, 1.0, 3.0, 2.0])
+    candidate = Timing([s / 1.25 for s in best.samples])
+    assert noise_band([best, candidate]) > 0.5  # per-variant spread: the batches, not noise
+    assert paired_noise(candidate, best) == pytest.approx(0.0, abs=1e-12)
+    jitter = [1, 1.1, 0.9, 1, 1.2, 1, 0.8]
+    jittered = Timing([s * f for s, f in zip(candidate.samples, jitter, strict=True)])
+    assert 0.05 < paired_noise(jittered, best) < 0.5
+    with pytest.raises(ValueError, match="one sample per round"):
+        paired_noise(Timing([1.0]), best)
 
 
 @pytest.mark.parametrize(

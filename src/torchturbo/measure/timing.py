@@ -85,6 +85,24 @@ def noise_band(timings: Mapping[str, Timing] | Iterable[Timing]) -> float:
     return max(spreads)
 
 
+def paired_noise(a: Timing, b: Timing) -> float:
+    """The relative noise of ``a`` against ``b`` timed round by round on the same inputs: the
+    relative IQR of the per-round ratios ``a_r / b_r``.
+
+    When inputs differ in cost (variable-length text), round r times the same costly or cheap
+    batches for both variants: each variant's own spread then measures the inputs, not the
+    noise, while the per-round ratio cancels them. Both timings must come from one
+    :func:`measure_interleaved` call whose variants stepped through the same batches in step.
+    """
+    if len(a.samples) != len(b.samples):
+        raise ValueError(
+            f"paired_noise needs one sample per round from both: {len(a.samples)} vs "
+            f"{len(b.samples)}"
+        )
+    ratios = [x / y for x, y in zip(a.samples, b.samples, strict=True)]
+    return _relative_iqr(ratios, statistics.median(ratios))
+
+
 def measure_interleaved(
     variants: Mapping[str, Callable[[], Any]],
     *,

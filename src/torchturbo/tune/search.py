@@ -34,7 +34,13 @@ from torchturbo.distributed.consensus import agree, any_rank
 from torchturbo.distributed.launch import current_env
 from torchturbo.engine import resolve_device
 from torchturbo.measure.breakdown import PhaseRecorder
-from torchturbo.measure.timing import measure_interleaved, noise_band, time_once
+from torchturbo.measure.timing import (
+    Timing,
+    measure_interleaved,
+    noise_band,
+    paired_noise,
+    time_once,
+)
 from torchturbo.oom import split_batch
 from torchturbo.recipe import Recipe
 from torchturbo.system import summary
@@ -336,7 +342,9 @@ def _try(
     assert trial is not None
     throughput = trial.mean_count() / timings["candidate"].median
     ratio = throughput / (best.trial.mean_count() / timings["best"].median)
-    noise = noise_band(timings)
+    noise = _noise(
+        timings["candidate"], timings["best"], same_batches=trial.batches is best.trial.batches
+    )
     one_time = max(0.0, first - timings["candidate"].median)
     break_even = break_even_steps(one_time, timings["best"].median, timings["candidate"].median)
     parity = loss_parity(
@@ -372,6 +380,12 @@ def _try(
         return row, None, row["ratio"]
     incumbent = _Incumbent(candidate.name, candidate.config, trial, first, row["memory_bytes"])
     return row, incumbent, row["ratio"]
+
+
+def _noise(candidate: Timing, best: Timing, *, same_batches: bool) -> float:
+    """The ratio's noise: paired round by round when both trained the same batches in step
+    (``Trial.align_with``), which cancels differences in batch cost; else the larger spread."""
+    return paired_noise(candidate, best) if same_batches else noise_band([candidate, best])
 
 
 def _steps_per_measurement(options: TuneOptions) -> int:
@@ -448,7 +462,11 @@ def _confirm(run: _Run, baseline: _Incumbent, best: _Incumbent) -> dict[str, Any
         "confirmation": {
             "baseline_step_ms": timings["baseline"].median * 1e3,
             "best_step_ms": timings["best"].median * 1e3,
-            "noise": noise_band(timings),
+            "noise": _noise(
+                timings["best"],
+                timings["baseline"],
+                same_batches=best.trial.batches is baseline.trial.batches,
+            ),
             "repeats": run.options.confirm_repeats,
         },
         "time_budget_s": run.options.time_budget_s,
