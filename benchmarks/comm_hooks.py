@@ -83,11 +83,11 @@ def worker(args: argparse.Namespace) -> None:
     )
     results: dict[str, Any] = {}
     for hook, trial in trials.items():
-        comm_bytes, comm_seconds = trial.comm_per_step() or (0, 0.0)
+        comm_bytes, comm_seconds = trial.comm_per_step() or (0, None)
         losses = trial.loss_curve()
         results[hook] = {
             "bytes_per_step": comm_bytes,
-            "comm_ms_per_step": 1e3 * comm_seconds,
+            "comm_ms_per_step": None if comm_seconds is None else 1e3 * comm_seconds,
             "step_ms": 1e3 * timings[hook].median,
             "step_ms_spread": timings[hook].spread,
             "steps": len(losses),
@@ -143,9 +143,11 @@ def print_table(report: dict[str, Any]) -> None:
         f"{'loss first -> last':>20}"
     )
     for hook, row in report["hooks"].items():
+        comm_ms = row["comm_ms_per_step"]
         print(
             f"{hook:<10}{row['bytes_per_step']:>12,}{row['bytes_ratio']:>8.3f}"
-            f"{row['comm_ms_per_step']:>9.2f}{row['step_ms']:>9.2f}{row['step_ms_spread']:>8.2f}"
+            f"{'n/a' if comm_ms is None else f'{comm_ms:.2f}':>9}"
+            f"{row['step_ms']:>9.2f}{row['step_ms_spread']:>8.2f}"
             f"{row['loss_first']:>11.4f} -> {row['loss_last']:.4f}"
         )
     print(

@@ -15,6 +15,7 @@ from torch import nn
 from torchturbo.distributed import (
     balanced_boundaries,
     check_comm_hook,
+    init_distributed,
     measured_child_seconds,
     read_launch_env,
     split_sequential,
@@ -52,6 +53,13 @@ def test_launch_env_is_read_whole_or_not_at_all():
 def test_half_set_launch_env_is_a_clear_error(environ, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
         read_launch_env(environ)
+
+
+def test_one_gpu_index_for_every_rank_is_refused(monkeypatch):
+    for name, value in FULL_ENV.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match="each process uses GPU LOCAL_RANK"):
+        init_distributed("cuda:1")
 
 
 def test_comm_hook_names_and_backends_are_validated_up_front():
@@ -161,8 +169,8 @@ def test_pipeline_stages_match_the_unsplit_model(two_ranks, schedule):
 @pytest.mark.slow
 def test_pipeline_cut_by_rank_zeros_timing_matches_the_unsplit_model(two_ranks):
     first, last = (r["pipeline"]["1f1b-timed"] for r in two_ranks[0])
-    # Four equal blocks: any cut rank 0 measured, as long as both ranks cut at the same place.
-    assert first["stage_children"] + last["stage_children"] == 4
+    # Rank 0 measured the last block as the costly one; rank 1 did not measure and cut alike.
+    assert (first["stage_children"], last["stage_children"]) == (3, 1)
     assert last["loss"] == pytest.approx(last["reference_loss"], rel=1e-6)
     for stage in (first, last):
         assert stage["grad_error"] <= 1e-5 * stage["grad_scale"]
@@ -186,14 +194,34 @@ def test_flush_after_no_sync_micro_step_is_refused(two_ranks):
 @pytest.mark.slow
 def test_tuner_ranks_follow_rank_zero_and_end_with_one_config(two_ranks):
     rank0, rank1 = (result["tune"] for result in two_ranks[0])
-    # Rank 1's own budget was spent before it started: alone it would have skipped everything.
+    # Rank 1's own budget was spent and its probes said 1000 s a step: alone it would have
+    # skipped or rejected everything. It followed rank 0 to the same rows and config.
     assert rank1 == rank0
     assert rank0["processes"] == 2
     rows = rank0["rows"]
     assert {"comm_hook:fp16", "comm_hook:powersgd", "bucket_cap_mb:5"} <= set(rows)
     assert all(row["verdict"] != "skipped" for row in rows.values())
+    assert not any("not measured further" in row["reason"] for row in rows.values())
+    assert rows["broken"]["verdict"] == "rejected"
+    assert rows["broken"]["reason"] == "error: RuntimeError: no kernel for this op"
     assert rows["comm_hook:fp16"]["bytes"] * 2 == rows["fp32 eager"]["bytes"]
     assert rows["comm_hook:powersgd"]["bytes"] < rows["comm_hook:fp16"]["bytes"]
+
+
+@pytest.mark.slow
+def test_comm_bytes_per_step_spread_one_all_reduce_over_the_accumulation_window(two_ranks):
+    for result in two_ranks[0]:
+        counted = result["trial_comm"]
+        assert counted["bytes_per_step"] == 4 * counted["params"] // 4  # fp32, 4 micro-steps
+
+
+@pytest.mark.slow
+def test_per_rank_micro_batch_splitting_is_refused_or_switched_off(two_ranks):
+    for result in two_ranks[0]:
+        kept = result["kept_in_step"]
+        assert "memory_budget_bytes" in kept["budget_error"]
+        assert kept["auto_microbatch"] is False
+        assert kept["note"].startswith("off under torchrun")
 
 
 @pytest.mark.slow

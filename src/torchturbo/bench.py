@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import statistics
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -76,15 +75,20 @@ class Trial:
         self.config = config
         self.batches = batches
         self.turbo = Turbo(config)
-        model, optimizer = recipe.build()
-        self.model, self.optimizer, _ = self.turbo.setup(model, optimizer)
         distributed = current_env().is_distributed
         #: DDP's gradient traffic, counted when running under torchrun with strategy = "ddp".
         self.comm = CommStats() if distributed and config.distributed.strategy == "ddp" else None
-        if distributed:
-            self.model = apply_distributed(self.turbo, self.model, stats=self.comm)
-        #: Per step: (bytes, seconds) of gradient communication, when counted.
-        self.comm_steps: list[tuple[int, float]] = []
+        try:
+            model, optimizer = recipe.build()
+            self.model, self.optimizer, _ = self.turbo.setup(model, optimizer)
+            if distributed:
+                self.model = apply_distributed(self.turbo, self.model, stats=self.comm)
+        except BaseException:
+            self.turbo.close()  # restore the process-wide switches (TF32) it set
+            raise
+        #: Per optimizer window: (micro-steps, bytes, seconds) of gradient communication.
+        self.comm_windows: list[tuple[int, int, float]] = []
+        self._window_steps = 0
         self.losses: list[torch.Tensor] = []
         #: Median seconds per step from the latest interleaved measurement (set by callers).
         self.step_seconds: float | None = None
@@ -95,7 +99,6 @@ class Trial:
         self._rng = _rng_state(self.turbo.device)
 
     def step(self) -> None:
-        before = (self.comm.bytes, self.comm.seconds) if self.comm else None
         device = self.turbo.device
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             _set_rng_state(self._rng, device)
@@ -105,8 +108,13 @@ class Trial:
             self._rng = _rng_state(device)
         self.losses.append(metrics.loss)
         self.counts.append(metrics.count)
-        if self.comm and before:
-            self.comm_steps.append((self.comm.bytes - before[0], self.comm.seconds - before[1]))
+        self._window_steps += 1
+        if self.comm is not None and metrics.optimizer_stepped:
+            # The window's all-reduce ran in its last micro-step; backward has waited for it.
+            self.comm_windows.append((self._window_steps, self.comm.bytes, self.comm.seconds))
+            self.comm.reset()
+        if metrics.optimizer_stepped:
+            self._window_steps = 0
 
     def align_with(self, other: Trial) -> None:
         """Skip ahead (without training) to the batch ``other`` takes next, when both cycle
@@ -115,27 +123,29 @@ class Trial:
         if self.batches is other.batches:
             self.position += (other.position - self.position) % len(self.batches)
 
-    def comm_per_step(self) -> tuple[int, float] | None:
-        """Median (bytes, seconds) of gradient communication per step over the later half of the
-        steps (after DDP's first-step bucket rebuild and PowerSGD's plain warm-up steps), or None
-        when nothing is counted."""
-        recent = self.comm_steps[len(self.comm_steps) // 2 :]
-        if not recent:
+    def comm_per_step(self) -> tuple[int, float | None] | None:
+        """(bytes, seconds) of gradient communication per step (per micro-batch, like step
+        time: with accumulation one all-reduce serves several steps), over the later half of the
+        optimizer windows (after DDP's first-window bucket rebuild and PowerSGD's plain warm-up).
+        Seconds are None where they are not measured (NCCL, see ``CommStats.timed``); the whole
+        is None when nothing is counted."""
+        recent = self.comm_windows[len(self.comm_windows) // 2 :]
+        if self.comm is None or not recent:
             return None
-        return (
-            int(statistics.median(b for b, _ in recent)),
-            statistics.median(s for _, s in recent),
-        )
+        steps = sum(window[0] for window in recent)
+        sent = sum(window[1] for window in recent) // steps
+        seconds = sum(window[2] for window in recent) / steps if self.comm.timed else None
+        return sent, seconds
 
     def loss_curve(self) -> list[float]:
         return [float(loss) for loss in self.losses]
 
     def mean_count(self) -> float:
-        """Mean samples (or tokens) per step over all ranks, the numerator of throughput.
-
-        Under torchrun this is a collective: every rank must call it at the same point.
-        """
-        mean = torch.stack(self.counts).double().mean() if self.counts else torch.zeros(())
+        """Samples (or tokens) per step, the numerator of throughput: this process's mean, summed
+        over the ranks under torchrun (where it is a collective: every rank must call it at the
+        same point)."""
+        counts = [count.to("cpu", torch.float64) for count in self.counts]
+        mean = torch.stack(counts).mean() if counts else torch.zeros((), dtype=torch.float64)
         if current_env().is_distributed:
             mean = mean.to(self.turbo.device)
             dist.all_reduce(mean)
@@ -334,7 +344,7 @@ def _rows(
                 notes={k: v for k, v in trial.turbo.applied.items() if v is not None},
                 processes=current_env().world_size,
                 comm_bytes_per_step=None if comm is None else comm[0],
-                comm_ms_per_step=None if comm is None else comm[1] * 1e3,
+                comm_ms_per_step=None if comm is None or comm[1] is None else comm[1] * 1e3,
             )
         )
     return rows

@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
+import unittest.mock
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -18,6 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from torchturbo.bench import Trial, fixed_batches
 from torchturbo.config import AccumulationConfig, DataConfig, DistributedConfig, TurboConfig
 from torchturbo.data.collate import IGNORE_INDEX
 from torchturbo.distributed import (
@@ -26,13 +29,15 @@ from torchturbo.distributed import (
     build_pipeline,
     init_distributed,
     main_print,
+    pipeline,
     shutdown,
     wrap_ddp,
 )
 from torchturbo.engine import Turbo
 from torchturbo.recipe import Recipe
+from torchturbo.tune import search
 from torchturbo.tune.search import TuneOptions, tune
-from torchturbo.tune.stages import bucket_stage, comm_hook_stage
+from torchturbo.tune.stages import Candidate, StageContext, bucket_stage, comm_hook_stage
 
 #: Micro-batch sizes per rank: unequal within a window and across ranks.
 SIZES = {0: [3, 6, 5, 2], 1: [7, 2, 4, 4]}
@@ -229,8 +234,12 @@ def check_pipeline(schedule: str, *, timed: bool = False) -> dict:
         return ((output - target) ** 2).mean()
 
     config = DistributedConfig(pipeline_schedule=schedule, pipeline_microbatches=4)
-    sample = x if timed else None  # balance stages by measured time (rank 0's) instead of params
-    run = build_pipeline(stage_copy, config, mse, torch.device("cpu"), sample=sample)
+    # Timed: rank 0's measurement says the last block costs 100x the others, so both ranks cut
+    # before it; rank 1 must not measure at all (its patched measurement would raise).
+    sample = x if timed else None
+    costs = [1.0, 1.0, 1.0, 100.0] if dist.get_rank() == 0 else RuntimeError("rank 1 measured")
+    with unittest.mock.patch.object(pipeline, "measured_child_seconds", side_effect=[costs]):
+        run = build_pipeline(stage_copy, config, mse, torch.device("cpu"), sample=sample)
     loss = run.step(inputs=x) if run.is_first else run.step(target=y)
     reference_loss = mse(full(x), y)
     reference_loss.backward()
@@ -301,20 +310,37 @@ def check_bucketed_epoch() -> dict:
     }
 
 
-def check_tune(rank: int) -> dict:
-    """The tuner's DDP stages, with clocks that disagree: rank 1's budget is already spent, so
-    on its own it would skip every candidate while rank 0 measures them; rank 0 decides."""
+def mlp_recipe(**overrides: object) -> Recipe:
     generator = torch.Generator().manual_seed(0)
     inputs = torch.randn(256, 32, generator=generator)
     targets = (inputs[:, :4].sum(dim=1) > 0).long()
-    recipe = Recipe(
-        name="mlp",
-        model=hook_model,
-        optimizer=lambda params: torch.optim.SGD(params, lr=0.05),
-        loss_fn=lambda model, batch: F.cross_entropy(model(batch[0]), batch[1]),
-        dataset=torch.utils.data.TensorDataset(inputs, targets),
-        batch_size=16,
-    )
+    fields: dict = {
+        "name": "mlp",
+        "model": hook_model,
+        "optimizer": lambda params: torch.optim.SGD(params, lr=0.05),
+        "loss_fn": lambda model, batch: F.cross_entropy(model(batch[0]), batch[1]),
+        "dataset": torch.utils.data.TensorDataset(inputs, targets),
+        "batch_size": 16,
+    }
+    return Recipe(**(fields | overrides))
+
+
+def check_tune(rank: int) -> dict:
+    """The tuner's DDP stages with ranks that disagree: rank 1's budget is already spent and its
+    speed probes say every candidate is 1000 s a step, so on its own it would skip or reject
+    everything while rank 0 measures; rank 0 decides. A candidate that fails on every rank is
+    rejected on every rank."""
+
+    def unbuildable() -> nn.Module:
+        raise RuntimeError("no kernel for this op")
+
+    def slow_clock(step: Callable[[], object], device: torch.device) -> float:
+        step()  # the step (and its all-reduce) still runs; only the clock lies
+        return 1e3
+
+    def broken_stage(ctx: StageContext) -> list[Candidate]:
+        return [Candidate("broken", ctx.best, recipe=mlp_recipe(model=unbuildable))]
+
     options = TuneOptions(
         time_budget_s=600.0 if rank == 0 else 1e-9,
         device="cpu",
@@ -323,15 +349,53 @@ def check_tune(rank: int) -> dict:
         steps_per_repeat=1,
         confirm_repeats=2,
     )
-    stages = {"comm_hook": comm_hook_stage, "ddp_buckets": bucket_stage}
-    config, results = tune(recipe, options, stages=stages)
+    stages = {"broken": broken_stage, "comm_hook": comm_hook_stage, "ddp_buckets": bucket_stage}
+    with contextlib.ExitStack() as patches:
+        if rank == 1:
+            patches.enter_context(unittest.mock.patch.object(search, "time_once", slow_clock))
+        config, results = tune(mlp_recipe(), options, stages=stages)
     return {
         "config": config.to_dict(),
         "processes": results["processes"],
         "rows": {
-            row["name"]: {"verdict": row["verdict"], "bytes": row.get("comm_bytes_per_step")}
+            row["name"]: {
+                "verdict": row["verdict"],
+                "reason": row["reason"],
+                "bytes": row.get("comm_bytes_per_step"),
+            }
             for row in results["candidates"]
         },
+    }
+
+
+def check_trial_comm() -> dict:
+    """Bytes per step with accumulation: one all-reduce serves the window's 4 micro-steps."""
+    config = TurboConfig(device="cpu").replace(accumulation__steps=4)
+    recipe = mlp_recipe()
+    trial = Trial(recipe, config, fixed_batches(recipe, 4))
+    for _ in range(16):
+        trial.step()
+    params = sum(p.numel() for p in trial.model.parameters())
+    return {"bytes_per_step": trial.comm_per_step()[0], "params": params}
+
+
+def check_ranks_kept_in_step() -> dict:
+    """Per-rank micro-batch splitting is refused (a budget) or switched off (OOM retries)."""
+    budget = Turbo(TurboConfig(device="cpu").replace(reliability__memory_budget_bytes=10**6))
+    budget.setup(tiny_model(), torch.optim.SGD(tiny_model().parameters(), lr=0.1))
+    try:
+        apply_distributed(budget, budget.model)
+        budget_error = None
+    except ValueError as err:
+        budget_error = str(err)
+    plain = Turbo(TurboConfig(device="cpu"))
+    model = tiny_model()
+    plain.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    apply_distributed(plain, plain.model)
+    return {
+        "budget_error": budget_error,
+        "auto_microbatch": plain.microbatcher.auto,
+        "note": plain.applied.get("auto_microbatch"),
     }
 
 
@@ -348,6 +412,8 @@ def main() -> None:
     result["pipeline"] = {s: check_pipeline(s) for s in ("gpipe", "1f1b")}
     result["pipeline"]["1f1b-timed"] = check_pipeline("1f1b", timed=True)
     result["tune"] = check_tune(env.rank)
+    result["trial_comm"] = check_trial_comm()
+    result["kept_in_step"] = check_ranks_kept_in_step()
     (out_dir / f"rank{env.rank}.json").write_text(json.dumps(result, indent=1))
     shutdown()
 

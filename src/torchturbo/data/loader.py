@@ -35,6 +35,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from torchturbo.config import ConfigError, DataConfig
 from torchturbo.measure.timing import Timing, sync
+from torchturbo.system import usable_cores
 
 T = TypeVar("T")
 
@@ -49,11 +50,11 @@ _WORKER_EXIT_TIMEOUT_S = 10.0
 
 
 def usable_cpus() -> int:
-    """CPU cores this process may run on (its affinity mask, which containers and taskset set)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS and Windows have no sched_getaffinity
-        return os.cpu_count() or 1
+    """CPU cores this process's loader may use: its affinity mask (which containers and taskset
+    set), shared with the other processes torchrun started on this machine (LOCAL_WORLD_SIZE),
+    so that N ranks do not each start workers for every core."""
+    local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return max(1, usable_cores() // max(1, local_processes))
 
 
 def build_loader(

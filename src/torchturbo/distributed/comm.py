@@ -42,6 +42,9 @@ class CommStats:
     reductions: int = 0
     #: Wall seconds during which at least one bucket reduction was in flight.
     seconds: float = 0.0
+    #: False once a reduction ran on CUDA: an NCCL future completes when the collective is
+    #: queued on the GPU, not when it is done, so ``seconds`` would understate it there.
+    timed: bool = True
     _in_flight: int = field(default=0, repr=False)
     _since: float = field(default=0.0, repr=False)
 
@@ -71,6 +74,7 @@ def counting_hook(hook: CommHook, stats: CommStats) -> CommHook:
     def counted(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         _enter(stats)
         stats.reductions += 1
+        stats.timed = stats.timed and not bucket.buffer().is_cuda
         future = hook(state, bucket)
 
         def finished(done: torch.futures.Future[torch.Tensor]) -> torch.Tensor:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -92,6 +93,11 @@ def init_distributed(device: str = "auto", *, timeout_s: float = 600.0) -> DistE
     if env is None:
         return DistEnv()
     use_cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+    if use_cuda and ":" in device and env.is_distributed:
+        raise ValueError(
+            f"device = {device!r} names one GPU for every process; under torchrun each process "
+            "uses GPU LOCAL_RANK: pass device 'cuda'"
+        )
     if use_cuda:
         if env.local_rank >= torch.cuda.device_count():
             raise ValueError(
@@ -130,6 +136,9 @@ def launched(device: str = "auto") -> Iterator[DistEnv]:
     env = init_distributed(device)
     yield env
     if joined and env.is_distributed:
+        # DDP objects caught in reference cycles still hold the group: free them first, or
+        # destroying the group under a live reducer can hang at exit.
+        gc.collect()
         dist.barrier()
         shutdown()
 

@@ -18,6 +18,7 @@ for equal micro-batches, the full batch's mean loss.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import statistics
 import time
@@ -99,6 +100,21 @@ def measured_child_seconds(
     return [statistics.median(s) for s in seconds]
 
 
+def _measure_on_a_copy(
+    model: nn.Sequential, sample: torch.Tensor, device: torch.device
+) -> list[float]:
+    """:func:`measured_child_seconds` on a copy of the whole model on ``device``, with the RNG
+    restored afterwards: the model itself (BatchNorm statistics, placement) and the training's
+    random stream are left as they were. The copy must fit one device: for a model that does not,
+    give the boundaries or balance by parameter count."""
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        replica = copy.deepcopy(model).to(device)
+        seconds = measured_child_seconds(replica, sample.to(device))
+    del replica
+    return seconds
+
+
 def split_sequential(
     model: nn.Sequential, num_stages: int, boundaries: Sequence[int] | None = None
 ) -> list[nn.Sequential]:
@@ -169,14 +185,14 @@ def build_pipeline(
     """Keep this rank's stage of ``model`` on ``device`` and schedule it (one stage per rank).
 
     Stages start at ``boundaries`` when given; else, with a ``sample`` batch, they balance the
-    measured time of each child (rank 0's measurement, so that every rank cuts alike); else the
-    parameter counts.
+    measured time of each child (measured by rank 0 on a copy of the model, and broadcast, so
+    that every rank cuts alike); else the parameter counts.
     """
     env = current_env()
     if env.world_size < 2:
         raise ValueError("pipeline parallelism needs at least 2 processes: launch with torchrun")
     if boundaries is None and sample is not None:
-        costs = agree(measured_child_seconds(model.to(device), sample.to(device)))
+        costs = agree(_measure_on_a_copy(model, sample, device) if env.rank == 0 else None)
         boundaries = balanced_boundaries(model, env.world_size, costs)
     stages = split_sequential(model, env.world_size, boundaries)
     stage_module = stages[env.rank].to(device)

@@ -64,6 +64,7 @@ def apply_distributed(
         )
         return model
     config = turbo.config.distributed
+    _keep_ranks_in_step(turbo)
     reference = window_reference(turbo)
     count = functools.partial(global_count, reference=reference, world_size=env.world_size)
     if config.strategy == "ddp":
@@ -81,6 +82,28 @@ def apply_distributed(
     turbo.model = wrapped
     turbo.applied["distributed"] = None
     return wrapped
+
+
+def _keep_ranks_in_step(turbo: Turbo) -> None:
+    """Refuse or switch off what would split batches differently on each rank.
+
+    Micro-batching after an out-of-memory (``torchturbo.oom``) decides its split on the rank that
+    ran out, and replays that rank's window alone. The ranks would then run different numbers of
+    forwards (DDP broadcasts buffers in each) and reductions (FSDP reduce-scatters each piece):
+    their collectives no longer pair up, and the run hangs instead of failing.
+    """
+    if turbo.config.reliability.memory_budget_bytes is not None:
+        raise ValueError(
+            "[reliability] memory_budget_bytes splits each rank's batches on its own, which "
+            "leaves the ranks' collectives out of step under torchrun: use [accumulation] steps "
+            "(the same on every rank) to shrink the micro-batch"
+        )
+    if turbo.microbatcher is not None and turbo.microbatcher.auto:
+        turbo.microbatcher.auto = False
+        turbo.applied["auto_microbatch"] = (
+            "off under torchrun: a retry after out-of-memory would replay one rank's steps "
+            "alone, out of step with the others; an out-of-memory error stops the run instead"
+        )
 
 
 def window_reference(turbo: Turbo) -> Callable[[], torch.Tensor]:

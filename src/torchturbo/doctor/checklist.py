@@ -444,6 +444,14 @@ def _communication(f: Findings) -> Verdict:
     if not (dist.is_available() and dist.is_initialized()):
         return "not applicable", "a single process communicates nothing", None
     sent, seconds = f.profile.comm_bytes_per_step, f.profile.comm_seconds_per_step
+    if sent is not None and seconds is None:
+        return (
+            "applied",
+            f"measured here: DDP all-reduced {format_bytes(round(sent))} per step "
+            f"(comm_hook = {f.config.distributed.comm_hook!r}); its time is not measured on "
+            "NCCL, whose futures complete when the work is queued: see the trace (--trace)",
+            None,
+        )
     if sent is None or seconds is None:
         return (
             "not applicable",

@@ -90,7 +90,11 @@ def profile_training(
         applied=dict(turbo.applied),
         checkpointed_blocks=list(turbo.checkpointed_blocks),
         comm_bytes_per_step=comm_totals["bytes"] / steps if comm_totals else None,
-        comm_seconds_per_step=comm_totals["seconds"] / steps if comm_totals else None,
+        comm_seconds_per_step=(
+            comm_totals["seconds"] / steps
+            if comm_totals and comm is not None and comm.timed
+            else None
+        ),
     )
 
 
@@ -121,7 +125,10 @@ def _profile(
     if trace_dir is not None:
         trace_dir.mkdir(parents=True, exist_ok=True)
         # "*.pt.trace.json" is the name TensorBoard's profiler plugin and Perfetto both open.
-        trace_path = trace_dir / f"{recipe.name}.{time.strftime('%Y%m%d-%H%M%S')}.pt.trace.json"
+        env = current_env()  # under torchrun every rank writes its own trace
+        rank = f".rank{env.rank}" if env.is_distributed else ""
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        trace_path = trace_dir / f"{recipe.name}.{stamp}{rank}.pt.trace.json"
     export = (lambda p: p.export_chrome_trace(str(trace_path))) if trace_path else None
     schedule = torch.profiler.schedule(wait=1, warmup=1, active=steps)
     turbo.recorder = _TraceLabels()
