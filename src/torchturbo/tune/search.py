@@ -267,7 +267,7 @@ def _stage_row(
 
 def _throughput(trial: Trial) -> float | None:
     steps = trial.step_seconds
-    return trial.mean_count() / steps if steps else None
+    return None if steps is None else trial.mean_count() / steps
 
 
 def _try(
