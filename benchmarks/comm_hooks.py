@@ -4,7 +4,7 @@ Each hook (``none``, ``fp16``, ``powersgd`` rank 4; ``bf16`` too when the backen
 its own copy of a built-in workload (``--workload``, default text) as a ``bench.Trial`` under DDP:
 the same initial weights and, on each rank, the same seeded batches for every hook. Per hook:
 bytes all-reduced per step and the wall time with a bucket reduction in flight (counted by
-torchturbo.distributed.comm, medians over the later half of the steps, when PowerSGD is past its
+torchturbo.distributed.comm, means over the later half of the steps, when PowerSGD is past its
 2 plain warm-up steps), step time, and the loss at the start and over the last pass through the
 rank's batches. Steps of the variants are interleaved (measure.timing.measure_interleaved:
 warm-up, rotating order, medians, spread).
