@@ -33,6 +33,14 @@ def test_bench_on_a_recipe_prints_a_table_and_writes_json(tmp_path, capsys):
     assert all(r["mfu"] > 0 for r in rows)
 
 
+def test_bench_says_once_when_a_distributed_section_is_unused_in_one_process(tmp_path, capsys):
+    config = tmp_path / "ddp.toml"
+    config.write_text('[distributed]\ncomm_hook = "fp16"\n')
+    assert main(["bench", TINY, "--device", "cpu", "--steps", "2", "--config", str(config)]) == 0
+    out = capsys.readouterr().out
+    assert out.count("distributed not applied: one process: launch with torchrun") == 1
+
+
 def test_tune_writes_a_loadable_config_and_a_self_contained_report(tmp_path, capsys):
     out = tmp_path / "report"
     code = main(["tune", TINY, "--device", "cpu", "--time-budget", "40s", "--out", str(out)])

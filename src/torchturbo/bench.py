@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
-from torchturbo.config import TurboConfig
+from torchturbo.config import DistributedConfig, TurboConfig
 from torchturbo.distributed.comm import CommStats
 from torchturbo.distributed.launch import current_env
 from torchturbo.distributed.setup import apply_distributed
@@ -81,7 +81,8 @@ class Trial:
         try:
             model, optimizer = recipe.build()
             self.model, self.optimizer, _ = self.turbo.setup(model, optimizer)
-            if distributed:
+            # In one process this only notes that a [distributed] section is not used.
+            if distributed or config.distributed != DistributedConfig():
                 self.model = apply_distributed(self.turbo, self.model, stats=self.comm)
         except BaseException:
             self.turbo.close()  # restore the process-wide switches (TF32) it set

@@ -71,8 +71,12 @@ def rows_table(title: str, rows: Sequence[Any]) -> Table:
 def print_rows(title: str, rows: Sequence[Any], console: Console | None = None) -> None:
     console = console or wide_console()
     console.print(rows_table(title, rows))
+    variants_by_note: dict[tuple[str, str], list[str]] = {}
     for row in rows:
-        for technique, reason in row.notes.items():
-            console.print(f"[dim]{row.variant}: {technique} not applied: {reason}[/dim]")
+        for note in row.notes.items():
+            variants_by_note.setdefault(note, []).append(row.variant)
+    for (technique, reason), variants in variants_by_note.items():
+        who = "every variant" if len(variants) == len(rows) > 1 else ", ".join(variants)
+        console.print(f"[dim]{who}: {technique} not applied: {reason}[/dim]")
     kinds = sorted({row.peak_memory_kind for row in rows})
     console.print(f"[dim]step memory: {'; '.join(kinds)} (docs/measurement.md)[/dim]")
