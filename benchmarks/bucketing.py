@@ -30,6 +30,7 @@ import torch
 
 from torchturbo.data.bucketing import BucketBatchSampler, pack_batches, padding_fraction
 from torchturbo.data.collate import pad_collate
+from torchturbo.data.loader import to_device
 from torchturbo.measure.timing import measure_interleaved
 from torchturbo.recipe import Recipe
 from torchturbo.results import write_results
@@ -50,10 +51,11 @@ def plan(
     return {"naive": naive, "bucketed": sampler.global_batches()}
 
 
-def train_pass(recipe: Recipe, batches: list[Any]) -> Callable[[], None]:
+def train_pass(recipe: Recipe, batches: list[Any], device: str) -> Callable[[], None]:
     """A callable that trains one pass over ``batches`` on a fresh model of the recipe."""
     model, optimizer = recipe.build()
-    model.train()
+    model.to(device).train()
+    batches = [to_device(b, torch.device(device), non_blocking=False) for b in batches]
 
     def run() -> None:
         for batch in batches:
@@ -78,8 +80,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     real_tokens = sum(lengths)
 
     timings = measure_interleaved(
-        {name: train_pass(recipe, collated[name]) for name in VARIANTS},
-        device="cpu",
+        {name: train_pass(recipe, collated[name], args.device) for name in VARIANTS},
+        device=args.device,
         warmup=1,  # one untimed pass each: first-call costs of every batch shape
         repeats=args.repeats,
         steps_per_repeat=1,
@@ -103,6 +105,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "max_tokens": args.max_tokens,
         "pad_to_multiple": args.pad_to_multiple,
         "repeats": args.repeats,
+        "device": args.device,
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "machine": platform.processor() or platform.machine(),
@@ -149,6 +152,7 @@ def main() -> None:
         "--samples", type=int, default=4096, help="samples of the text dataset (its default: 4096)"
     )
     parser.add_argument("--repeats", type=int, default=3, help="interleaved timed epochs each")
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     args = parser.parse_args()
     args.max_tokens = args.max_tokens or (1024 if args.quick else 4096)
     if args.quick:

@@ -1,10 +1,13 @@
 """Every technique on one device in one script: the figures for docs/gpu.md.
 
 For each built-in workload, the techniques side by side against fp32 eager (interleaved, ratios,
-MFU against the peak measured in the same process, memory), the bucketed text batches against
-naive ones, and a short ``tune`` on vision with its confirmed ratio. Writes one JSON and one
-markdown table. Made for a lent CUDA GPU (budget: under 8 minutes); ``--device cpu --quick`` is the
-dry run a test executes so that the script cannot rot.
+MFU against the peak measured in the same process, memory) and a short ``tune`` on vision with
+its confirmed ratio; then the benchmarks with a device path of their own, each in its own process
+(``EXTRAS``: bucketed against naive text batches, device augmentation against CPU workers, the
+custom op, inference), whose JSON goes into ``extras``. Writes one JSON and one markdown table.
+Made for a lent CUDA GPU (budget: under 8 minutes; never run on one yet, so give the first device
+call a timeout that leaves room for a second); ``--device cpu --quick`` is the dry run a test
+executes so that the script cannot rot.
 
     python benchmarks/gpu_suite.py --device cuda --out benchmarks/results/gpu
     python benchmarks/gpu_suite.py --device cpu --quick --out /tmp/gpu-dry-run
@@ -13,6 +16,8 @@ dry run a test executes so that the script cannot rot.
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,6 +37,37 @@ from torchturbo.tune.search import TuneOptions, tune
 from torchturbo.workloads import WORKLOADS, get_workload
 
 QUICK_OVERRIDES = {"batch_size": 4, "num_samples": 32}
+HERE = Path(__file__).parent
+#: Benchmarks run after the suite, with their device arguments ({device} is filled in).
+EXTRAS = {
+    "bucketing": ["--device", "{device}"],
+    "augment": ["--device", "{device}"],
+    "kernels": [],  # measures on the CPU and, when present, on CUDA
+    "inference": ["--device", "{device}"],
+}
+#: Seconds one extra may take before it is stopped and recorded as failed.
+EXTRA_TIMEOUT_S = 300
+
+
+def run_extras(device: str, quick: bool, out: Path) -> dict[str, Any]:
+    """Run each of ``EXTRAS`` in its own process; its JSON, or its error, by name."""
+    extras: dict[str, Any] = {}
+    for name, arguments in EXTRAS.items():
+        path = out / f"{name}.json"
+        command = [sys.executable, str(HERE / f"{name}.py"), "--json", str(path)]
+        command += [argument.format(device=device) for argument in arguments]
+        command += ["--quick"] if quick else []
+        print(f"extra: {name}", file=sys.stderr)
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=EXTRA_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            extras[name] = {"error": f"stopped after {EXTRA_TIMEOUT_S} s"}
+            continue
+        if done.returncode != 0:
+            extras[name] = {"error": done.stderr[-2000:]}
+        else:
+            extras[name] = json.loads(path.read_text())
+    return extras
 
 
 def run(device: str, quick: bool) -> dict[str, Any]:
@@ -99,7 +135,11 @@ def markdown(results: dict[str, Any]) -> str:
         "",
         f"`torchturbo tune` on vision: confirmed {tuned['confirmed_ratio']:.2f}x over fp32 "
         f"eager ({tuned['unit']}), adopting {', '.join(tuned['adopted']) or 'nothing'}.",
+        "",
     ]
+    for name, extra in results.get("extras", {}).items():
+        state = f"failed: {extra['error'].strip().splitlines()[-1]}" if "error" in extra else "ok"
+        lines.append(f"- `benchmarks/{name}.py`: {state} ({name}.json)")
     return "\n".join(lines) + "\n"
 
 
@@ -111,6 +151,7 @@ def main() -> int:
     args = parser.parse_args()
     results = run(args.device, args.quick)
     args.out.mkdir(parents=True, exist_ok=True)
+    results["extras"] = run_extras(args.device, args.quick, args.out)
     write_results(args.out / "gpu_suite.json", results)
     table = markdown(results)
     (args.out / "gpu_suite.md").write_text(table)

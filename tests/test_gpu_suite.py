@@ -27,4 +27,10 @@ def test_gpu_suite_dry_run_on_cpu_writes_json_and_table(tmp_path):
         assert rows[0]["variant"] == "baseline" and rows[0]["ratio"] == 1.0
         assert all(row["mfu"] is not None and row["mfu"] > 0 for row in rows)
     assert data["tune_vision"]["confirmed_ratio"] > 0
-    assert "| vision | baseline | 1.00x |" in (tmp_path / "gpu_suite.md").read_text()
+    table = (tmp_path / "gpu_suite.md").read_text()
+    assert "| vision | baseline | 1.00x |" in table
+    assert set(data["extras"]) == {"bucketing", "augment", "kernels", "inference"}
+    for name, extra in data["extras"].items():
+        assert "error" not in extra, extra.get("error")
+        assert f"- `benchmarks/{name}.py`: ok" in table
+    assert data["extras"]["bucketing"]["ratio"] > 0
