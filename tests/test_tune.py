@@ -9,9 +9,11 @@ import pytest
 import torch
 from conftest import ConvNet, classification_loss
 
+from torchturbo.bench import fixed_batches, start_trial
 from torchturbo.config import TurboConfig
 from torchturbo.recipe import Recipe
-from torchturbo.tune.decide import Parity, break_even_steps, judge, loss_parity
+from torchturbo.tune import search
+from torchturbo.tune.decide import Parity, Verdict, break_even_steps, judge, loss_parity
 from torchturbo.tune.search import TuneOptions, tune
 from torchturbo.tune.stages import Candidate
 
@@ -140,6 +142,26 @@ def test_a_candidate_that_breaks_loss_parity_is_rejected():
     assert row["verdict"] == "rejected" and row["reason"].startswith("loss parity")
     assert row["parity"]["relative_diff"] > 1.0
     assert results["adopted"] == []
+
+
+def test_later_candidates_train_on_the_batches_an_earlier_stage_adopted(monkeypatch):
+    recipe = tiny_recipe()
+    special = fixed_batches(recipe, 4, seed=123)  # e.g. length buckets or micro-batches
+    trained_on = []
+
+    def recording_start(recipe, config, batches):
+        trained_on.append(batches)
+        return start_trial(recipe, config, batches)
+
+    monkeypatch.setattr(search, "start_trial", recording_start)
+    monkeypatch.setattr(search, "judge", lambda **_: Verdict(adopt=True, reason="forced"))
+    stages = {
+        "batching": lambda ctx: [Candidate("special batches", ctx.best, batches=special)],
+        "next": lambda ctx: [Candidate("tf32", ctx.best.replace(precision__dtype="tf32"))],
+    }
+    _, results = tune(recipe, QUICK, stages=stages)
+    assert results["adopted"] == ["special batches", "tf32"]
+    assert trained_on[-1] is special  # not the baseline's batches
 
 
 def test_an_exhausted_time_budget_skips_candidates():

@@ -303,7 +303,7 @@ def _try(
     error: Exception | None = None
     try:
         trial, first = start_trial(
-            candidate.recipe or run.recipe, candidate.config, _batches(run, candidate)
+            candidate.recipe or run.recipe, candidate.config, _batches(candidate, best)
         )
         # The parity steps double as a cheap speed probe: a candidate far slower than the best
         # (fp16 without fp16 units) is rejected before the interleaved measurement.
@@ -396,8 +396,11 @@ def _parity_len(candidate: Candidate) -> int:
     return PARITY_STEPS * candidate.config.accumulation.steps
 
 
-def _batches(run: _Run, candidate: Candidate) -> list[Any]:
-    return candidate.batches if candidate.batches is not None else run.batches
+def _batches(candidate: Candidate, best: _Incumbent) -> list[Any]:
+    """The candidate's own batches (micro-batches, length buckets), else the best's: a later
+    stage must not drop the batching an earlier one adopted, or it would be timed on the
+    padded batches against a best on bucketed ones."""
+    return candidate.batches if candidate.batches is not None else best.trial.batches
 
 
 def _window_losses(trial: Trial, config: TurboConfig) -> list[float]:
