@@ -15,7 +15,7 @@ from torchturbo.recipe import Recipe
 from torchturbo.tune import search
 from torchturbo.tune.decide import Parity, Verdict, break_even_steps, judge, loss_parity
 from torchturbo.tune.search import TuneOptions, tune
-from torchturbo.tune.stages import Candidate
+from torchturbo.tune.stages import Candidate, StageContext, bucket_stage, comm_hook_stage
 
 OK_PARITY = Parity(2.3, 2.31, 0.004, True, True)
 
@@ -187,3 +187,27 @@ def test_over_the_memory_budget_the_memory_stage_tries_checkpointing_and_micro_b
     assert names[:2] == ["checkpointing:full", "checkpointing:every_2nd"]
     assert "micro-batch 4 x2" in names
     assert all(c["verdict"] == "rejected" and c["reason"] for c in results["candidates"][1:])
+
+
+def _ddp_context(recipe, world_size=2):
+    return StageContext(
+        recipe=recipe,
+        best=TurboConfig(device="cpu"),
+        device=torch.device("cpu"),
+        has_convolutions=False,
+        best_memory_bytes=None,
+        memory_budget=None,
+        world_size=world_size,
+        backend="gloo",
+    )
+
+
+def test_ddp_stages_need_torchrun_and_try_only_bucket_sizes_that_change_the_buckets():
+    assert "torchrun" in comm_hook_stage(_ddp_context(tiny_recipe(), world_size=1))
+    hooks = [c.name for c in comm_hook_stage(_ddp_context(tiny_recipe()))]
+    assert hooks == ["comm_hook:fp16", "comm_hook:powersgd"]  # no bf16 on gloo
+    # A few KiB of gradients fit one bucket at 5, 25 and 100 MiB alike.
+    assert "changes nothing" in bucket_stage(_ddp_context(tiny_recipe()))
+    wide = tiny_recipe(model=lambda: torch.nn.Linear(2048, 2048))  # 16 MiB of gradients
+    caps = [c.config.distributed.bucket_cap_mb for c in bucket_stage(_ddp_context(wide))]
+    assert caps == [5.0]  # 100 MiB would hold them in one bucket, as 25 MiB does

@@ -357,6 +357,7 @@ def check_tune(rank: int) -> dict:
     return {
         "config": config.to_dict(),
         "processes": results["processes"],
+        "skipped": {row["stage"]: row["skipped_reason"] for row in results["stages"]},
         "rows": {
             row["name"]: {
                 "verdict": row["verdict"],

@@ -160,10 +160,23 @@ def bucket_stage(ctx: StageContext) -> list[Candidate] | str:
     skip = _ddp_only(ctx)
     if skip:
         return skip
+    current = ctx.best.distributed.bucket_cap_mb
+    gradient_mb = sum(p.numel() * p.element_size() for p in ctx.recipe.model().parameters()) / 2**20
+    # Caps at least as large as all the gradients bucket them alike: nothing to measure there.
+    caps = [
+        cap
+        for cap in BUCKET_CAPS_MB
+        if cap != current and not (cap >= gradient_mb and current >= gradient_mb)
+    ]
+    if not caps:
+        tried = ", ".join(f"{cap:g}" for cap in BUCKET_CAPS_MB)
+        return (
+            f"the gradients ({gradient_mb:.1f} MiB) fit one bucket at the current {current:g} MiB "
+            f"and at every cap tried ({tried} MiB): the bucket size changes nothing here"
+        )
     return [
         Candidate(f"bucket_cap_mb:{cap:g}", ctx.best.replace(distributed__bucket_cap_mb=cap))
-        for cap in BUCKET_CAPS_MB
-        if cap != ctx.best.distributed.bucket_cap_mb
+        for cap in caps
     ]
 
 
