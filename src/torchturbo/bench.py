@@ -98,6 +98,7 @@ class Trial:
         self.position = 0
         #: This trial's RNG stream, starting where the seeded model initialization left it.
         self._rng = _rng_state(self.turbo.device)
+        self._activation_bytes: int | None = None
 
     def step(self) -> None:
         device = self.turbo.device
@@ -173,7 +174,7 @@ class Trial:
             if isinstance(v, torch.Tensor)
         )
         if self.turbo.device.type == "cpu":
-            saved = self.activation_bytes(self.batches[0])
+            saved = self.activation_bytes()
             if saved is None:
                 return None, "n/a: compiled graphs hide their saved tensors on CPU"
             gradients = sum(_nbytes(p) for p in self.model.parameters() if p.requires_grad)
@@ -182,22 +183,25 @@ class Trial:
             self.step()
         return max(0, peak.peak_bytes - peak.baseline_bytes) + persistent, peak.kind
 
-    def activation_bytes(self, batch: Any) -> int | None:
-        """Bytes held for backward after one forward; None for compiled models.
+    def activation_bytes(self) -> int | None:
+        """Bytes held for backward after one forward of the first batch; None for compiled
+        models. Measured once: the shapes, hence the bytes, do not change as the trial trains.
 
         Compiled graphs save tensors inside the compiled autograd function, out of reach of
         saved-tensor hooks, so a number there would be wrong rather than approximate.
         """
         if self.config.compile.mode != "off":
             return None
-        # A DDP forward outside no_sync() expects a backward with its all-reduce to follow.
-        quiet = isinstance(self.model, DistributedDataParallel)
-        with self.model.no_sync() if quiet else contextlib.nullcontext():
-            result = activation_bytes(
-                lambda: self.turbo.forward(self.recipe.loss_fn, batch)[0], model=self.model
-            )
-        self.optimizer.zero_grad(set_to_none=True)
-        return result
+        if self._activation_bytes is None:
+            batch = self.batches[0]
+            # A DDP forward outside no_sync() expects a backward with its all-reduce to follow.
+            quiet = isinstance(self.model, DistributedDataParallel)
+            with self.model.no_sync() if quiet else contextlib.nullcontext():
+                self._activation_bytes = activation_bytes(
+                    lambda: self.turbo.forward(self.recipe.loss_fn, batch)[0], model=self.model
+                )
+            self.optimizer.zero_grad(set_to_none=True)
+        return self._activation_bytes
 
     def close(self) -> None:
         self.turbo.close()
@@ -293,7 +297,7 @@ def compare_configs(
         )
         say("counting FLOPs and memory")
         flops = model_flops_per_step(recipe, batches[0])
-        return _rows(recipe, trials, timings, first_step, flops, baseline, batches[0])
+        return _rows(recipe, trials, timings, first_step, flops, baseline)
     finally:
         for trial in trials.values():
             trial.close()
@@ -317,7 +321,6 @@ def _rows(
     first_step: Mapping[str, float],
     flops: int,
     baseline: str,
-    batch: Any,
 ) -> list[VariantResult]:
     throughput = {n: t.mean_count() / timings[n].median for n, t in trials.items()}
     rows = []
@@ -338,7 +341,7 @@ def _rows(
                 mfu=mfu(flops, timings[name].median, peak),
                 peak_memory_bytes=memory_bytes,
                 peak_memory_kind=memory_kind,
-                activation_bytes=trial.activation_bytes(batch),
+                activation_bytes=trial.activation_bytes(),
                 loss_first=curve[0],
                 loss_last=curve[-1],
                 first_step_s=first_step[name],
