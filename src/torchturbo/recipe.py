@@ -6,10 +6,11 @@ optimizer from the same initial weights for every trial.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,9 @@ class Recipe:
     lengths: Sequence[int] | None = None
     count_unit: str = "samples"
     seed: int = 0
+    #: Pad value per field for variable-length dict samples (e.g. ``{"input_ids":
+    #: tokenizer.pad_token_id}``); unnamed fields pad with 0, label fields with -100.
+    pad_values: Mapping[str, int] | None = None
     extras: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -65,6 +69,15 @@ class Recipe:
         for attr in ("model", "optimizer", "loss_fn"):
             if not callable(getattr(self, attr)):
                 raise RecipeError(f"Recipe {self.name!r}: {attr} must be callable")
+
+    def collate_fn(self) -> Callable[[list[Any]], Any]:
+        """The recipe's collate, else the padding collate (``torchturbo.data.collate``), which
+        pads variable-length fields of dict samples and otherwise collates like torch's."""
+        if self.collate is not None:
+            return self.collate
+        from torchturbo.data.collate import pad_collate
+
+        return functools.partial(pad_collate, pad_values=self.pad_values)
 
     def build(self) -> tuple[nn.Module, torch.optim.Optimizer]:
         """A fresh model and optimizer, with initial weights fixed by ``seed``."""

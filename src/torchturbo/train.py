@@ -63,7 +63,7 @@ def train(
         optimizer,
         recipe.dataset,
         batch_size=recipe.batch_size,
-        collate_fn=recipe.collate,
+        collate_fn=recipe.collate_fn(),
         seed=recipe.seed,
         lengths=recipe.lengths,
     )

@@ -1,43 +1,97 @@
-"""Padding collate for variable-length token samples.
+"""Padding collate for variable-length samples: the engine's default collate.
 
-Pads to the longest sample of the batch (optionally rounded up to a multiple, e.g. 8 for
-TensorCore-friendly shapes), keeps token ids as int64, and returns the mask and lengths that the
-model and the token-weighted loss need.
+Dict samples (``{"input_ids": LongTensor[L], "attention_mask": ..., "labels": ...}``, or
+torchturbo's ``{"tokens", "labels"}``) have every variable-length tensor field padded to the
+longest sample of the batch, optionally rounded up to a multiple (8 for TensorCore-friendly
+shapes): label fields (names containing "label") with ``IGNORE_INDEX`` so the loss skips them,
+the others with 0 unless ``pad_values`` says otherwise (a tokenizer's ``pad_token_id``). Token ids
+stay int64. Fields of one shape in every sample, and non-dict samples, are collated by torch's
+``default_collate``: this collate only differs where that one would raise.
+
+Conventions that add fields: samples with ``tokens`` also get ``mask`` [B, T] (True on real
+tokens) and ``lengths`` [B] (what the built-in text workload's model reads); samples with
+``input_ids`` and no ``attention_mask`` get an ``attention_mask`` (Hugging Face's name).
+
+Hugging Face's ``DataCollatorWithPadding`` pads through a tokenizer, which synthetic and
+pre-tokenized datasets do not have, and torch has no padding collate: hence this module.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
+from torch.utils.data import default_collate
 
 IGNORE_INDEX = -100  # the default ignore_index of torch.nn.functional.cross_entropy
+#: The fields whose lengths define a sample's sequence length, in order of preference.
+_SEQUENCE_KEYS = ("tokens", "input_ids")
 
 
 def pad_collate(
-    samples: Sequence[dict[str, torch.Tensor]],
+    samples: Sequence[Any],
     *,
     pad_id: int = 0,
     pad_to_multiple: int = 1,
-) -> dict[str, torch.Tensor]:
-    """Collate ``{"tokens": LongTensor[L], "labels": LongTensor[L]}`` samples into a batch.
-
-    Returns ``tokens`` [B, T] int64 padded with ``pad_id``, ``labels`` [B, T] padded with
-    ``IGNORE_INDEX``, ``mask`` [B, T] bool (True on real tokens) and ``lengths`` [B] int64.
-    """
+    pad_values: Mapping[str, int] | None = None,
+) -> Any:
+    """Collate ``samples``, padding variable-length tensor fields of dict samples (see above)."""
     if not samples:
         raise ValueError("pad_collate got an empty batch")
     if pad_to_multiple < 1:
         raise ValueError(f"pad_to_multiple must be >= 1, got {pad_to_multiple}")
-    lengths = torch.tensor([len(s["tokens"]) for s in samples], dtype=torch.int64)
-    longest = int(lengths.max())
-    padded_len = -(-longest // pad_to_multiple) * pad_to_multiple
-    batch_size = len(samples)
-    tokens = torch.full((batch_size, padded_len), pad_id, dtype=torch.int64)
-    labels = torch.full((batch_size, padded_len), IGNORE_INDEX, dtype=torch.int64)
-    for row, sample in enumerate(samples):
-        n = len(sample["tokens"])
-        tokens[row, :n] = sample["tokens"]
-        labels[row, :n] = sample["labels"]
-    mask = torch.arange(padded_len).unsqueeze(0) < lengths.unsqueeze(1)
-    return {"tokens": tokens, "labels": labels, "mask": mask, "lengths": lengths}
+    if not all(isinstance(s, Mapping) for s in samples):
+        return default_collate(list(samples))
+    keys = list(samples[0])
+    for index, sample in enumerate(samples):
+        if list(sample) != keys:
+            raise ValueError(
+                f"pad_collate: sample {index} has fields {sorted(sample)} but sample 0 has "
+                f"{sorted(keys)}: every sample must have the same fields"
+            )
+    sequence_key = next((k for k in _SEQUENCE_KEYS if k in keys), None)
+    batch: dict[str, Any] = {}
+    for key in keys:
+        values = [sample[key] for sample in samples]
+        if _variable_length(values) or (key == sequence_key and pad_to_multiple > 1):
+            pad = _pad_value(key, pad_id, pad_values)
+            batch[key] = _pad(values, pad, pad_to_multiple)
+        else:
+            batch[key] = default_collate(values)
+    if sequence_key is not None:
+        lengths = torch.tensor([len(s[sequence_key]) for s in samples], dtype=torch.int64)
+        width = batch[sequence_key].shape[1]
+        mask = torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)
+        if sequence_key == "tokens":
+            batch["mask"], batch["lengths"] = mask, lengths
+        elif "attention_mask" not in batch:
+            batch["attention_mask"] = mask.long()
+    return batch
+
+
+def _variable_length(values: list[Any]) -> bool:
+    """Tensors of at least one dimension whose leading sizes differ (trailing ones equal)."""
+    if not all(isinstance(v, torch.Tensor) and v.dim() >= 1 for v in values):
+        return False
+    if len({v.shape[1:] for v in values}) != 1:
+        raise ValueError(
+            "pad_collate: tensors differ beyond their first dimension "
+            f"({sorted({tuple(v.shape) for v in values})}): only the length may vary"
+        )
+    return len({v.shape[0] for v in values}) > 1
+
+
+def _pad_value(key: str, pad_id: int, pad_values: Mapping[str, int] | None) -> int:
+    if pad_values and key in pad_values:
+        return pad_values[key]
+    return IGNORE_INDEX if "label" in key else pad_id
+
+
+def _pad(values: list[torch.Tensor], value: int, multiple: int) -> torch.Tensor:
+    longest = max(v.shape[0] for v in values)
+    width = -(-longest // multiple) * multiple
+    out = values[0].new_full((len(values), width, *values[0].shape[1:]), value)
+    for row, tensor in enumerate(values):
+        out[row, : tensor.shape[0]] = tensor
+    return out

@@ -26,7 +26,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import default_collate
 
 from torchturbo.recipe import Recipe
 
@@ -148,7 +147,7 @@ def capture_model_inputs(model: nn.Module, recipe: Recipe, batch_size: int) -> t
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"capture_model_inputs(batch_size={batch_size!r}): expected an int >= 1")
     count = min(batch_size, len(recipe.dataset))
-    collate = recipe.collate or default_collate
+    collate = recipe.collate_fn()
     batch = collate([recipe.dataset[i] for i in range(count)])
     captured: list[tuple[Any, ...]] = []
 
