@@ -95,17 +95,13 @@ def run(device: str, quick: bool) -> dict[str, Any]:
         )
         results["workloads"][name] = [row.to_dict() for row in rows]
         print(f"{name}: done at {time.perf_counter() - started:.0f} s", file=sys.stderr)
-    options = TuneOptions(
-        time_budget_s=20 if quick else 150,
-        device=device,
-        repeats=2 if quick else 5,
-        confirm_repeats=2 if quick else 9,
-    )
+    options = TuneOptions(time_budget_s=20 if quick else 150, device=device)
     _, tuned = tune(get_workload("vision", **overrides), options)
     results["tune_vision"] = {
-        "confirmed_ratio": tuned["confirmed_ratio"],
-        "adopted": tuned["adopted"],
-        "unit": tuned["unit"],
+        "confirmed_ratio": tuned.confirmation.ratio,
+        "confirmation": tuned.confirmation.state,
+        "adopted": list(tuned.adopted),
+        "unit": tuned.unit,
     }
     results["elapsed_s"] = time.perf_counter() - started
     return results

@@ -194,15 +194,16 @@ def test_flush_after_no_sync_micro_step_is_refused(two_ranks):
 @pytest.mark.slow
 def test_tuner_ranks_follow_rank_zero_and_end_with_one_config(two_ranks):
     rank0, rank1 = (result["tune"] for result in two_ranks[0])
-    # Rank 1's own budget was spent and its probes said 1000 s a step: alone it would have
-    # skipped or rejected everything. It followed rank 0 to the same rows and config.
+    # Rank 1's own budget was spent and its clock made every step look 1000x slower: alone it
+    # would have measured nothing. It followed rank 0 to the same rows and config.
     assert rank1 == rank0
     assert rank0["processes"] == 2
     rows = rank0["rows"]
     assert {"comm_hook:fp16", "comm_hook:powersgd"} <= set(rows)
     # The MLP's 26 KiB of gradients fit one bucket at every cap: nothing to measure.
-    assert "the bucket size changes nothing here" in rank0["skipped"]["ddp_buckets"]
-    assert all(row["verdict"] != "skipped" for row in rows.values())
+    assert rows["ddp_buckets"]["verdict"] == "not applicable"
+    assert "the bucket size changes nothing here" in rows["ddp_buckets"]["reason"]
+    assert all(row["verdict"] != "not measured" for row in rows.values())
     assert not any("not measured further" in row["reason"] for row in rows.values())
     assert rows["broken"]["verdict"] == "rejected"
     assert rows["broken"]["reason"] == "error: RuntimeError: no kernel for this op"

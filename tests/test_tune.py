@@ -1,84 +1,25 @@
-"""The tuner: decision rules with injected numbers, and real tune runs on a tiny recipe."""
+"""The tuner end to end on tiny recipes: verdicts, budgets, ordering, confirmation, resume."""
 
 from __future__ import annotations
 
 import dataclasses
-import math
+import time
 
 import pytest
 import torch
 from conftest import ConvNet, classification_loss
 
+from torchturbo import bench
 from torchturbo.bench import fixed_batches, start_trial
 from torchturbo.config import TurboConfig
+from torchturbo.facts import Facts
 from torchturbo.recipe import Recipe
-from torchturbo.tune import search
-from torchturbo.tune.decide import Parity, Verdict, break_even_steps, judge, loss_parity
-from torchturbo.tune.search import TuneOptions, tune
-from torchturbo.tune.stages import Candidate, StageContext, bucket_stage, comm_hook_stage
-
-OK_PARITY = Parity(2.3, 2.31, 0.004, True, True)
-
-
-def _judge(**overrides):
-    args = dict(
-        ratio=1.5,
-        noise=0.03,
-        parity=OK_PARITY,
-        memory_bytes=100,
-        memory_budget=None,
-        break_even=10.0,
-        planned_steps=1000,
-        tolerance=0.05,
-    )
-    args.update(overrides)
-    return judge(**args)
-
-
-def test_a_clear_speedup_is_adopted():
-    verdict = _judge()
-    assert verdict.adopt and "1.50x" in verdict.reason
-
-
-@pytest.mark.parametrize(("ratio", "noise", "adopt"), [(1.04, 0.05, False), (1.06, 0.05, True)])
-def test_speedups_inside_the_noise_band_are_rejected(ratio, noise, adopt):
-    assert _judge(ratio=ratio, noise=noise).adopt is adopt
-
-
-def test_the_noise_band_has_a_floor():
-    assert not _judge(ratio=1.015, noise=0.0).adopt
-
-
-def test_parity_failure_is_rejected_with_the_numbers():
-    parity = loss_parity([2.3, 2.2], [2.9, 2.8], tolerance=0.05)
-    assert not parity.ok
-    verdict = _judge(parity=parity)
-    assert not verdict.adopt and "loss parity" in verdict.reason and "2.8500" in verdict.reason
-
-
-def test_non_finite_loss_is_rejected():
-    parity = loss_parity([2.3, 2.2], [2.3, math.nan], tolerance=0.05)
-    assert not parity.finite
-    assert "non-finite" in _judge(parity=parity).reason
-
-
-def test_memory_over_budget_is_rejected():
-    verdict = _judge(memory_bytes=3 * 2**20, memory_budget=2**20)
-    assert not verdict.adopt and "3 MiB > budget 1 MiB" in verdict.reason
-
-
-def test_a_one_time_cost_that_never_pays_back_is_rejected():
-    assert break_even_steps(30.0, 0.10, 0.09) == pytest.approx(3000)
-    assert break_even_steps(30.0, 0.10, 0.11) == math.inf
-    assert break_even_steps(0.0, 0.10, 0.11) == 0
-    verdict = _judge(break_even=3000.0, planned_steps=1000)
-    assert not verdict.adopt and "3,000 steps" in verdict.reason
-    assert _judge(break_even=3000.0, planned_steps=5000).adopt
-
-
-def test_memory_candidates_may_be_slower_when_the_best_does_not_fit():
-    verdict = _judge(ratio=0.8, must_be_faster=False)
-    assert verdict.adopt and "fits the memory budget" in verdict.reason
+from torchturbo.tune import candidate as candidate_module
+from torchturbo.tune.compare import compare
+from torchturbo.tune.decide import Verdict
+from torchturbo.tune.outcome import STATES
+from torchturbo.tune.search import TuneOptions, select_stages, tune
+from torchturbo.tune.stages import STAGES, Candidate, StageContext, bucket_stage, comm_hook_stage
 
 
 def tiny_recipe(**overrides) -> Recipe:
@@ -97,20 +38,41 @@ def tiny_recipe(**overrides) -> Recipe:
     return Recipe(**args)
 
 
-QUICK = TuneOptions(time_budget_s=60, device="cpu", warmup=1, repeats=2, confirm_repeats=2)
+QUICK = TuneOptions(time_budget_s=60, device="cpu", max_rounds=6)
 
 
-def test_tune_runs_the_stages_and_reports_every_candidate():
-    config, results = tune(tiny_recipe(), QUICK, stages=_only("precision", "memory_format"))
-    assert isinstance(config, TurboConfig)
-    names = [c["name"] for c in results["candidates"]]
-    assert names == ["fp32 eager", "tf32", "bf16", "fp16+scaler", "channels_last"]
-    for row in results["candidates"]:
-        assert row["verdict"] in {"adopted", "kept", "rejected", "skipped"} and row["reason"]
-    assert results["confirmed_ratio"] > 0
-    assert [s["stage"] for s in results["stages"]] == ["data_loader", "precision", "memory_format"]
-    assert results["loader"]["verdict"] in {"input-bound", "compute-bound"}
+def _only(*names):
+    return {name: STAGES[name] for name in names}
+
+
+def _rows(result):
+    return {o.name: o for o in result.candidates}
+
+
+def test_every_candidate_ends_adopted_rejected_not_measured_or_not_applicable():
+    config, result = tune(tiny_recipe(), QUICK, stages=_only("precision", "memory_format"))
+    rows = _rows(result)
+    assert {"bf16", "fp16+scaler", "tf32", "channels_last", "loader settings"} <= set(rows)
+    for outcome in result.candidates:
+        assert outcome.verdict in STATES[1:] and outcome.reason
+        measured = outcome.comparison is not None
+        assert measured == (
+            outcome.verdict in ("adopted", "rejected")
+            and "error" not in outcome.reason
+            and "not measured further" not in outcome.reason
+        )
+    # TF32 is a CUDA mode: decided by the facts, never trained, on a CPU.
+    assert rows["tf32"].verdict == "not applicable" and "CUDA" in rows["tf32"].reason
+    assert result.confirmation.state in (
+        "not needed",
+        "confirmed",
+        "consistent",
+        "dropped",
+        "reverted",
+    )
     assert TurboConfig.from_toml(config.to_toml()) == config
+    report = result.to_dict()
+    assert report["candidates"][0]["verdict"] == "reference"
 
 
 def test_a_candidate_that_raises_is_rejected_and_the_run_goes_on():
@@ -119,15 +81,15 @@ def test_a_candidate_that_raises_is_rejected_and_the_run_goes_on():
 
     def stage(ctx):
         return [
-            Candidate("explodes", ctx.best, recipe=tiny_recipe(model=broken_model)),
-            Candidate("bf16", ctx.best.replace(precision__dtype="bf16")),
+            Candidate("explodes", ctx.best, 3.0, recipe=tiny_recipe(model=broken_model)),
+            Candidate("bf16", ctx.best.replace(precision__dtype="bf16"), 1.5),
         ]
 
-    _, results = tune(tiny_recipe(), QUICK, stages={"injected": stage})
-    rows = {c["name"]: c for c in results["candidates"][1:]}
-    assert rows["explodes"]["verdict"] == "rejected"
-    assert "RuntimeError: this op has no bf16 kernel" in rows["explodes"]["reason"]
-    assert rows["bf16"]["verdict"] in {"adopted", "rejected"} and rows["bf16"]["ratio"]
+    _, result = tune(tiny_recipe(), QUICK, stages={"injected": stage})
+    rows = _rows(result)
+    assert rows["explodes"].verdict == "rejected"
+    assert "RuntimeError: this op has no bf16 kernel" in rows["explodes"].reason
+    assert rows["bf16"].verdict in {"adopted", "rejected"} and rows["bf16"].comparison
 
 
 def test_a_candidate_that_breaks_loss_parity_is_rejected():
@@ -135,66 +97,251 @@ def test_a_candidate_that_breaks_loss_parity_is_rejected():
         return 3.0 * classification_loss(model, batch)
 
     def stage(ctx):
-        return [Candidate("wrong", ctx.best, recipe=tiny_recipe(loss_fn=wrong_loss))]
+        return [Candidate("wrong", ctx.best, 2.0, recipe=tiny_recipe(loss_fn=wrong_loss))]
 
-    _, results = tune(tiny_recipe(), QUICK, stages={"injected": stage})
-    _, row = results["candidates"]
-    assert row["verdict"] == "rejected" and row["reason"].startswith("loss parity")
-    assert row["parity"]["relative_diff"] > 1.0
-    assert results["adopted"] == []
+    _, result = tune(tiny_recipe(), QUICK, stages={"injected": stage})
+    row = _rows(result)["wrong"]
+    assert row.verdict == "rejected" and row.reason.startswith("loss parity")
+    assert row.parity.relative_diff > 1.0
+    assert result.adopted == ()
 
 
-def test_later_candidates_train_on_the_batches_an_earlier_stage_adopted(monkeypatch):
+def test_candidates_are_measured_in_order_of_expected_gain_per_second(monkeypatch):
+    order = []
+    real = candidate_module.try_candidate
+
+    def recording(run, stage, candidate, best, fit_memory):
+        order.append(candidate.name)
+        return real(run, stage, candidate, best, fit_memory)
+
+    monkeypatch.setattr("torchturbo.tune.search.try_candidate", recording)
+
+    def stage(ctx):
+        return [
+            Candidate("small", ctx.best.replace(clipping__max_norm=10.0), 1.05),
+            Candidate("large", ctx.best.replace(clipping__max_norm=20.0), 3.0),
+            Candidate("middle", ctx.best.replace(clipping__max_norm=30.0), 1.5),
+        ]
+
+    _, result = tune(tiny_recipe(), QUICK, stages={"injected": stage})
+    assert order == ["large", "middle", "small"]
+    # The report still lists them by stage, and each says what it was expected to bring.
+    assert {o.name: o.expected_gain for o in result.candidates if o.stage == "injected"} == {
+        "small": 1.05,
+        "large": 3.0,
+        "middle": 1.5,
+    }
+
+
+def test_later_candidates_train_on_the_batches_an_earlier_one_adopted(monkeypatch):
     recipe = tiny_recipe()
     special = fixed_batches(recipe, 4, seed=123)  # e.g. length buckets or micro-batches
     trained_on = []
 
-    def recording_start(recipe, config, batches):
+    def recording_start(recipe, config, batches, clock=time.perf_counter):
         trained_on.append(batches)
-        return start_trial(recipe, config, batches)
+        return start_trial(recipe, config, batches, clock)
 
-    monkeypatch.setattr(search, "start_trial", recording_start)
-    monkeypatch.setattr(search, "judge", lambda **_: Verdict(adopt=True, reason="forced"))
+    monkeypatch.setattr(candidate_module, "start_trial", recording_start)
+    monkeypatch.setattr(candidate_module, "judge", lambda **_: Verdict(adopt=True, reason="forced"))
     stages = {
-        "batching": lambda ctx: [Candidate("special batches", ctx.best, batches=special)],
-        "next": lambda ctx: [Candidate("tf32", ctx.best.replace(precision__dtype="tf32"))],
+        "batching": lambda ctx: [Candidate("special batches", ctx.best, 3.0, batches=special)],
+        "next": lambda ctx: [Candidate("clip", ctx.best.replace(clipping__max_norm=1.0), 1.1)],
     }
-    _, results = tune(recipe, QUICK, stages=stages)
-    assert results["adopted"] == ["special batches", "tf32"]
+    _, result = tune(recipe, QUICK, stages=stages)
+    assert [o.name for o in result.candidates if o.verdict == "adopted"] == [
+        "special batches",
+        "clip",
+    ]
     assert trained_on[-1] is special  # not the baseline's batches
 
 
-def test_an_exhausted_time_budget_skips_candidates():
+def test_a_candidate_that_does_not_fit_the_budget_is_not_measured_and_says_what_it_needs():
     options = dataclasses.replace(QUICK, time_budget_s=0.001)
-    _, results = tune(tiny_recipe(), options, stages=_only("precision"))
-    assert {c["verdict"] for c in results["candidates"][1:]} == {"skipped"}
-    # Nothing adopted: the best is the baseline itself, not a noisy re-measurement of it.
-    assert results["confirmed_ratio"] == 1.0
-    confirmation = results["confirmation"]
-    assert confirmation["best_step_ms"] == confirmation["baseline_step_ms"]
+    _, result = tune(tiny_recipe(), options, stages=_only("precision"))
+    bf16 = _rows(result)["bf16"]
+    assert bf16.verdict == "not measured" and bf16.comparison is None
+    assert bf16.reason.startswith("budget: needs ~") and bf16.estimate_s > 0
+    # Nothing adopted: no confirmation, 1.00x by definition, and the headline says what to do.
+    assert result.confirmation.state == "not needed" and result.confirmation.ratio == 1.0
+    from torchturbo.tune.summary import headline
+
+    line = headline(result.to_dict())
+    assert "not measured for lack of time: bf16" in line and "min would measure" in line
 
 
-def _only(*names):
-    from torchturbo.tune.stages import STAGES
+class ScaledClock:
+    """Real time, stretched: every real millisecond counts as ``factor`` ms, so a tiny model's
+    steps cost what a real model's do on a CPU, and the budget logic runs for real."""
 
-    return {name: STAGES[name] for name in names}
+    def __init__(self, factor: float) -> None:
+        self.factor = factor
+        self.origin = time.perf_counter()
+
+    def __call__(self) -> float:
+        return self.origin + self.factor * (time.perf_counter() - self.origin)
 
 
-def test_over_the_memory_budget_the_memory_stage_tries_checkpointing_and_micro_batches():
+def _sleepy_loss(model, batch):
+    time.sleep(0.25)  # a model whose step takes a quarter of a second, as real ones on a CPU
+    return classification_loss(model, batch)
+
+
+@pytest.mark.slow
+def test_a_slow_model_keeps_the_budget_and_names_what_it_could_not_measure():
+    options = dataclasses.replace(QUICK, time_budget_s=30.0, max_rounds=15)
+    stages = _only("precision", "memory_format", "compile")
+    begin = time.perf_counter()
+    _, result = tune(tiny_recipe(loss_fn=_sleepy_loss), options, stages=stages)
+    elapsed = time.perf_counter() - begin
+    assert result.baseline_step_ms > 250
+    assert elapsed <= 1.1 * options.time_budget_s
+    compile_row = _rows(result)["compile:default"]
+    assert compile_row.verdict == "not measured" and "needs ~" in compile_row.reason
+    assert result.unmeasured_s > 0
+
+
+def test_the_budget_is_kept_on_an_injected_clock():
+    clock = ScaledClock(10.0)  # every step, build and measurement costs ten times as much
+    options = dataclasses.replace(QUICK, time_budget_s=25.0, max_rounds=15)
+    begin = clock()
+    _, result = tune(tiny_recipe(), options, stages=_only("precision", "compile"), clock=clock)
+    assert clock() - begin <= 1.1 * options.time_budget_s
+    assert result.elapsed_s <= options.time_budget_s
+    assert _rows(result)["compile:default"].verdict == "not measured"
+
+
+def test_over_the_memory_budget_memory_candidates_go_first(monkeypatch):
+    order = []
+    real = candidate_module.try_candidate
+
+    def recording(run, stage, candidate, best, fit_memory):
+        order.append(candidate.name)
+        return real(run, stage, candidate, best, fit_memory)
+
+    monkeypatch.setattr("torchturbo.tune.search.try_candidate", recording)
     options = dataclasses.replace(QUICK, memory_budget=1)  # nothing fits: every candidate tried
-    _, results = tune(tiny_recipe(), options, stages=_only("memory"))
-    names = [c["name"] for c in results["candidates"][1:]]
-    assert names[:2] == ["checkpointing:full", "checkpointing:every_2nd"]
-    assert "micro-batch 4 x2" in names
-    assert all(c["verdict"] == "rejected" and c["reason"] for c in results["candidates"][1:])
+    _, result = tune(tiny_recipe(), options, stages=_only("precision", "memory"))
+    assert order[:2] == ["checkpointing:full", "checkpointing:every_2nd"]
+    assert "micro-batch 4 x2" in order
+    memory_rows = [o for o in result.candidates if o.stage == "memory"]
+    assert memory_rows and not [o for o in memory_rows if o.verdict == "adopted"]
+    assert any("memory: " in o.reason and "> budget 1 B" in o.reason for o in memory_rows)
 
 
-def _ddp_context(recipe, world_size=2):
+def test_only_and_skip_choose_stages_and_unknown_names_list_the_stages():
+    chosen = select_stages(STAGES, dataclasses.replace(QUICK, only=("precision", "data_loader")))
+    assert list(chosen) == ["data_loader", "precision"]
+    chosen = select_stages(STAGES, dataclasses.replace(QUICK, skip=("compile",)))
+    assert "compile" not in chosen and "precision" in chosen
+    with pytest.raises(ValueError, match="no such stage; the stages are data_loader, precision"):
+        select_stages(STAGES, dataclasses.replace(QUICK, only=("precison",)))
+
+
+def test_tuning_again_reuses_what_was_measured_and_measures_the_rest():
+    recipe = tiny_recipe()
+
+    def stage(ctx):
+        return [
+            Candidate("clip 10", ctx.best.replace(clipping__max_norm=10.0), 1.5),
+            Candidate("clip 20", ctx.best.replace(clipping__max_norm=20.0), 1.4),
+        ]
+
+    first_stages = {"first": stage}
+    _, first = tune(recipe, QUICK, stages=first_stages)
+    decided = {o.name for o in first.candidates if o.verdict in ("adopted", "rejected")}
+    assert decided == {"clip 10", "clip 20"}
+    both = {"first": stage, **_only("memory_format")}
+    _, second = tune(recipe, QUICK, stages=both, previous=first.to_dict())
+    rows = _rows(second)
+    for name in decided:
+        assert rows[name].reused and rows[name].comparison == _rows(first)[name].comparison
+    assert not rows["channels_last"].reused
+    assert second.reused_from and "reused 2 measured candidates" in second.reuse_note
+    marked = [row["reused"] for row in second.to_dict()["candidates"]]
+    assert marked.count(True) == 2
+
+
+def test_a_previous_run_of_another_recipe_is_not_reused():
+    _, first = tune(tiny_recipe(), dataclasses.replace(QUICK, only=("precision",)))
+    _, second = tune(
+        tiny_recipe(batch_size=16),
+        dataclasses.replace(QUICK, only=("precision",)),
+        previous=first.to_dict(),
+    )
+    assert second.reused_from is None and "another batch_size" in second.reuse_note
+    assert not any(o.reused for o in second.candidates)
+
+
+def _slowed(monkeypatch, max_norm: float, seconds: float) -> None:
+    """Trials whose config clips at ``max_norm`` sleep ``seconds`` per step: a deterministic
+    "technique" that makes training slower."""
+    real = bench.Trial.step
+
+    def step(self):
+        real(self)
+        if self.config.clipping.max_norm == max_norm:
+            time.sleep(seconds)
+
+    monkeypatch.setattr(bench.Trial, "step", step)
+
+
+def test_an_adoption_the_confirmation_contradicts_is_dropped_and_the_baseline_kept(monkeypatch):
+    _slowed(monkeypatch, 123.0, 0.02)
+    monkeypatch.setattr(candidate_module, "judge", lambda **_: Verdict(adopt=True, reason="forced"))
+    stages = {
+        "bad": lambda ctx: [Candidate("slow", ctx.best.replace(clipping__max_norm=123.0), 2.0)]
+    }
+    config, result = tune(tiny_recipe(), QUICK, stages=stages)
+    assert result.confirmation.state == "reverted" and result.confirmation.dropped == ("slow",)
+    assert config.clipping.max_norm is None  # the written config is the baseline's
+    assert result.adopted == ()
+    assert (
+        "slow were not faster alone" in result.confirmation.note
+        or "no adoption" in result.confirmation.note
+    )
+
+
+def test_a_config_against_itself_is_not_called_faster():
+    """A/A on real trials: two identical configs, paired rounds, many times over."""
+    recipe = tiny_recipe()
+    batches = fixed_batches(recipe, 8)
+    reference, _ = start_trial(recipe, TurboConfig(device="cpu"), batches)
+    same, _ = start_trial(recipe, TurboConfig(device="cpu"), batches)
+    try:
+        decisions = [
+            compare(
+                reference,
+                same,
+                against="itself",
+                device=torch.device("cpu"),
+                max_rounds=8,
+                may_continue=lambda seconds: True,
+            ).comparison.speed.decision
+            for _ in range(20)
+        ]
+    finally:
+        reference.close()
+        same.close()
+    assert decisions.count("faster") <= 1, decisions
+
+
+def _context(recipe, world_size=2, comm_share=0.3):
+    facts = Facts(
+        device="cpu",
+        gemm_speedup={"bf16": 1.0, "fp16": 0.1, "tf32": 1.0},
+        padding=None,
+        has_convolutions=False,
+        conv_share=0.0,
+        leaf_modules=3,
+        shapes_vary=False,
+        comm_share=comm_share if world_size > 1 else None,
+    )
     return StageContext(
         recipe=recipe,
         best=TurboConfig(device="cpu"),
         device=torch.device("cpu"),
-        has_convolutions=False,
+        facts=facts,
         best_memory_bytes=None,
         memory_budget=None,
         world_size=world_size,
@@ -203,11 +350,13 @@ def _ddp_context(recipe, world_size=2):
 
 
 def test_ddp_stages_need_torchrun_and_try_only_bucket_sizes_that_change_the_buckets():
-    assert "torchrun" in comm_hook_stage(_ddp_context(tiny_recipe(), world_size=1))
-    hooks = [c.name for c in comm_hook_stage(_ddp_context(tiny_recipe()))]
-    assert hooks == ["comm_hook:fp16", "comm_hook:powersgd"]  # no bf16 on gloo
+    assert "torchrun" in comm_hook_stage(_context(tiny_recipe(), world_size=1))
+    hooks = comm_hook_stage(_context(tiny_recipe()))
+    assert [c.name for c in hooks] == ["comm_hook:fp16", "comm_hook:powersgd"]  # no bf16 on gloo
+    # PowerSGD sends fewer bytes than fp16, so it is expected to gain more.
+    assert hooks[1].expected_gain > hooks[0].expected_gain > 1
     # A few KiB of gradients fit one bucket at 5, 25 and 100 MiB alike.
-    assert "changes nothing" in bucket_stage(_ddp_context(tiny_recipe()))
+    assert "changes nothing" in bucket_stage(_context(tiny_recipe()))
     wide = tiny_recipe(model=lambda: torch.nn.Linear(2048, 2048))  # 16 MiB of gradients
-    caps = [c.config.distributed.bucket_cap_mb for c in bucket_stage(_ddp_context(wide))]
+    caps = [c.config.distributed.bucket_cap_mb for c in bucket_stage(_context(wide))]
     assert caps == [5.0]  # 100 MiB would hold them in one bucket, as 25 MiB does

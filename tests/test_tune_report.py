@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import copy
+import dataclasses
 import json
 import os
 import re
@@ -14,6 +15,8 @@ from rich.console import Console
 
 import torchturbo.results as results_module
 from torchturbo.config import TurboConfig
+from torchturbo.tune.decide import Parity, RatioEstimate
+from torchturbo.tune.outcome import Comparison, Confirmation, Outcome, TuneResult
 from torchturbo.tune.report import incremental_table, write_report
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -21,174 +24,161 @@ ERROR_REASON = "error: RuntimeError('<built-in method conv2d> got an unexpected 
 ALL_PLOTS = {"throughput", "memory", "breakdown", "loss"}
 
 
-def _candidate(stage: str, name: str, verdict: str, reason: str, **fields) -> dict:
-    measured: dict = {
-        "config": TurboConfig().to_dict(),
-        "throughput": None,
-        "ratio": None,
-        "noise": None,
-        "step_ms": None,
-        "memory_bytes": None,
-        "one_time_s": None,
-        "break_even_steps": None,
-        "parity": None,
-    }
-    measured.update(fields, stage=stage, name=name, verdict=verdict, reason=reason)
-    return measured
+def _speed(ratio: float, noise: float = 0.03, rounds: int = 5) -> RatioEstimate:
+    return RatioEstimate(
+        ratio=ratio,
+        low=ratio / (1 + noise),
+        high=ratio * (1 + noise),
+        rounds=rounds,
+        decision="faster" if ratio / (1 + noise) > 1.02 else "not faster",
+    )
 
 
-def _parity(diff: float, ok: bool = True, finite: bool = True) -> dict:
-    return {
-        "reference_loss": 2.30,
-        "loss": 2.30 * (1 + diff),
-        "relative_diff": diff,
-        "finite": finite,
-        "ok": ok,
-    }
+def _comparison(against: str, ratio: float, step_ms: float, throughput: float) -> Comparison:
+    return Comparison(
+        against=against,
+        speed=_speed(ratio),
+        steps_per_round=2,
+        step_ms=step_ms,
+        reference_step_ms=step_ms * ratio,
+        throughput=throughput,
+        reference_throughput=throughput / ratio,
+        step_samples_ms=(step_ms, step_ms * 1.01, step_ms * 0.99),
+    )
 
 
-def full_results() -> dict:
-    """A realistic run: adopted, kept, rejected (parity and a crash), skipped, nulls."""
+def _parity(diff: float, ok: bool = True, finite: bool = True) -> Parity:
+    return Parity(2.30, 2.30 * (1 + diff), diff, finite, ok)
+
+
+def _outcome(stage: str, name: str, verdict: str, reason: str, **fields) -> Outcome:
+    return Outcome(
+        stage=stage,
+        name=name,
+        config=TurboConfig().to_dict(),
+        verdict=verdict,
+        reason=reason,
+        **fields,
+    )
+
+
+def full_result() -> TuneResult:
+    """A realistic run: adopted, rejected (parity and a crash), not measured, not applicable."""
     mib = 2**20
-    return {
-        "recipe": "vision",
-        "device": "cpu",
-        "torch": "2.13.0+cpu",
-        "date": "2026-11-29T16:40:00",
-        "unit": "samples/s",
-        "baseline_throughput": 812.0,
-        "best_throughput": 2100.0,
-        "confirmed_ratio": 2.5,
-        "confirmation": {
-            "baseline_step_ms": 80.1,
-            "best_step_ms": 31.9,
-            "noise": 0.03,
-            "repeats": 9,
-        },
-        "time_budget_s": 240.0,
-        "elapsed_s": 201.3,
-        "memory_budget_bytes": 600 * mib,
-        "planned_steps": 10000,
-        "loss_tolerance": 0.05,
-        "stages": [
-            {
-                "stage": "precision",
-                "best": "bf16",
-                "throughput": 1500.0,
-                "memory_bytes": 400 * mib,
-                "skipped_reason": None,
-            },
-            {
-                "stage": "memory_format",
-                "best": "channels_last",
-                "throughput": 2100.0,
-                "memory_bytes": 380 * mib,
-                "skipped_reason": None,
-            },
-            {
-                "stage": "compile",
-                "best": None,
-                "throughput": 2100.0,
-                "memory_bytes": 380 * mib,
-                "skipped_reason": None,
-            },
-            {
-                "stage": "dynamic_batching",
-                "best": None,
-                "throughput": 2100.0,
-                "memory_bytes": None,
-                "skipped_reason": "the recipe gives no lengths",
-            },
-        ],
-        "candidates": [
-            _candidate(
-                "baseline",
-                "baseline",
-                "kept",
-                "the reference",
-                throughput=812.0,
-                ratio=1.0,
-                noise=0.02,
-                step_ms=78.8,
-                memory_bytes=520 * mib,
-            ),
-            _candidate(
+    return TuneResult(
+        recipe="vision",
+        device="cpu",
+        processes=1,
+        torch="2.13.0+cpu",
+        date="2026-11-29T16:40:00",
+        unit="samples/s",
+        baseline=_outcome(
+            "baseline", "fp32 eager", "reference", "the reference", memory_bytes=520 * mib
+        ),
+        baseline_step_ms=78.8,
+        baseline_throughput=812.0,
+        candidates=(
+            _outcome(
                 "precision",
                 "bf16",
                 "adopted",
-                "1.85x faster (noise 3%), loss within 0.4% of fp32",
-                throughput=1500.0,
-                ratio=1.85,
-                noise=0.03,
-                step_ms=43.0,
+                "1.85x faster, loss within 0.4% of fp32",
+                comparison=_comparison("fp32 eager", 1.85, 43.0, 1500.0),
                 memory_bytes=400 * mib,
                 one_time_s=0.4,
                 break_even_steps=3,
                 parity=_parity(0.004),
+                loss_curve=(2.31, 2.28, 2.25),
             ),
-            _candidate(
+            _outcome(
                 "precision",
-                "fp16",
+                "fp16+scaler",
                 "rejected",
                 "loss parity: 12.1% > 5% | unstable",
-                throughput=1450.0,
-                ratio=1.79,
-                noise=0.04,
-                step_ms=44.1,
+                comparison=_comparison("bf16", 1.02, 44.1, 1450.0),
                 parity=_parity(0.121, ok=False),
             ),
-            _candidate(
+            _outcome(
+                "precision",
+                "tf32",
+                "not applicable",
+                "TF32 is a CUDA tensor-core mode; a tf32 matrix product runs at 1.00x",
+            ),
+            _outcome(
                 "memory_format",
                 "channels_last",
                 "adopted",
                 "1.40x over bf16",
-                throughput=2100.0,
-                ratio=1.40,  # against the best of its time (bf16), so 1.85 x 1.40 = 2.59 overall
-                noise=0.03,
-                step_ms=30.5,
+                comparison=_comparison("bf16", 1.40, 30.5, 2100.0),
                 memory_bytes=380 * mib,
                 one_time_s=0.1,
                 break_even_steps=1,
                 parity=_parity(0.002),
             ),
-            _candidate("compile", "compile:default", "rejected", ERROR_REASON),
-            _candidate("dynamic_batching", "bucketing", "skipped", "the recipe gives no lengths"),
-        ],
-        "adopted": ["bf16", "channels_last"],
-        "breakdown": {
-            "baseline": {"forward": 0.031, "backward": 0.045, "optimizer": 0.004},
-            "best": {"forward": 0.011, "backward": 0.017, "optimizer": 0.003},
-        },
-        "loss_curves": {
-            "baseline": [2.31, 2.29, 2.25, 2.20, 2.14],
-            "best": [2.31, 2.28, 2.25, 2.21, 2.13],
-        },
-        "loader": {
+            _outcome("compile", "compile:default", "rejected", ERROR_REASON),
+            _outcome(
+                "dynamic_batching",
+                "length buckets",
+                "not measured",
+                "budget: needs ~70 s, 40 s left",
+                estimate_s=70.0,
+            ),
+        ),
+        adopted=("bf16", "channels_last"),
+        confirmation=Confirmation(
+            state="confirmed", comparison=_comparison("fp32 eager", 2.5, 31.9, 2030.0)
+        ),
+        facts={"gemm_speedup": {"bf16": 4.1}},
+        loader={
             "verdict": "compute-bound",
             "reason": "the step waits 1% of its time on data",
             "chosen": {"num_workers": 2, "pin_memory": False},
         },
-        "system": {"torchturbo": "0.1.0", "torch": "2.13.0+cpu", "device": "cpu: x86_64, 2 cores"},
-    }
+        time_budget_s=240.0,
+        elapsed_s=201.3,
+        memory_budget_bytes=600 * mib,
+        planned_steps=10000,
+        loss_tolerance=0.05,
+        unmeasured_s=70.0,
+        reused_from=None,
+        reuse_note="",
+        breakdown={
+            "baseline": {"forward": 0.031, "backward": 0.045, "optimizer": 0.004},
+            "best": {"forward": 0.011, "backward": 0.017, "optimizer": 0.003},
+        },
+        loss_curves={
+            "baseline": [2.31, 2.29, 2.25, 2.20, 2.14],
+            "best": [2.31, 2.28, 2.25, 2.21, 2.13],
+        },
+        system={"torchturbo": "0.1.0", "torch": "2.13.0+cpu", "device": "cpu: x86_64, 2 cores"},
+        fingerprint={"recipe": "vision", "batch_size": 16},
+    )
+
+
+def full_results() -> dict:
+    return full_result().to_dict()
 
 
 def sparse_results() -> dict:
-    """What an early-stopped run on a machine without memory figures leaves behind."""
-    results = full_results()
-    for stage in results["stages"]:
-        stage["memory_bytes"] = None
-    for candidate in results["candidates"]:
-        candidate["memory_bytes"] = None
-    results.update(
-        breakdown=None,
-        loss_curves=None,
+    """What a run on a machine without memory figures, with nothing adopted, leaves behind."""
+    result = dataclasses.replace(
+        full_result(),
+        baseline=dataclasses.replace(full_result().baseline, memory_bytes=None),
+        candidates=tuple(
+            dataclasses.replace(c, memory_bytes=None, verdict="rejected")
+            if c.verdict == "adopted"
+            else c
+            for c in full_result().candidates
+        ),
+        adopted=(),
+        confirmation=Confirmation(state="not needed", comparison=None),
+        breakdown={},
+        loss_curves={},
         loader=None,
-        system=None,
-        confirmation=None,
-        confirmed_ratio=None,
+        system={},
         memory_budget_bytes=None,
     )
-    return results
+    return result.to_dict()
 
 
 CONFIG_TOML = "# tuned by torchturbo on vision\n" + TurboConfig().to_toml()
@@ -247,7 +237,9 @@ def test_text_from_results_is_escaped(written: dict[str, Path]) -> None:
     markdown = written["markdown"].read_text()
     assert "<built-in" not in markdown and "&lt;built-in" in markdown
     # A "|" in a reason must not add a column to the markdown table.
-    table = [line for line in markdown.splitlines() if line.startswith("| precision | fp16 ")]
+    table = [
+        line for line in markdown.splitlines() if line.startswith("| precision | fp16+scaler ")
+    ]
     header = next(line for line in markdown.splitlines() if line.startswith("| stage | candidate"))
     cells = re.compile(r"(?<!\\)\|")
     assert len(table) == 1 and len(cells.findall(table[0])) == len(cells.findall(header))
@@ -255,17 +247,33 @@ def test_text_from_results_is_escaped(written: dict[str, Path]) -> None:
 
 def test_markdown_has_headline_tables_images_and_usage(written: dict[str, Path]) -> None:
     markdown = written["markdown"].read_text()
-    assert "**Confirmed 2.50x over fp32 eager, samples/s**" in markdown
-    assert "torchturbo: 0.1.0" in markdown and "80.1 ms → 31.9 ms" in markdown
+    assert (
+        "**Confirmed 2.50x (2.43-2.58) over fp32 eager, samples/s; not measured for lack"
+        in markdown
+    )
+    assert "length buckets (a budget of about 5 min would measure them)" in markdown
+    assert "torchturbo: 0.1.0" in markdown and "79.8 ms → 31.9 ms" in markdown
     for plot in ALL_PLOTS:
         assert f"]({plot}.png)" in markdown
-    assert "| + channels_last | memory_format | 2,100 | 2.59x | 1.40x |" in markdown
+    assert "| + channels_last | memory_format | 2,100 | 1.40x (1.36-1.44) |" in markdown
     assert (
         "Verdict: compute-bound, the step waits 1% of its time on data. "
         "Chosen settings: num_workers=2, pin_memory=False." in markdown
     )
     assert 'Turbo(torchturbo.TurboConfig.load("turbo.toml"))' in markdown
+    assert "turbo.setup(model, optimizer, dataset, batch_size=16)" in markdown
     assert "torchturbo bench vision --config turbo.toml" in markdown
+
+
+def test_one_figure_per_config_in_every_table(written: dict[str, Path]) -> None:
+    """The ratio and interval that adopted a config are the ones every table shows for it."""
+    markdown = written["markdown"].read_text()
+    channels_last = [
+        line for line in markdown.splitlines() if "channels_last" in line and "|" in line
+    ]
+    assert len(channels_last) == 2  # the incremental table and the candidate table
+    assert all("1.40x (1.36-1.44)" in line for line in channels_last)
+    assert "2.59x" not in markdown  # no chained product posing as a measurement
 
 
 def test_incremental_table_has_baseline_then_each_adopted_technique() -> None:
@@ -274,17 +282,19 @@ def test_incremental_table_has_baseline_then_each_adopted_technique() -> None:
     assert table.row_count == len(results["adopted"]) + 1
     labels = [str(label) for label in table.columns[0].cells]
     assert labels == ["baseline (fp32 eager)", "+ bf16", "+ channels_last"]
-    # Cumulative ratio to the baseline, and the gain of each row over the one above.
-    assert [str(c) for c in table.columns[3].cells] == ["1.00x", "1.85x", "2.59x"]
-    assert [str(c) for c in table.columns[4].cells] == ["", "1.85x", "1.40x"]
+    # Each row's gain over the one above: the measurement that adopted it.
+    assert [str(c) for c in table.columns[3].cells] == [
+        "",
+        "1.85x (1.80-1.91)",
+        "1.40x (1.36-1.44)",
+    ]
 
 
 def test_incremental_table_prints_names_literally() -> None:
     results = full_results()
     results["adopted"] = ["compile[bold]"]
-    results["candidates"].append(
-        _candidate("compile", "compile[bold]", "adopted", "ok", throughput=900.0)
-    )
+    row = dict(results["candidates"][1], name="compile[bold]", verdict="adopted")
+    results["candidates"].append(row)
     console = Console(record=True, width=200)
     console.print(incremental_table(results))
     assert "+ compile[bold]" in console.export_text()
@@ -294,15 +304,16 @@ def test_missing_optional_data_still_writes_a_report(tmp_path: Path) -> None:
     first = write_report(tmp_path, full_results(), CONFIG_TOML)
     assert first["memory"].exists()
     paths = write_report(tmp_path, sparse_results(), CONFIG_TOML)
-    assert set(paths) == {"config", "results", "markdown", "html", "throughput"}
+    assert set(paths) == {"config", "results", "markdown", "html"}
     # The earlier run's plots are gone rather than contradicting the new report.
     assert not (tmp_path / "memory.png").exists() and not (tmp_path / "loss.png").exists()
     markdown = paths["markdown"].read_text()
     assert "No memory plot: the results hold no memory figures." in markdown
     assert "No breakdown plot" in markdown and "No loss plot" in markdown
-    assert "Not confirmed: the search measured 2.59x" in markdown
+    assert "Measured 3 candidates: none beat fp32 eager beyond the noise" in markdown
+    assert "No confirmation run: nothing was adopted" in markdown
     assert "The input pipeline was not measured." in markdown
-    assert len(_img_sources(paths["html"].read_text())) == 1
+    assert len(_img_sources(paths["html"].read_text())) == 0
 
 
 def test_an_interrupted_write_keeps_the_previous_results(
@@ -316,7 +327,7 @@ def test_an_interrupted_write_keeps_the_previous_results(
 
     monkeypatch.setattr(results_module.os, "fsync", crash)
     changed = copy.deepcopy(full_results())
-    changed["best_throughput"] = 1.0
+    changed["elapsed_s"] = 1.0
     with pytest.raises(OSError, match="disk full"):
         write_report(tmp_path, changed, CONFIG_TOML)
     assert (tmp_path / "results.json").read_bytes() == before

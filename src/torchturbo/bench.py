@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -54,7 +55,7 @@ def fixed_batches(recipe: Recipe, count: int, *, seed: int | None = None) -> lis
         recipe.dataset,
         batch_size=recipe.batch_size,
         shuffle=True,
-        collate_fn=recipe.collate,
+        collate_fn=recipe.collate_fn(),
         generator=generator,
         drop_last=True,
     )
@@ -138,6 +139,16 @@ class Trial:
         sent = sum(window[1] for window in recent) // steps
         seconds = sum(window[2] for window in recent) / steps if self.comm.timed else None
         return sent, seconds
+
+    def recent_count(self, steps: int) -> float:
+        """Samples (or tokens) of the last ``steps`` steps, summed over the ranks under torchrun
+        (a collective there, like :meth:`mean_count`)."""
+        recent = [count.to("cpu", torch.float64) for count in self.counts[-steps:]]
+        total = torch.stack(recent).sum() if recent else torch.zeros((), dtype=torch.float64)
+        if current_env().is_distributed:
+            total = total.to(self.turbo.device)
+            dist.all_reduce(total)
+        return float(total)
 
     def loss_curve(self) -> list[float]:
         return [float(loss) for loss in self.losses]
@@ -303,12 +314,17 @@ def compare_configs(
             trial.close()
 
 
-def start_trial(recipe: Recipe, config: TurboConfig, batches: list[Any]) -> tuple[Trial, float]:
+def start_trial(
+    recipe: Recipe,
+    config: TurboConfig,
+    batches: list[Any],
+    clock: Callable[[], float] = time.perf_counter,
+) -> tuple[Trial, float]:
     """A new trial and the time of its first step, which carries the one-time costs (compile,
     autotuning) and is therefore reported apart from steady-state step time."""
     trial = Trial(recipe, config, batches)
     try:
-        return trial, time_once(trial.step, trial.turbo.device)
+        return trial, time_once(trial.step, trial.turbo.device, clock)
     except BaseException:
         trial.close()
         raise

@@ -76,11 +76,15 @@ def _parser() -> argparse.ArgumentParser:
         "tune",
         help="find the fastest correct config for a workload or recipe, with a report",
         description=(
-            "Stage by stage (data loader, precision, memory format, compile, memory, dynamic "
-            "batching), measure each candidate against the current best, interleaved, and keep "
-            "it only if it is faster beyond the measured noise, keeps the loss within tolerance "
-            "of fp32, fits the memory budget and repays its one-time cost within the planned "
-            "steps. Writes turbo.toml, results.json, report.md and report.html to --out. Under "
+            "Measure the candidates of every stage (data loader, precision, memory format, "
+            "compile, memory, dynamic batching), the highest expected gain per second of "
+            "measuring first, each against the current best in paired rounds on the same "
+            "batches until the ratio is decided, and keep one only if it is faster beyond the "
+            "noise, keeps the loss within tolerance of fp32, fits the memory budget and repays "
+            "its one-time cost within the planned steps. The whole run keeps to --time-budget; "
+            "what it cannot measure in time is reported with the time it needs. Tuning again "
+            "into the same --out reuses what was measured there. Writes turbo.toml, "
+            "results.json, report.md and report.html to --out. Under "
             "torchrun every rank measures DDP/FSDP trials, rank 0 decides (its decisions are "
             "broadcast), DDP comm hooks and bucket sizes are tuned too, and rank 0 writes."
         ),
@@ -105,6 +109,12 @@ def _parser() -> argparse.ArgumentParser:
         help="largest relative loss difference from fp32 over the first steps (default 0.05)",
     )
     tune.add_argument("--out", type=Path, default=Path("turbo-report"), help="output directory")
+    tune.add_argument(
+        "--only", type=_stage_list, default=(), metavar="STAGE,...", help="run only these stages"
+    )
+    tune.add_argument(
+        "--skip", type=_stage_list, default=(), metavar="STAGE,...", help="leave these stages out"
+    )
     tune.set_defaults(run=_run_tune)
 
     doctor = commands.add_parser(
@@ -313,11 +323,22 @@ def _run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _stage_list(text: str) -> tuple[str, ...]:
+    """``precision,compile`` as a tuple of stage names (checked against the stages by the tuner)."""
+    names = tuple(name.strip() for name in text.split(",") if name.strip())
+    if not names:
+        raise argparse.ArgumentTypeError(f"{text!r}: give stage names separated by commas")
+    return names
+
+
 def _run_tune(args: argparse.Namespace) -> int:
+    from rich.text import Text
+
     from torchturbo.distributed import is_main_process, launched
     from torchturbo.report import wide_console
-    from torchturbo.tune.report import incremental_table, write_report
+    from torchturbo.tune.report import incremental_table, read_previous, write_report
     from torchturbo.tune.search import TuneOptions, tune
+    from torchturbo.tune.summary import headline
 
     options = TuneOptions(
         time_budget_s=args.time_budget,
@@ -325,23 +346,33 @@ def _run_tune(args: argparse.Namespace) -> int:
         planned_steps=args.planned_steps,
         loss_tolerance=args.loss_tolerance,
         device=args.device,
+        only=args.only,
+        skip=args.skip,
     )
     check_writable(args.out)
+    previous = read_previous(args.out)
     recipe = load_target(args)
     console = wide_console()
     progress = _tune_progress(console, f"tune {recipe.name}", options.time_budget_s)
     with launched(args.device or "auto"), progress as show:
-        config, results = tune(recipe, options, on_progress=show)
+        config, result = tune(
+            recipe,
+            options,
+            on_progress=show,
+            previous=previous,
+            previous_source=str(args.out / "results.json"),
+        )
         if not is_main_process():
             return 0
+    results = result.to_dict()
     # The report's "how to use" line repeats what the user typed to name the target.
     results["recipe"] = args.recipe or f"--workload {recipe.name}"
     paths = write_report(args.out, results, config.to_toml())
+    if result.reuse_note:
+        console.print(Text(result.reuse_note))
     console.print(incremental_table(results))
-    console.print(
-        f"confirmed {results['confirmed_ratio']:.2f}x over fp32 eager "
-        f"({results['unit']}); report: {paths['html']}"
-    )
+    console.print(Text(headline(results)))
+    console.print(f"report: {paths['html']}")
     console.print(f"use it: torchturbo bench {results['recipe']} --config {paths['config']}")
     return 0
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -119,6 +119,7 @@ class Turbo:
         shuffle: bool = True,
         seed: int | None = None,
         lengths: Sequence[int] | None = None,
+        pad_values: Mapping[str, int] | None = None,
     ) -> tuple[nn.Module, torch.optim.Optimizer, Iterator[Any] | None]:
         """Move and transform the model, keep the optimizer, and build or wrap the loader.
 
@@ -126,8 +127,10 @@ class Turbo:
         is applied rather than lost, and calls ``set_epoch`` on its sampler every epoch.
         Parameter objects are preserved, so an optimizer built before ``setup`` stays valid.
         With ``[data] bucketing = true``, ``lengths`` (one per sample) feed a
-        :class:`~torchturbo.data.bucketing.BucketBatchSampler` and token ids are padded by
-        :func:`~torchturbo.data.collate.pad_collate` unless ``collate_fn`` is given.
+        :class:`~torchturbo.data.bucketing.BucketBatchSampler`. Without ``collate_fn``,
+        :func:`~torchturbo.data.collate.pad_collate` pads variable-length fields of dict samples
+        (``pad_values`` per field, e.g. the tokenizer's pad id) and collates the rest as torch's
+        default collate does.
         """
         self.model = self._compose(model)
         self.optimizer = optimizer
@@ -146,9 +149,10 @@ class Turbo:
             if self.config.data.bucketing:
                 batch_sampler = _bucket_sampler(self.config.data, lengths, batch_size, seed)
                 batch_size = None
-                collate_fn = collate_fn or functools.partial(
-                    pad_collate, pad_to_multiple=self.config.data.pad_to_multiple
-                )
+            # Pads variable-length fields of dict samples; otherwise collates as torch does.
+            collate_fn = collate_fn or functools.partial(
+                pad_collate, pad_to_multiple=self.config.data.pad_to_multiple, pad_values=pad_values
+            )
             if batch_size is None and batch_sampler is None:
                 raise ValueError("setup() got a dataset: pass batch_size= or batch_sampler=")
             loader = build_loader(

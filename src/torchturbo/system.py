@@ -50,3 +50,14 @@ def summary() -> dict[str, str]:
         "cpu capability": torch.backends.cpu.get_cpu_capability(),
         "cpu bf16 instructions": cpu_bf16_support(),
     }
+
+
+@cache
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo, else what ``platform`` says."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()

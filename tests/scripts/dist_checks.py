@@ -11,8 +11,8 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
+import time
 import unittest.mock
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -35,7 +35,6 @@ from torchturbo.distributed import (
 )
 from torchturbo.engine import Turbo
 from torchturbo.recipe import Recipe
-from torchturbo.tune import search
 from torchturbo.tune.search import TuneOptions, tune
 from torchturbo.tune.stages import Candidate, StageContext, bucket_stage, comm_hook_stage
 
@@ -327,37 +326,24 @@ def mlp_recipe(**overrides: object) -> Recipe:
 
 def check_tune(rank: int) -> dict:
     """The tuner's DDP stages with ranks that disagree: rank 1's budget is already spent and its
-    speed probes say every candidate is 1000 s a step, so on its own it would skip or reject
-    everything while rank 0 measures; rank 0 decides. A candidate that fails on every rank is
-    rejected on every rank."""
+    clock runs a thousand times fast (every step it times looks 1000x slower), so on its own it
+    would measure nothing while rank 0 measures; rank 0 decides. A candidate that fails on every
+    rank is rejected on every rank."""
 
     def unbuildable() -> nn.Module:
         raise RuntimeError("no kernel for this op")
 
-    def slow_clock(step: Callable[[], object], device: torch.device) -> float:
-        step()  # the step (and its all-reduce) still runs; only the clock lies
-        return 1e3
-
     def broken_stage(ctx: StageContext) -> list[Candidate]:
-        return [Candidate("broken", ctx.best, recipe=mlp_recipe(model=unbuildable))]
+        return [Candidate("broken", ctx.best, 2.0, recipe=mlp_recipe(model=unbuildable))]
 
-    options = TuneOptions(
-        time_budget_s=600.0 if rank == 0 else 1e-9,
-        device="cpu",
-        warmup=1,
-        repeats=2,
-        steps_per_repeat=1,
-        confirm_repeats=2,
-    )
+    options = TuneOptions(time_budget_s=600.0 if rank == 0 else 1e-9, device="cpu", max_rounds=4)
+    clock = time.perf_counter if rank == 0 else (lambda: 1e3 * time.perf_counter())
     stages = {"broken": broken_stage, "comm_hook": comm_hook_stage, "ddp_buckets": bucket_stage}
-    with contextlib.ExitStack() as patches:
-        if rank == 1:
-            patches.enter_context(unittest.mock.patch.object(search, "time_once", slow_clock))
-        config, results = tune(mlp_recipe(), options, stages=stages)
+    config, result = tune(mlp_recipe(), options, stages=stages, clock=clock)
+    results = result.to_dict()
     return {
         "config": config.to_dict(),
         "processes": results["processes"],
-        "skipped": {row["stage"]: row["skipped_reason"] for row in results["stages"]},
         "rows": {
             row["name"]: {
                 "verdict": row["verdict"],

@@ -149,6 +149,15 @@ def padding_fraction(
     return (padded - real) / padded
 
 
+def padding_fractions(lengths: Sequence[int], batch_size: int, seed: int) -> tuple[float, float]:
+    """Padding share of random batches of ``batch_size``, and of length-sorted batches (the
+    lower bound that bucketing approaches)."""
+    order = np.random.default_rng(seed).permutation(len(lengths))
+    random = pack_batches(order, lengths, batch_size=batch_size)
+    by_length = pack_batches(np.argsort(lengths, kind="stable"), lengths, batch_size=batch_size)
+    return padding_fraction(random, lengths), padding_fraction(by_length, lengths)
+
+
 def _world(num_replicas: int | None, rank: int | None) -> tuple[int, int]:
     initialized = dist.is_available() and dist.is_initialized()
     if num_replicas is None:

@@ -22,13 +22,13 @@ from torch.utils.data import DataLoader
 
 from torchturbo.bench import fixed_batches
 from torchturbo.config import CompileConfig, PrecisionConfig, TurboConfig
+from torchturbo.data.bucketing import padding_fractions
 from torchturbo.data.loader import build_loader, to_device
 from torchturbo.distributed.launch import current_env
 from torchturbo.doctor.checklist import judge
 from torchturbo.doctor.data_facts import (
     dataset_facts,
     loader_facts,
-    padding_fractions,
     varying_shapes,
 )
 from torchturbo.doctor.diagnosis import Diagnosis
@@ -77,7 +77,7 @@ def diagnose(
             batch_size=recipe.batch_size,
             config=config.data,
             device=run_device,
-            collate_fn=recipe.collate,
+            collate_fn=recipe.collate_fn(),
             seed=recipe.seed,
         )
     saved_benchmark = torch.backends.cudnn.benchmark

@@ -7,11 +7,10 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset, TensorDataset
 
-from torchturbo.data.bucketing import BucketBatchSampler, pack_batches, padding_fraction
+from torchturbo.data.bucketing import BucketBatchSampler
 from torchturbo.data.memmap import MemmapDataset
 
 #: Dataset attributes that hold per-sample transforms (torchvision and most custom datasets).
@@ -110,12 +109,3 @@ def varying_shapes(shapes: Sequence[BatchShapes]) -> list[str]:
 
 def _shape(trailing: tuple[int, ...]) -> str:
     return "[" + ", ".join(["*", *map(str, trailing)]) + "]"
-
-
-def padding_fractions(lengths: Sequence[int], batch_size: int, seed: int) -> tuple[float, float]:
-    """Padding share of random batches of ``batch_size``, and of length-sorted batches (the
-    lower bound that bucketing approaches)."""
-    order = np.random.default_rng(seed).permutation(len(lengths))
-    random = pack_batches(order, lengths, batch_size=batch_size)
-    by_length = pack_batches(np.argsort(lengths, kind="stable"), lengths, batch_size=batch_size)
-    return padding_fraction(random, lengths), padding_fraction(by_length, lengths)

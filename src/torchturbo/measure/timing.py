@@ -154,11 +154,15 @@ def _time_block(step: Callable[[], Any], steps: int, device: torch.device) -> fl
     return (time.perf_counter() - begin) / steps
 
 
-def time_once(fn: Callable[[], Any], device: torch.device | str) -> float:
+def time_once(
+    fn: Callable[[], Any],
+    device: torch.device | str,
+    clock: Callable[[], float] = time.perf_counter,
+) -> float:
     """Seconds of one call of ``fn``, synchronized: for one-time costs such as compilation."""
     device = torch.device(device)
     sync(device)
-    begin = time.perf_counter()
+    begin = clock()
     fn()
     sync(device)
-    return time.perf_counter() - begin
+    return clock() - begin

@@ -1,27 +1,135 @@
 """The tuner's decision rules, as pure functions of measured numbers.
 
-A candidate replaces the current best only when all of these hold:
+**Is it faster?** A candidate and the current best are timed in paired rounds on the same batches
+(``measure.paired``); each round gives one throughput ratio. On the logs of those ratios the
+rule is a one-sided Student t interval, checked after every round from the third on (sequential
+testing: a large effect is decided in three rounds, a small one gets more, a null one stops once
+it is clear that any gain is below ``WORTH_MEASURING``):
 
-* it is faster by more than the noise measured in the same run (a ratio of medians of interleaved
-  repeats; the noise band is the repeats' relative spread, never below ``MIN_NOISE``);
-* its loss over the first steps, from the same initial weights on the same batches, is finite and
-  within ``loss_tolerance`` (relative) of the fp32 baseline's;
-* its memory footprint fits the budget, when one is given;
-* its one-time cost (compilation, autotuning) pays for itself within the planned run: the
-  break-even step count ``one_time_s / (best_step_s - candidate_step_s)`` is at most
-  ``planned_steps``.
+* **faster** when the lower bound at ``FASTER_CONFIDENCE`` clears ``MIN_GAIN``;
+* **not faster** when the upper bound at ``FUTILITY_CONFIDENCE`` is below ``WORTH_MEASURING``;
+* otherwise **undecided**, and at the last round undecided means not shown faster.
 
-Keeping these apart from the measuring lets the tests drive them with injected numbers.
+The interval's width is what the report calls the noise. Checking after every round inflates the
+false-adoption rate of a single test; 99.9% per look, the 2% margin and a floor on the spread
+keep an A/A comparison (a config against itself) adopted in well under 1% of runs, for normal,
+heavy-tailed and outlier-ridden timing noise alike (tests/test_decide.py simulates them).
+
+A measured candidate replaces the current best only when it is faster (as above), its loss over
+the first steps (same initial weights, same batches) is finite and within ``loss_tolerance`` of
+the fp32 baseline's, its memory fits the budget when one is given, and its one-time cost
+(compilation) pays for itself within the planned run. Keeping these apart from the measuring lets
+the tests drive them with injected numbers.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
-#: Below this a measured spread is not trusted: 2% is the drift of a quiet machine between runs.
-MIN_NOISE = 0.02
+from torchturbo.report import format_bytes
+
+#: A gain must clear this margin too: 2% is the drift of a quiet machine between runs.
+MIN_GAIN = 0.02
+#: Below this a gain is not worth more rounds: measuring stops once it is clear it is smaller.
+WORTH_MEASURING = 0.05
+FASTER_CONFIDENCE = 0.999
+FUTILITY_CONFIDENCE = 0.95
+#: Rounds before any decision: a spread needs at least three points.
+MIN_ROUNDS = 3
+#: The smallest spread of log-ratios believed: paired rounds on a quiet machine scatter by ~1%,
+#: and two rounds that agree by chance must not make the interval collapse.
+MIN_SPREAD = 0.01
+
+# One-sided Student t quantiles by degrees of freedom 1..30 (scipy.stats.t.ppf); beyond 30 the
+# last entry errs on the side of caution. Tabulated to keep scipy out of the dependencies.
+_T_QUANTILES = {
+    0.999: (
+        318.309, 22.327, 10.215, 7.173, 5.893, 5.208, 4.785, 4.501, 4.297, 4.144,
+        4.025, 3.930, 3.852, 3.787, 3.733, 3.686, 3.646, 3.610, 3.579, 3.552,
+        3.527, 3.505, 3.485, 3.467, 3.450, 3.435, 3.421, 3.408, 3.396, 3.385,
+    ),
+    0.95: (
+        6.314, 2.920, 2.353, 2.132, 2.015, 1.943, 1.895, 1.860, 1.833, 1.812,
+        1.796, 1.782, 1.771, 1.761, 1.753, 1.746, 1.740, 1.734, 1.729, 1.725,
+        1.721, 1.717, 1.714, 1.711, 1.708, 1.706, 1.703, 1.701, 1.699, 1.697,
+    ),
+}  # fmt: skip
+
+Decision = Literal["faster", "not faster", "undecided"]
+
+
+def t_quantile(confidence: float, df: int) -> float:
+    table = _T_QUANTILES[confidence]
+    return table[min(max(df, 1), len(table)) - 1]
+
+
+@dataclass(frozen=True)
+class RatioEstimate:
+    """Per-round throughput ratios summarised: the centre, the decision interval, the verdict."""
+
+    ratio: float
+    low: float
+    high: float
+    rounds: int
+    decision: Decision
+
+    @property
+    def noise(self) -> float:
+        """Relative half-width of the interval: the ratio is known to within this factor."""
+        return self.high / self.ratio - 1
+
+
+def estimate(ratios: Sequence[float], *, final: bool = False) -> RatioEstimate:
+    """The geometric mean of ``ratios`` with its interval and decision (module docstring).
+
+    ``final`` marks the last round: undecided then reads as "not faster" (not shown faster).
+    """
+    if not ratios or any(not (r > 0 and math.isfinite(r)) for r in ratios):
+        raise ValueError(f"estimate(ratios={list(ratios)!r}) needs positive, finite ratios")
+    logs = [math.log(r) for r in ratios]
+    n = len(logs)
+    centre = statistics.fmean(logs)
+    spread = max(statistics.stdev(logs) if n > 1 else 0.0, MIN_SPREAD)
+    error = spread / math.sqrt(n) * _correlation_factor(logs, centre)
+    faster_low = centre - t_quantile(FASTER_CONFIDENCE, n - 1) * error
+    futile_high = centre + t_quantile(FUTILITY_CONFIDENCE, n - 1) * error
+    decision: Decision = "undecided"
+    if n >= MIN_ROUNDS and faster_low > math.log1p(MIN_GAIN):
+        decision = "faster"
+    elif (n >= MIN_ROUNDS and futile_high < math.log1p(WORTH_MEASURING)) or final:
+        decision = "not faster"
+    width = t_quantile(FASTER_CONFIDENCE, n - 1) * error
+    return RatioEstimate(
+        ratio=math.exp(centre),
+        low=_exp(centre - width),
+        high=_exp(centre + width),
+        rounds=n,
+        decision=decision,
+    )
+
+
+def _correlation_factor(logs: Sequence[float], centre: float) -> float:
+    """How much wider the interval must be when consecutive rounds err alike (load that lasts
+    several rounds): ``sqrt((1 + r) / (1 - r))`` for a lag-1 autocorrelation r > 0, else 1."""
+    if len(logs) < MIN_ROUNDS:
+        return 1.0
+    deviations = [x - centre for x in logs]
+    variance = sum(d * d for d in deviations)
+    if variance == 0:
+        return 1.0
+    r = sum(a * b for a, b in itertools.pairwise(deviations)) / variance
+    r = min(max(r, 0.0), 0.9)
+    return math.sqrt((1 + r) / (1 - r))
+
+
+def _exp(x: float) -> float:
+    """exp that saturates to 0 or inf instead of overflowing (a wild first round)."""
+    return math.exp(max(min(x, 700.0), -700.0))
 
 
 @dataclass(frozen=True)
@@ -63,10 +171,15 @@ class Verdict:
     reason: str
 
 
+def describe(speed: RatioEstimate) -> str:
+    """``1.31x (1.12-1.52x, 5 rounds)``: the ratio with its decision interval."""
+    rounds = f"{speed.rounds} round{'s' if speed.rounds != 1 else ''}"
+    return f"{speed.ratio:.2f}x ({speed.low:.2f}-{speed.high:.2f}x, {rounds})"
+
+
 def judge(
     *,
-    ratio: float,
-    noise: float,
+    speed: RatioEstimate,
     parity: Parity,
     memory_bytes: int | None,
     memory_budget: int | None,
@@ -80,7 +193,6 @@ def judge(
     ``must_be_faster=False`` is for memory candidates when the current best does not fit the
     budget: then fitting is the gain, and the slowdown is reported rather than disqualifying.
     """
-    noise = max(noise, MIN_NOISE)
     if not parity.finite:
         return Verdict(False, "loss parity: the loss became non-finite")
     if not parity.ok:
@@ -91,21 +203,16 @@ def judge(
         )
     if memory_budget is not None and memory_bytes is not None and memory_bytes > memory_budget:
         return Verdict(
-            False,
-            f"memory: {memory_bytes / 2**20:.0f} MiB > budget {memory_budget / 2**20:.0f} MiB",
+            False, f"memory: {format_bytes(memory_bytes)} > budget {format_bytes(memory_budget)}"
         )
     if not must_be_faster:
         return Verdict(
             True,
-            f"fits the memory budget at {ratio:.2f}x the speed, loss within "
+            f"fits the memory budget at {describe(speed)} the speed, loss within "
             f"{100 * parity.relative_diff:.1f}% of fp32",
         )
-    if ratio <= 1 + noise:
-        return Verdict(
-            False,
-            f"not faster: {ratio:.2f}x does not clear the noise band "
-            f"(needs > {1 + noise:.2f}x, spread {100 * noise:.0f}%)",
-        )
+    if speed.decision != "faster":
+        return Verdict(False, f"not faster: {describe(speed)} {_why_not(speed)}")
     if break_even > planned_steps:
         return Verdict(
             False,
@@ -114,6 +221,14 @@ def judge(
         )
     return Verdict(
         True,
-        f"{ratio:.2f}x faster (noise {100 * noise:.0f}%), loss within "
-        f"{100 * parity.relative_diff:.1f}% of fp32, pays back after {break_even:,.0f} steps",
+        f"{describe(speed)} faster, loss within {100 * parity.relative_diff:.1f}% of fp32, "
+        f"pays back after {break_even:,.0f} steps",
     )
+
+
+def _why_not(speed: RatioEstimate) -> str:
+    if speed.high < 1:
+        return "is slower"
+    if speed.high < 1 + WORTH_MEASURING:
+        return f"gains less than {WORTH_MEASURING:.0%}"
+    return f"does not clear 1+{MIN_GAIN:.0%} at {FASTER_CONFIDENCE:.1%} confidence"

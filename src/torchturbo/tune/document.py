@@ -14,6 +14,7 @@ import html
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from torchturbo.tune.fields import adopted_rows
 from torchturbo.tune.plots import PLOTS
 from torchturbo.tune.summary import (
     budget_line,
@@ -25,14 +26,13 @@ from torchturbo.tune.summary import (
 from torchturbo.tune.tables import (
     CANDIDATE_HEADERS,
     INCREMENTAL_HEADERS,
-    STAGE_HEADERS,
     candidate_rows,
     header_row,
     incremental_rows,
-    stage_rows,
 )
 
-_VERDICTS = ("adopted", "rejected", "skipped", "kept")
+#: Verdicts that colour their row in HTML (CSS classes: spaces become dashes).
+_VERDICTS = ("adopted", "rejected", "not measured", "not applicable")
 
 
 @dataclass(frozen=True)
@@ -80,11 +80,18 @@ def build_blocks(results: dict, drawn: Iterable[str]) -> list[_Block]:
         _Para(confirmation_line(results)),
         _Para(budget_line(results)),
         _Heading("Incremental table"),
-        _Para("The baseline, then one adopted technique per row; throughput is cumulative."),
+        _Para(
+            "The baseline, then each adopted technique in the order it was adopted. Each ratio is "
+            "the measurement that adopted it: against the row above, in paired rounds on the same "
+            "batches, with its 99.9% interval."
+        ),
         _Grid(header_row(INCREMENTAL_HEADERS, results), incremental_rows(results)),
-        _Heading("Stages"),
-        _Grid(header_row(STAGE_HEADERS, results), stage_rows(results)),
         _Heading("Every candidate"),
+        _Para(
+            "In the article's stage order (they were measured in order of expected gain per "
+            "second). Adopted, rejected with the rule and its numbers, not measured (the budget, "
+            "with the time it needed) or not applicable (the fact that says so)."
+        ),
         _Grid(header_row(CANDIDATE_HEADERS, results), candidate_rows(results), verdict_column=2),
         _Heading("Input pipeline"),
         _Para(loader_line(results)),
@@ -98,18 +105,30 @@ def build_blocks(results: dict, drawn: Iterable[str]) -> list[_Block]:
     blocks += [
         _Heading("How to use"),
         _Para("The tuned configuration is turbo.toml, beside this report. In a training script:"),
-        _Code(
-            "import torchturbo\n\n"
-            'turbo = torchturbo.Turbo(torchturbo.TurboConfig.load("turbo.toml"))\n'
-            "model, optimizer, loader = turbo.setup(model, optimizer, dataset)\n"
-            "for batch in loader:\n"
-            "    metrics = turbo.step(loss_fn, batch)",
-            "python",
-        ),
+        _Code(usage_snippet(results), "python"),
         _Para("To measure it again, side by side with the baseline:"),
         _Code(f"torchturbo bench {recipe} --config turbo.toml", "bash"),
     ]
     return blocks
+
+
+def usage_snippet(results: dict) -> str:
+    """Python that applies turbo.toml to a training loop (tests/test_snippets.py runs it)."""
+    rows = adopted_rows(results)
+    config = rows[-1].get("config") if rows else None
+    bucketing = isinstance(config, dict) and bool((config.get("data") or {}).get("bucketing"))
+    fingerprint = results.get("fingerprint")
+    size = fingerprint.get("batch_size") if isinstance(fingerprint, dict) else None
+    arguments = f"batch_size={size if isinstance(size, int) else 32}"
+    if bucketing:
+        arguments += ", lengths=lengths"  # length buckets need one length per sample
+    return (
+        "import torchturbo\n\n"
+        'turbo = torchturbo.Turbo(torchturbo.TurboConfig.load("turbo.toml"))\n'
+        f"model, optimizer, loader = turbo.setup(model, optimizer, dataset, {arguments})\n"
+        "for batch in loader:\n"
+        "    metrics = turbo.step(loss_fn, batch)  # loss_fn(model, batch) -> loss or (loss, count)"
+    )
 
 
 def _md(text: str) -> str:
@@ -149,7 +168,7 @@ th, td { border: 1px solid #e0e0e0; padding: 0.3em 0.6em; text-align: left; vert
 th { background: #f5f5f5; }
 tr.adopted td { background: #e8f5e9; }
 tr.rejected td { background: #ffebee; }
-tr.skipped td, tr.kept td { color: #616161; }
+tr.not-measured td, tr.not-applicable td { color: #616161; }
 pre { background: #f5f5f5; padding: 0.8em; overflow-x: auto; }
 figure { margin: 1em 0; }
 img { max-width: 100%; }
@@ -161,7 +180,7 @@ def _html_grid(grid: _Grid) -> str:
     body = []
     for row in grid.rows:
         verdict = row[grid.verdict_column] if grid.verdict_column is not None else ""
-        attr = f' class="{verdict}"' if verdict in _VERDICTS else ""
+        attr = f' class="{verdict.replace(" ", "-")}"' if verdict in _VERDICTS else ""
         cells = "".join(f"<td>{html.escape(cell)}</td>" for cell in row)
         body.append(f"<tr{attr}>{cells}</tr>")
     return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"

@@ -31,18 +31,22 @@ def ratio(value: float | None, reference: float | None) -> float | None:
 
 
 def baseline_candidate(results: dict) -> dict:
-    """The candidate measured for stage "baseline", if the tuner recorded one (else empty)."""
+    """The baseline's row ("reference" verdict), if the results hold one (else empty)."""
     return next((c for c in results.get("candidates") or [] if c.get("stage") == "baseline"), {})
 
 
-def adopted_candidate(results: dict, name: str) -> dict:
-    """The measurement behind an adopted name: its adopted candidate, else its stage's record."""
-    candidates = results.get("candidates") or []
-    for c in candidates:
-        if c.get("name") == name and c.get("verdict") == "adopted":
-            return c
-    stage = next((s for s in results.get("stages") or [] if s.get("best") == name), {})
-    return {"stage": stage.get("stage"), "name": name, **stage}
+def adopted_rows(results: dict) -> list[dict]:
+    """The row of every adoption the confirmation kept, in the order they were adopted."""
+    rows = {
+        c.get("name"): c for c in results.get("candidates") or [] if c.get("verdict") == "adopted"
+    }
+    return [rows[name] for name in results.get("adopted") or [] if name in rows]
+
+
+def dropped(results: dict) -> set[str]:
+    """Adoptions the confirmation dropped (it could not reproduce them)."""
+    confirmation = results.get("confirmation")
+    return set(confirmation.get("dropped") or []) if isinstance(confirmation, dict) else set()
 
 
 # --- formatting -----------------------------------------------------------------------------
@@ -58,6 +62,16 @@ def fmt_rate(value: Any) -> str:
 def fmt_x(value: Any) -> str:
     v = num(value)
     return "n/a" if v is None else f"{v:.2f}x"
+
+
+def fmt_interval(row: dict) -> str:
+    """``1.31x (1.12-1.52)``: a measured ratio with its decision interval, or n/a."""
+    ratio, low, high = num(row.get("ratio")), num(row.get("ratio_low")), num(row.get("ratio_high"))
+    if ratio is None:
+        return "n/a"
+    if low is None or high is None:
+        return f"{ratio:.2f}x"
+    return f"{ratio:.2f}x ({low:.2f}-{high:.2f})"
 
 
 def fmt_pct(value: Any) -> str:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from torchturbo.tune.fields import BASELINE_LABEL, baseline_candidate, num
+from torchturbo.tune.fields import BASELINE_LABEL, adopted_rows, baseline_candidate, num
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -42,22 +42,19 @@ def _plain(label: str) -> str:
 def _stage_bars(
     results: dict, baseline: float | None, key: str, scale: float
 ) -> tuple[list[str], list[float], list[str]]:
-    """Bar labels, values and colours: the baseline (when known), then each stage in order."""
+    """Bar labels, values and colours: the baseline (when known), then each kept adoption."""
     labels, values, colors = [], [], []
     if baseline is not None:
         labels.append("baseline")
         values.append(baseline / scale)
         colors.append(_BASELINE_COLOR)
-    adopted = set(results.get("adopted") or [])
-    for s in results.get("stages") or []:
-        value = num(s.get(key))
+    for row in adopted_rows(results):
+        value = num(row.get(key))
         if value is None:
             continue
-        changed = s.get("best") in adopted and not s.get("skipped_reason")
-        suffix = f"+ {s['best']}" if changed else "skipped" if s.get("skipped_reason") else "kept"
-        labels.append(_plain(f"{s.get('stage')}: {suffix}"))
+        labels.append(_plain(f"+ {row.get('name')} ({row.get('stage')})"))
         values.append(value / scale)
-        colors.append(_ADOPTED_COLOR if changed else _UNCHANGED_COLOR)
+        colors.append(_ADOPTED_COLOR)
     return labels, values, colors
 
 
@@ -81,7 +78,7 @@ def _plot_throughput(results: dict) -> Figure | None:
         axes.bar_label(bars, [f"{v / baseline:.2f}x" for v in values], padding=3, fontsize=8)
         axes.set_xlim(0, max(values) * 1.15)
     axes.set_xlabel(str(results.get("unit") or "throughput"))
-    axes.set_title("Throughput after each stage (green: a technique adopted)", fontsize=10)
+    axes.set_title("Throughput as each adopted technique is added", fontsize=10)
     return figure
 
 
@@ -102,7 +99,7 @@ def _plot_memory(results: dict) -> Figure | None:
         limit = max(limit, budget / mib)
     axes.set_xlim(0, limit * 1.15)
     axes.set_xlabel("peak memory (MiB)")
-    axes.set_title("Peak memory after each stage", fontsize=10)
+    axes.set_title("Peak memory as each adopted technique is added", fontsize=10)
     return figure
 
 
@@ -173,8 +170,8 @@ class Plot:
 
 
 PLOTS = (
-    Plot("throughput", "Throughput after each stage", _plot_throughput, "no stage throughputs"),
-    Plot("memory", "Peak memory after each stage", _plot_memory, "no memory figures"),
+    Plot("throughput", "Throughput after each adoption", _plot_throughput, "no adoption"),
+    Plot("memory", "Peak memory after each adoption", _plot_memory, "no memory figures"),
     Plot("breakdown", "Step time by phase", _plot_breakdown, "no step-time breakdown"),
     Plot("loss", "Loss curves", _plot_loss, "no loss curves"),
 )

@@ -23,19 +23,18 @@ from torchturbo.results import write_atomic
 from torchturbo.tune.document import build_blocks, render_html, render_markdown
 from torchturbo.tune.files import prepare_dir
 from torchturbo.tune.plots import PLOTS, png
-from torchturbo.tune.summary import headline
 from torchturbo.tune.tables import INCREMENTAL_HEADERS, header_row, incremental_rows
 
 
 def incremental_table(results: dict) -> Table:
     """The terminal table: one technique per row, like torchtitan's incremental benchmark tables.
 
-    Row one is the baseline; each further row adds one adopted technique (in adoption order) and
-    shows the cumulative throughput, its ratio to the baseline and to the row above.
+    Row one is the baseline; each further row adds one adopted technique (in adoption order) with
+    the throughput and the ratio over the row above that adopted it. The headline (the confirmed
+    ratio over the baseline) is printed under it by the caller.
     """
     table = Table(
-        title=f"torchturbo tune: {results.get('recipe', '')} on {results.get('device', '')}",
-        caption=headline(results),
+        title=f"torchturbo tune: {results.get('recipe', '')} on {results.get('device', '')}"
     )
     headers = header_row(INCREMENTAL_HEADERS, results)
     for i, header in enumerate(headers):
@@ -44,6 +43,17 @@ def incremental_table(results: dict) -> Table:
     for row in incremental_rows(results):
         table.add_row(*(Text(cell) for cell in row))
     return table
+
+
+def read_previous(out_dir: Path) -> dict | None:
+    """The results.json a previous run left in ``out_dir``, or None (none there, or unreadable:
+    then the run starts afresh, as it would without one)."""
+    path = Path(out_dir) / "results.json"
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def write_report(out_dir: Path, results: dict, config_toml: str) -> dict[str, Path]:

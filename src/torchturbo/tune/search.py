@@ -1,524 +1,374 @@
-"""The tuner: stage by stage, measure candidates against the current best, keep what helps.
+"""The tuner: measure the biggest levers first, keep what helps, within a budget it keeps.
 
 The article's closing advice ("apply one or two changes at a time and measure the real effect")
-as a procedure. Every candidate trains a fresh model from the recipe's initial weights on the same
-fixed batches as the baseline, interleaved with the current best (see ``bench.Trial``); the rules
-that adopt or reject it are in ``decide.py``. A candidate that raises is rejected with its error
-and the run goes on. The time budget is checked before each candidate; a final confirmation run
-re-measures the chosen configuration against the fp32 baseline.
+as a procedure:
 
-Under torchrun every rank runs the tuner: every trial is a DDP/FSDP trial, all ranks measure,
-and every branch taken on a measurement (time left, the speed probe, a failure, the verdict)
-follows rank 0's value (``distributed.consensus``), so the ranks' collectives keep pairing up and
-all ranks end with rank 0's config. A failure must happen on every rank alike (a technique that
-does not apply); one that strikes one rank inside a collective stops the run (torchrun ends the
-other ranks when one fails; the process group's timeout bounds a wait).
+1. **Baseline**: the recipe in fp32 eager on fixed batches; its first steps are the loss reference.
+2. **Facts** (seconds): GEMM rates per precision, padding with and without length buckets, the
+   convolution share of the FLOPs (``torchturbo.facts``). A precision that cannot help on this
+   hardware (TF32 on a CPU, bf16 without bf16 units) is decided here, not by training.
+3. **Candidates by expected gain per second of measuring** (``torchturbo.levers``), each built on
+   the current best and timed against it in paired rounds on the same batches until the ratio is
+   decided (``compare``; rules in ``decide``). A candidate that does not fit in what is left of
+   the budget is not measured, and says how long it would have needed.
+4. **Confirmation** of the chosen config against the baseline, only when they differ; adoptions
+   that do not survive it are re-measured alone and dropped (``confirm``).
+
+The budget covers all of it: before each candidate the time for the confirmation and the report
+is held back, a running comparison stops when its next round would not fit, and a one-time cost
+that cannot be split (a compile) is announced with its estimate and started only when it fits.
+Tuning again with the previous results.json reuses what was measured (``previous``).
+
+Under torchrun every rank runs the tuner, every trial is a DDP/FSDP trial, and every branch taken
+on a measurement follows rank 0's value (``distributed.consensus``), so the ranks' collectives
+keep pairing up and all ranks end with rank 0's config.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
+import math
+import statistics
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from torchturbo.bench import Trial, fixed_batches, start_trial
+from torchturbo.bench import fixed_batches, start_trial
 from torchturbo.config import TurboConfig
-from torchturbo.data.bucketing import BucketBatchSampler
-from torchturbo.data.loader import LoaderTuning, describe, tune_loader
-from torchturbo.distributed.consensus import agree, any_rank
+from torchturbo.distributed.consensus import agree
 from torchturbo.distributed.launch import current_env
 from torchturbo.engine import resolve_device
+from torchturbo.facts import gather
+from torchturbo.levers import priority
 from torchturbo.measure.breakdown import PhaseRecorder
-from torchturbo.measure.timing import (
-    Timing,
-    measure_interleaved,
-    noise_band,
-    paired_noise,
-    time_once,
-)
-from torchturbo.oom import split_batch
+from torchturbo.measure.timing import time_once
 from torchturbo.recipe import Recipe
 from torchturbo.system import summary
-from torchturbo.techniques.memory_format import has_2d_convolutions
-from torchturbo.tune.decide import break_even_steps, judge, loss_parity
+from torchturbo.tune import batching
+from torchturbo.tune.budget import Budget
+from torchturbo.tune.candidate import estimate, try_candidate
+from torchturbo.tune.confirm import confirm
+from torchturbo.tune.loader_stage import loader_stage
+from torchturbo.tune.outcome import Confirmation, Outcome, TuneResult
+from torchturbo.tune.previous import Previous, fingerprint
 from torchturbo.tune.stages import STAGES, Candidate, StageContext
+from torchturbo.tune.state import (
+    NUM_BATCHES,
+    PARITY_STEPS,
+    PROBE_STEPS,
+    REPORT_S,
+    Incumbent,
+    Run,
+    Stage,
+    TuneOptions,
+)
 
-#: Steps whose losses are compared for parity: enough to see a broken technique, few enough
-#: that fp32/bf16 rounding has not yet compounded into divergent trajectories.
-PARITY_STEPS = 6
-#: Distinct batches every trial cycles through.
-NUM_BATCHES = 8
-#: Time set aside for a compile candidate's compilation: a ResNet-sized model took 20-60 s on a
-#: 2-core CPU (the vision workload); starting one with less left would overrun the budget.
-COMPILE_ALLOWANCE_S = 45.0
-#: A candidate whose steady step is this many times slower than the best's is rejected at
-#: once: fp16 on a CPU without fp16 units runs ~50x slower, and measuring it would eat the budget.
-SLOW_FACTOR = 5.0
-#: Steps timed one by one for that probe (the fastest counts: robust to a stray slow step).
-PROBE_STEPS = 3
-#: Batches timed per loader setting: enough for a steady rate, cheap next to the tuning budget.
-LOADER_BATCHES = 8
+__all__ = ["TuneOptions", "select_stages", "tune"]
 
-
-@dataclass(frozen=True, kw_only=True)
-class TuneOptions:
-    time_budget_s: float = 300.0
-    memory_budget: int | None = None
-    planned_steps: int = 10_000
-    loss_tolerance: float = 0.05
-    device: str | None = None
-    warmup: int = 2
-    repeats: int = 5
-    steps_per_repeat: int = 2
-    confirm_repeats: int = 9
-
-    def __post_init__(self) -> None:
-        checks = {
-            "time_budget_s": self.time_budget_s > 0,
-            "planned_steps": self.planned_steps >= 1,
-            "loss_tolerance": 0 < self.loss_tolerance < 1,
-            "repeats": self.repeats >= 2 and self.confirm_repeats >= 2,
-        }
-        for name, ok in checks.items():
-            if not ok:
-                raise ValueError(f"{name} = {getattr(self, name)!r} is out of range")
-        if self.memory_budget is not None and self.memory_budget <= 0:
-            raise ValueError(f"memory budget {self.memory_budget} bytes is not positive")
-
-
-@dataclass
-class _Incumbent:
-    name: str
-    config: TurboConfig
-    trial: Trial
-    first_step_s: float
-    memory_bytes: int | None
-
-
-@dataclass
-class _Run:
-    recipe: Recipe
-    options: TuneOptions
-    device: torch.device
-    batches: list[Any]
-    started: float
-    say: Callable[[str, str, float], None]
-    candidates: list[dict[str, Any]] = field(default_factory=list)
-    stages: list[dict[str, Any]] = field(default_factory=list)
-    adopted: list[str] = field(default_factory=list)
-
-    def time_left(self) -> float:
-        return self.options.time_budget_s - (time.perf_counter() - self.started)
+#: The stage that measures the loader rather than proposing trial candidates.
+LOADER_STAGE = "data_loader"
 
 
 def tune(
     recipe: Recipe,
     options: TuneOptions | None = None,
     *,
-    stages: Mapping[str, Callable[[StageContext], list[Candidate] | str]] | None = None,
+    stages: Mapping[str, Stage] | None = None,
     on_progress: Callable[[str, str, float], None] | None = None,
-) -> tuple[TurboConfig, dict[str, Any]]:
-    """Tune ``recipe``; returns the chosen config and the results (see tune/report.py)."""
+    previous: Mapping[str, Any] | None = None,
+    previous_source: str = "the previous results.json",
+    clock: Callable[[], float] = time.perf_counter,
+) -> tuple[TurboConfig, TuneResult]:
+    """Tune ``recipe``; returns the chosen config and the run's :class:`TuneResult`.
+
+    ``previous`` is an earlier run's results (its results.json, named by ``previous_source``):
+    candidates it decided for the same recipe, machine and options are reused and the budget goes
+    to the others. ``on_progress(stage, candidate, seconds_left)`` is called as the work moves on;
+    ``clock`` is what the budget is counted on.
+    """
     options = options or TuneOptions()
+    selected = select_stages(stages or STAGES, options)
+    budget = Budget(options.time_budget_s, clock)
     device = resolve_device(options.device or "auto")
-    run = _Run(
-        recipe=recipe,
-        options=options,
-        device=device,
-        batches=fixed_batches(recipe, NUM_BATCHES),
-        started=time.perf_counter(),
-        say=on_progress or (lambda stage, candidate, left: None),
-    )
-    run.say("baseline", "fp32 eager", run.time_left())
+    say = on_progress or (lambda stage, candidate, left: None)
+    say("baseline", "fp32 eager", budget.left())
     base_config = TurboConfig(device=str(device))
-    baseline_trial, first = start_trial(recipe, base_config, run.batches)
-    baseline = _Incumbent("baseline", base_config, baseline_trial, first, None)
-    for _ in range(PARITY_STEPS):
-        baseline_trial.step()
-    baseline.memory_bytes = agree(baseline_trial.memory_footprint()[0])
-    reference = baseline_trial.loss_curve()[:PARITY_STEPS]
+    batches = fixed_batches(recipe, NUM_BATCHES)
+    begin = clock()
+    trial, first = start_trial(recipe, base_config, batches, clock)
+    build_s = max(0.0, clock() - begin - first)
+    baseline = Incumbent("fp32 eager", base_config, trial, None)
     best = baseline
     try:
-        loader = _loader_stage(run, baseline)
-        if loader.input_bound:
-            best.config = best.config.replace(data=loader.chosen)
-            run.adopted.append(f"loader: {describe(loader.chosen)}")
-        run.stages.append(
-            _stage_row("data_loader", run.adopted[-1] if run.adopted else None, best, None)
+        steps = [time_once(trial.step, device, clock) for _ in range(PARITY_STEPS - 1)]
+        trial.step_seconds = agree(statistics.median(steps))
+        baseline.memory_bytes = agree(trial.memory_footprint()[0])
+        say("facts", "GEMM rates per precision, padding, FLOPs", budget.left())
+        run = Run(
+            recipe=recipe,
+            options=options,
+            device=device,
+            budget=budget,
+            batches=batches,
+            say=say,
+            facts=_facts(recipe, trial, device),
+            build_s=agree(build_s),
+            baseline_step_s=trial.step_seconds,
+            reference_losses=trial.loss_curve()[:PARITY_STEPS],
         )
-        for stage_name, stage in (stages or STAGES).items():
-            best = _run_stage(run, stage_name, stage, best, reference)
-        run.say("confirmation", best.name, run.time_left())
-        results = _confirm(run, baseline, best)
-        results["loader"] = {
-            "verdict": "input-bound" if loader.input_bound else "compute-bound",
-            "reason": loader.reason,
-            "chosen": loader.chosen.__dict__ if loader.input_bound else None,
-        }
+        loader = None
+        if LOADER_STAGE in selected:
+            outcome, loader, data = loader_stage(run, baseline)
+            run.outcomes.append(outcome)
+            if data is not None:
+                baseline.config = base_config.replace(data=data)
+        parameters = sum(p.numel() for p in trial.model.parameters())
+        current = fingerprint(recipe, options, device, parameters)
+        reuse, reuse_note = Previous.parse(previous, current, previous_source)
+        if reuse_note:
+            say("reuse", reuse_note, budget.left())
+        best = _replay(run, reuse, baseline)
+        trial_stages = {k: v for k, v in selected.items() if k != LOADER_STAGE}
+        best = _search(run, trial_stages, best, baseline)
+        say("confirmation", best.name, budget.left())
+        confirmation, best = confirm(run, baseline, best)
+        result = _result(run, baseline, best, confirmation, loader, reuse, reuse_note, current)
     finally:
         for incumbent in {id(baseline): baseline, id(best): best}.values():
             incumbent.trial.close()
-    return best.config, results
+    return best.config, result
 
 
-def _loader_stage(run: _Run, baseline: _Incumbent) -> LoaderTuning:
-    """Measure the recipe's loader settings against the compute step: the data stage.
+def select_stages(stages: Mapping[str, Stage], options: TuneOptions) -> dict[str, Stage]:
+    """The stages ``only`` and ``skip`` leave, in order; an unknown name is an error that lists
+    the stages."""
+    names = [LOADER_STAGE, *stages]
+    for option, chosen in (("--only", options.only), ("--skip", options.skip)):
+        unknown = sorted(set(chosen) - set(names))
+        if unknown:
+            raise ValueError(
+                f"{option} {','.join(unknown)}: no such stage; the stages are {', '.join(names)}"
+            )
+    keep = [n for n in names if (not options.only or n in options.only) and n not in options.skip]
+    return {n: stages.get(n, _measured_apart) for n in keep}
 
-    Trials train on pre-collated batches, so the loader's setting changes no trial; it only
-    matters when loading is slower than the step (input-bound), and then goes into the config.
-    """
-    run.say("data_loader", "measuring loader settings", run.time_left())
-    (timing,) = measure_interleaved(
-        {"baseline": baseline.trial.step}, device=run.device, warmup=1, repeats=3
-    ).values()
-    baseline.trial.step_seconds = timing.median
-    recipe = run.recipe
-    tuning = tune_loader(
-        recipe.dataset,
-        recipe.batch_size,
-        collate_fn=recipe.collate,
-        device=run.device,
-        batches=LOADER_BATCHES,
-        warmup_batches=2,
-        repeats=2,
-        step_seconds=timing.median,
+
+def _measured_apart(context: StageContext) -> str:
+    return "the loader is measured apart from the trials (tune.loader_stage)"
+
+
+def _facts(recipe: Recipe, trial: Any, device: torch.device) -> Any:
+    batch = trial.batches[0]
+
+    def forward() -> Any:
+        return trial.turbo.forward(recipe.loss_fn, batch)
+
+    comm = trial.comm_per_step()
+    step = trial.step_seconds
+    share = None if comm is None or comm[1] is None or not step else min(1.0, comm[1] / step)
+    return agree(gather(recipe, trial.model, trial.batches, device, forward, comm_share=share))
+
+
+def _replay(run: Run, reuse: Previous | None, baseline: Incumbent) -> Incumbent:
+    """Take a previous run's outcomes and rebuild the config it chose as the current best."""
+    if reuse is None:
+        return baseline
+    run.outcomes.extend(reuse.outcomes)
+    if not reuse.adopted:
+        return baseline
+    names = ", ".join(o.name for o in reuse.adopted)
+    run.say("reuse", f"rebuilding {names}", run.budget.left())
+    last = reuse.adopted[-1]
+    config = TurboConfig.from_dict(last.config)
+    chain = [o.batching for o in reuse.adopted]
+    batches = batching.batches_for(run.recipe, chain, baseline.trial.batches, NUM_BATCHES)
+    trial, _ = start_trial(run.recipe, config, batches, run.clock)
+    for _ in range(PROBE_STEPS):
+        trial.step()
+    trial.step_seconds = agree(min(time_once(trial.step, run.device, run.clock) for _ in range(2)))
+    for outcome in reuse.adopted:
+        adopted = TurboConfig.from_dict(outcome.config)
+        run.adoptions.append(Incumbent(outcome.name, adopted, trial, None, outcome=outcome))
+    best = Incumbent(last.name, config, trial, agree(trial.memory_footprint()[0]), outcome=last)
+    run.adoptions[-1] = best
+    return best
+
+
+def _search(
+    run: Run, stages: Mapping[str, Stage], best: Incumbent, baseline: Incumbent
+) -> Incumbent:
+    """Measure candidates, the highest expected gain per second first, until none is left."""
+    tried = {o.name for o in run.outcomes}
+    while proposals := _proposals(run, stages, best, tried):
+        over = _over_memory_budget(run, best)
+        ranks = [_rank(run, *proposal, best, over) for proposal in proposals]
+        # Estimates read this rank's clock and load: the pick is rank 0's on every rank.
+        stage, candidate = proposals[agree(ranks.index(max(ranks)))]
+        tried.add(candidate.name)
+        outcome, incumbent = try_candidate(run, stage, candidate, best, over and stage == "memory")
+        run.outcomes.append(outcome)
+        if incumbent is not None:
+            if best is not baseline:
+                best.trial.close()
+            run.adoptions.append(incumbent)
+            best = incumbent
+    return best
+
+
+def _proposals(
+    run: Run, stages: Mapping[str, Stage], best: Incumbent, tried: set[str]
+) -> list[tuple[str, Candidate]]:
+    """Every untried candidate of every stage, built on the current best; a stage or candidate
+    that cannot apply is recorded once, as not applicable, with the fact that says so."""
+    context = _context(run, best)
+    proposals = []
+    for stage_name, stage in stages.items():
+        proposed = stage(context)
+        if isinstance(proposed, str):
+            if stage_name not in tried:
+                tried.add(stage_name)
+                run.outcomes.append(_stage_outcome(stage_name, best.config, proposed))
+            continue
+        for candidate in proposed:
+            if candidate.name in tried:
+                continue
+            if candidate.not_applicable:
+                tried.add(candidate.name)
+                run.outcomes.append(
+                    Outcome(
+                        stage=stage_name,
+                        name=candidate.name,
+                        config=candidate.config.to_dict(),
+                        verdict="not applicable",
+                        reason=candidate.not_applicable,
+                    )
+                )
+                continue
+            proposals.append((stage_name, candidate))
+    return proposals
+
+
+def _stage_outcome(stage: str, config: TurboConfig, reason: str) -> Outcome:
+    return Outcome(
+        stage=stage, name=stage, config=config.to_dict(), verdict="not applicable", reason=reason
     )
-    return agree(tuning)
 
 
-def _context(run: _Run, best: _Incumbent) -> StageContext:
-    recipe = run.recipe
+def _context(run: Run, best: Incumbent) -> StageContext:
     env = current_env()
     return StageContext(
-        recipe=recipe,
+        recipe=run.recipe,
         best=best.config,
         device=run.device,
-        has_convolutions=has_2d_convolutions(recipe.model()),
+        facts=run.facts,
         best_memory_bytes=best.memory_bytes,
         memory_budget=run.options.memory_budget,
         world_size=env.world_size,
         backend=env.backend,
-        micro_batches=lambda split: _split_batches(run.batches, split),
-        bucketed_batches=(lambda: _bucketed_batches(recipe)) if recipe.lengths else None,
+        batch_size=batching.batch_size(best.trial.batches),
     )
 
 
-def _run_stage(
-    run: _Run,
-    stage_name: str,
-    stage: Callable[[StageContext], list[Candidate] | str],
-    best: _Incumbent,
-    reference: list[float],
-) -> _Incumbent:
-    proposed = stage(_context(run, best))
-    if isinstance(proposed, str):
-        run.stages.append(_stage_row(stage_name, None, best, proposed))
-        return best
-    must_be_faster = not (
-        stage_name == "memory"
-        and run.options.memory_budget is not None
-        and (best.memory_bytes or 0) > run.options.memory_budget
+def _over_memory_budget(run: Run, best: Incumbent) -> bool:
+    budget = run.options.memory_budget
+    return budget is not None and (best.memory_bytes or 0) > budget
+
+
+def _rank(run: Run, stage: str, candidate: Candidate, best: Incumbent, over: bool) -> float:
+    """Memory candidates first while the best does not fit the budget; then gain per second."""
+    if over and stage == "memory":
+        return math.inf
+    return priority(candidate.expected_gain, estimate(run, candidate, best).typical_s)
+
+
+def _result(
+    run: Run,
+    baseline: Incumbent,
+    best: Incumbent,
+    confirmation: Confirmation,
+    loader: dict[str, Any] | None,
+    reuse: Previous | None,
+    reuse_note: str,
+    current: dict[str, Any],
+) -> TuneResult:
+    order = {name: i for i, name in enumerate([LOADER_STAGE, *STAGES])}
+    candidates = sorted(run.outcomes, key=lambda o: order.get(o.stage, len(order)))
+    kept = (
+        ()
+        if confirmation.state == "reverted"
+        else tuple(a.name for a in run.adoptions if a.name not in confirmation.dropped)
     )
-    winners: list[tuple[float, _Incumbent]] = []
-    for candidate in proposed:
-        run.say(stage_name, candidate.name, run.time_left())
-        row, incumbent, ratio = _try(run, stage_name, candidate, best, reference, must_be_faster)
-        run.candidates.append(row)
-        if incumbent is not None:
-            winners.append((ratio, incumbent))
-    if not winners:
-        run.stages.append(_stage_row(stage_name, None, best, None))
-        return best
-    winners.sort(key=lambda pair: pair[0], reverse=True)
-    chosen = winners[0][1]
-    for _, loser in winners[1:]:
-        loser.trial.close()
-    for row in run.candidates:
-        if (
-            row["stage"] == stage_name
-            and row["verdict"] == "adopted"
-            and row["name"] != chosen.name
-        ):
-            row["verdict"] = "kept"
-            row["reason"] += f"; {chosen.name} was faster in this stage"
-    if best.name != "baseline":
-        best.trial.close()
-    run.adopted.append(chosen.name)
-    run.stages.append(_stage_row(stage_name, chosen.name, chosen, None))
-    return chosen
-
-
-def _stage_row(
-    stage: str, chosen: str | None, best: _Incumbent, skipped: str | None
-) -> dict[str, Any]:
-    return {
-        "stage": stage,
-        "best": chosen,
-        "throughput": _throughput(best.trial),
-        "memory_bytes": best.memory_bytes,
-        "skipped_reason": skipped,
-    }
-
-
-def _throughput(trial: Trial) -> float | None:
-    steps = trial.step_seconds
-    return None if steps is None else trial.mean_count() / steps
-
-
-def _try(
-    run: _Run,
-    stage: str,
-    candidate: Candidate,
-    best: _Incumbent,
-    reference: list[float],
-    must_be_faster: bool,
-) -> tuple[dict[str, Any], _Incumbent | None, float]:
-    row: dict[str, Any] = {
-        "stage": stage,
-        "name": candidate.name,
-        "config": candidate.config.to_dict(),
-        "throughput": None,
-        "ratio": None,
-        "noise": None,
-        "step_ms": None,
-        "memory_bytes": None,
-        "one_time_s": None,
-        "break_even_steps": None,
-        "parity": None,
-        "comm_bytes_per_step": None,
-    }
-    estimate = 3 * (best.trial.step_seconds or 0.1) * _steps_per_measurement(run.options)
-    if candidate.config.compile.mode != best.config.compile.mode:
-        estimate += COMPILE_ALLOWANCE_S
-    left, estimate = agree((run.time_left(), estimate))
-    if left < estimate:
-        row.update(verdict="skipped", reason=f"time budget: {left:.0f} s left")
-        return row, None, 0.0
-    trial = None
-    error: Exception | None = None
-    try:
-        trial, first = start_trial(
-            candidate.recipe or run.recipe, candidate.config, _batches(candidate, best)
-        )
-        # The parity steps double as a cheap speed probe: a candidate far slower than the best
-        # (fp16 without fp16 units) is rejected before the interleaved measurement.
-        probe = min(time_once(trial.step, run.device) for _ in range(PROBE_STEPS))
-        probe, best_step = agree((probe, best.trial.step_seconds))
-        if best_step and probe > SLOW_FACTOR * best_step:
-            trial.close()
-            row.update(
-                verdict="rejected",
-                reason=f"not faster: its fastest of {PROBE_STEPS} steps took "
-                f"{probe / best_step:.1f}x the current best's step, so it was not "
-                "measured further",
-            )
-            return row, None, 0.0
-        while len(trial.losses) < _parity_len(candidate):
-            trial.step()
-        trial.align_with(best.trial)
-        timings = measure_interleaved(
-            {"best": best.trial.step, "candidate": trial.step},
-            device=run.device,
-            warmup=run.options.warmup,
-            repeats=run.options.repeats,
-            steps_per_repeat=run.options.steps_per_repeat,
-        )
-        best.trial.step_seconds = timings["best"].median
-        trial.step_seconds = timings["candidate"].median
-        memory_bytes = trial.memory_footprint()[0]
-    except Exception as err:  # a technique that fails on this model is a finding, not a crash
-        error = err
-    if any_rank(error is not None, run.device):
-        if trial is not None:
-            trial.close()
-        message = f"{type(error).__name__}: {error}" if error else "it failed on another rank"
-        row.update(verdict="rejected", reason=agree(f"error: {message}"[:500]))
-        return row, None, 0.0
-    assert trial is not None
-    throughput = trial.mean_count() / timings["candidate"].median
-    ratio = throughput / (best.trial.mean_count() / timings["best"].median)
-    noise = _noise(
-        timings["candidate"], timings["best"], same_batches=trial.batches is best.trial.batches
+    loader_adopted = tuple(
+        o.name for o in candidates if o.stage == LOADER_STAGE and o.verdict == "adopted"
     )
-    one_time = max(0.0, first - timings["candidate"].median)
-    break_even = break_even_steps(one_time, timings["best"].median, timings["candidate"].median)
-    parity = loss_parity(
-        reference, _window_losses(trial, candidate.config), run.options.loss_tolerance
-    )
-    verdict = judge(
-        ratio=ratio,
-        noise=noise,
-        parity=parity,
-        memory_bytes=memory_bytes,
-        memory_budget=run.options.memory_budget,
-        break_even=break_even,
+    breakdown = _breakdowns(run, baseline, best)
+    return TuneResult(
+        recipe=run.recipe.name,
+        device=str(run.device),
+        processes=current_env().world_size,
+        torch=torch.__version__,
+        date=datetime.datetime.now().isoformat(timespec="seconds"),
+        unit=f"{run.recipe.count_unit}/s",
+        baseline=Outcome(
+            stage="baseline",
+            name="fp32 eager",
+            config=baseline.config.to_dict(),
+            verdict="reference",
+            reason="the reference every candidate is measured against",
+            memory_bytes=baseline.memory_bytes,
+            comm_bytes_per_step=(baseline.trial.comm_per_step() or (None,))[0],
+            loss_curve=tuple(run.reference_losses),
+        ),
+        baseline_step_ms=run.baseline_step_s * 1e3,
+        baseline_throughput=baseline.trial.mean_count() / run.baseline_step_s,
+        candidates=tuple(candidates),
+        adopted=loader_adopted + kept,
+        confirmation=confirmation,
+        facts=dataclasses.asdict(run.facts),
+        loader=loader,
+        time_budget_s=run.options.time_budget_s,
+        elapsed_s=run.budget.elapsed(),
+        memory_budget_bytes=run.options.memory_budget,
         planned_steps=run.options.planned_steps,
-        tolerance=run.options.loss_tolerance,
-        must_be_faster=must_be_faster,
+        loss_tolerance=run.options.loss_tolerance,
+        unmeasured_s=sum(o.estimate_s or 0.0 for o in candidates if o.verdict == "not measured"),
+        reused_from=None if reuse is None else reuse.source,
+        reuse_note=reuse_note,
+        breakdown=breakdown,
+        loss_curves={
+            "baseline": list(run.reference_losses),
+            "best": batching.window_losses(best.trial.loss_curve(), best.config.accumulation.steps)[
+                :PARITY_STEPS
+            ],
+        },
+        system=summary(),
+        fingerprint=current,
     )
-    row.update(
-        throughput=throughput,
-        ratio=ratio,
-        noise=noise,
-        step_ms=timings["candidate"].median * 1e3,
-        memory_bytes=memory_bytes,
-        one_time_s=one_time,
-        break_even_steps=None if break_even == float("inf") else break_even,
-        parity=dataclasses.asdict(parity),
-        comm_bytes_per_step=(trial.comm_per_step() or (None,))[0],
-        verdict="adopted" if verdict.adopt else "rejected",
-        reason=verdict.reason,
-    )
-    row, adopt = agree((row, verdict.adopt))
-    if not adopt:
-        trial.close()
-        return row, None, row["ratio"]
-    incumbent = _Incumbent(candidate.name, candidate.config, trial, first, row["memory_bytes"])
-    return row, incumbent, row["ratio"]
 
 
-def _noise(candidate: Timing, best: Timing, *, same_batches: bool) -> float:
-    """The ratio's noise: paired round by round when both trained the same batches in step
-    (``Trial.align_with``), which cancels differences in batch cost; else the larger spread."""
-    return paired_noise(candidate, best) if same_batches else noise_band([candidate, best])
-
-
-def _steps_per_measurement(options: TuneOptions) -> int:
-    return 2 * (options.warmup + options.repeats * options.steps_per_repeat) + PARITY_STEPS
-
-
-def _parity_len(candidate: Candidate) -> int:
-    return PARITY_STEPS * candidate.config.accumulation.steps
-
-
-def _batches(candidate: Candidate, best: _Incumbent) -> list[Any]:
-    """The candidate's own batches (micro-batches, length buckets), else the best's: a later
-    stage must not drop the batching an earlier one adopted, or it would be timed on the
-    padded batches against a best on bucketed ones."""
-    return candidate.batches if candidate.batches is not None else best.trial.batches
-
-
-def _window_losses(trial: Trial, config: TurboConfig) -> list[float]:
-    """Per optimizer step losses: micro-batch losses averaged over each accumulation window."""
-    losses = trial.loss_curve()
-    steps = config.accumulation.steps
-    return [sum(losses[i : i + steps]) / steps for i in range(0, len(losses) - steps + 1, steps)]
-
-
-def _split_batches(batches: list[Any], split: int) -> list[Any]:
-    """Each batch cut into ``split`` equal micro-batches, as the engine's OOM path cuts them."""
-    return [piece for batch in batches for piece in split_batch(batch, split)]
-
-
-def _bucketed_batches(recipe: Recipe) -> list[Any]:
-    """Bucketed batches with the same token budget as the recipe's random batches."""
-    assert recipe.lengths is not None
-    lengths = list(recipe.lengths)
-    mean_length = sum(lengths) / len(lengths)
-    budget = max(int(recipe.batch_size * mean_length), max(lengths))
-    sampler = BucketBatchSampler(lengths, max_tokens=budget, seed=recipe.seed)
-    collate = recipe.collate
-    batches = []
-    for indices in sampler:
-        samples = [recipe.dataset[i] for i in indices]
-        batches.append(collate(samples) if collate else torch.utils.data.default_collate(samples))
-        if len(batches) == NUM_BATCHES:
+def _breakdowns(run: Run, baseline: Incumbent, best: Incumbent) -> dict[str, dict[str, float]]:
+    """Seconds per step by phase of the baseline and the chosen config, from up to three steps
+    each with a syncing PhaseRecorder, as far as the budget allows (the report says when not)."""
+    out: dict[str, dict[str, float]] = {}
+    for key, incumbent in (("baseline", baseline), ("best", best)):
+        if key == "best" and best is baseline:
+            if "baseline" in out:
+                out["best"] = out["baseline"]
             break
-    return batches
-
-
-def _confirm(run: _Run, baseline: _Incumbent, best: _Incumbent) -> dict[str, Any]:
-    """Re-measure the chosen config against the baseline with more repeats, then report.
-
-    When nothing was adopted the best *is* the baseline trial: it is timed once, and the ratio is
-    1 by definition (interleaving a trial with itself would time different batches).
-    """
-    variants = {"baseline": baseline.trial.step}
-    if best is not baseline:
-        best.trial.align_with(baseline.trial)
-        variants["best"] = best.trial.step
-    timings = measure_interleaved(
-        variants,
-        device=run.device,
-        warmup=1,
-        repeats=run.options.confirm_repeats,
-        steps_per_repeat=run.options.steps_per_repeat,
-    )
-    timings.setdefault("best", timings["baseline"])
-    base_tp = baseline.trial.mean_count() / timings["baseline"].median
-    best_tp = best.trial.mean_count() / timings["best"].median
-    return {
-        "recipe": run.recipe.name,
-        "device": str(run.device),
-        "processes": current_env().world_size,
-        "torch": torch.__version__,
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "unit": f"{run.recipe.count_unit}/s",
-        "baseline_throughput": base_tp,
-        "best_throughput": best_tp,
-        "confirmed_ratio": best_tp / base_tp,
-        "confirmation": {
-            "baseline_step_ms": timings["baseline"].median * 1e3,
-            "best_step_ms": timings["best"].median * 1e3,
-            "noise": _noise(
-                timings["best"],
-                timings["baseline"],
-                same_batches=best.trial.batches is baseline.trial.batches,
-            ),
-            "repeats": run.options.confirm_repeats,
-        },
-        "time_budget_s": run.options.time_budget_s,
-        "elapsed_s": time.perf_counter() - run.started,
-        "memory_budget_bytes": run.options.memory_budget,
-        "planned_steps": run.options.planned_steps,
-        "loss_tolerance": run.options.loss_tolerance,
-        "stages": run.stages,
-        "candidates": [_baseline_row(baseline, timings["baseline"].median), *run.candidates],
-        "adopted": run.adopted,
-        "breakdown": {
-            "baseline": _breakdown(baseline.trial),
-            "best": _breakdown(best.trial),
-        },
-        "loss_curves": {
-            "baseline": _window_losses(baseline.trial, baseline.config),
-            "best": _window_losses(best.trial, best.config),
-        },
-        "loader": None,
-        "system": summary(),
-    }
-
-
-def _baseline_row(baseline: _Incumbent, step_s: float) -> dict[str, Any]:
-    return {
-        "stage": "baseline",
-        "name": "fp32 eager",
-        "config": baseline.config.to_dict(),
-        "throughput": baseline.trial.mean_count() / step_s,
-        "ratio": 1.0,
-        "noise": None,
-        "step_ms": step_s * 1e3,
-        "memory_bytes": baseline.memory_bytes,
-        "one_time_s": None,
-        "break_even_steps": None,
-        "parity": None,
-        "comm_bytes_per_step": (baseline.trial.comm_per_step() or (None,))[0],
-        "verdict": "kept",
-        "reason": "the reference every candidate is measured against",
-    }
-
-
-def _breakdown(trial: Trial, steps: int = 3) -> dict[str, float]:
-    """Seconds per step by phase, from a few steps with a syncing PhaseRecorder."""
-    recorder = PhaseRecorder(trial.turbo.device)
-    previous, trial.turbo.recorder = trial.turbo.recorder, recorder
-    try:
-        for _ in range(steps):
-            trial.step()
-    finally:
-        trial.turbo.recorder = previous
-    return {phase: seconds / steps for phase, seconds in recorder.totals().items()}
+        step_s = incumbent.trial.step_seconds or run.baseline_step_s
+        recorder = PhaseRecorder(incumbent.trial.turbo.device)
+        turbo = incumbent.trial.turbo
+        previous, turbo.recorder = turbo.recorder, recorder
+        steps = 0
+        try:
+            while steps < 3 and agree(run.budget.left() - REPORT_S >= step_s):
+                incumbent.trial.step()
+                steps += 1
+        finally:
+            turbo.recorder = previous
+        if steps:
+            out[key] = {phase: seconds / steps for phase, seconds in recorder.totals().items()}
+    return out

@@ -1,8 +1,11 @@
 """The tuner's stages, in the article's order, each proposing candidates against the current best.
 
 A stage is a plain function ``(context) -> list[Candidate] | str``: the candidates to measure, or
-the reason the stage does not apply (a Transformer gets no channels_last; a recipe without lengths
-gets no dynamic batching). Stages only build configs: measuring and deciding is ``search.py``'s.
+the reason the whole stage does not apply. A candidate carries the gain it is expected to bring
+(``torchturbo.levers``, from facts measured in seconds), which orders the measuring, or the fact
+that makes it not applicable here (bf16 without bf16 units, channels_last without convolutions),
+which spares training it at all. Stages only build configs: measuring and deciding is
+``search.py``'s, and the report lists the stages in this order whatever order they were measured in.
 """
 
 from __future__ import annotations
@@ -13,17 +16,29 @@ from typing import Any
 
 import torch
 
+from torchturbo import levers
 from torchturbo.config import TurboConfig
+from torchturbo.facts import Facts
 from torchturbo.recipe import Recipe
 
 
 @dataclass(frozen=True)
 class Candidate:
-    """One configuration to try. ``batches`` overrides the trial's batches (micro-batching,
-    bucketing); ``recipe`` overrides the recipe (tests inject broken techniques this way)."""
+    """One configuration to try.
+
+    ``expected_gain`` (None: no prior) orders the work; ``not_applicable`` says why it cannot
+    help here, and then it is reported, not trained. ``batching`` names batches other than the
+    current best's: "buckets" (length buckets) or "split:N" (each batch cut into N micro-batches).
+    ``batches`` and ``recipe`` override the batches and the recipe outright (tests inject
+    techniques this way).
+    """
 
     name: str
     config: TurboConfig
+    expected_gain: float | None = None
+    not_applicable: str | None = None
+    evidence: str = ""
+    batching: str | None = None
     batches: list[Any] | None = None
     recipe: Recipe | None = None
 
@@ -35,38 +50,70 @@ class StageContext:
     recipe: Recipe
     best: TurboConfig
     device: torch.device
-    has_convolutions: bool
+    facts: Facts
     best_memory_bytes: int | None
     memory_budget: int | None
     world_size: int = 1
     #: The process group's backend under torchrun ("nccl", "gloo"), None in one process.
     backend: str | None = None
-    micro_batches: Callable[[int], list[Any]] | None = None
-    bucketed_batches: Callable[[], list[Any]] | None = None
+    #: The current best's batch size per step (after any micro-batching).
+    batch_size: int | None = None
     notes: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def has_convolutions(self) -> bool:
+        return self.facts.has_convolutions
+
+
+def _candidate(
+    name: str, config: TurboConfig, expectation: levers.Expectation, **kw: Any
+) -> Candidate:
+    if expectation.applicable:
+        return Candidate(name, config, expectation.gain, evidence=expectation.evidence, **kw)
+    return Candidate(name, config, not_applicable=expectation.evidence, **kw)
 
 
 def precision_stage(ctx: StageContext) -> list[Candidate] | str:
-    # All four on every device, decided by measurement: fp16 without native fp16 units, or TF32
-    # without tensor cores, simply measures as no faster and is rejected with the figure.
+    # A precision whose matrix products are no faster than fp32's here (TF32 on a CPU, bf16 or
+    # fp16 without native units) is decided by that micro-benchmark, not by training.
     return [
-        Candidate("tf32", ctx.best.replace(precision__dtype="tf32")),
-        Candidate("bf16", ctx.best.replace(precision__dtype="bf16")),
-        Candidate("fp16+scaler", ctx.best.replace(precision__dtype="fp16")),
+        _candidate(
+            "bf16",
+            ctx.best.replace(precision__dtype="bf16"),
+            levers.precision(ctx.facts, "bf16"),
+        ),
+        _candidate(
+            "fp16+scaler",
+            ctx.best.replace(precision__dtype="fp16"),
+            levers.precision(ctx.facts, "fp16"),
+        ),
+        _candidate(
+            "tf32",
+            ctx.best.replace(precision__dtype="tf32"),
+            levers.precision(ctx.facts, "tf32"),
+        ),
     ]
 
 
 def memory_format_stage(ctx: StageContext) -> list[Candidate] | str:
-    if not ctx.has_convolutions:
-        return "the model has no 2-D convolutions: channels_last changes nothing"
-    candidates = [Candidate("channels_last", ctx.best.replace(memory_format__channels_last=True))]
-    if ctx.device.type == "cuda":
-        candidates.append(
-            Candidate(
-                "channels_last+cudnn_benchmark",
-                ctx.best.replace(memory_format__channels_last=True, backend__cudnn_benchmark=True),
+    expectation = levers.channels_last(ctx.facts)
+    layout = ctx.best.replace(memory_format__channels_last=True)
+    candidates = [_candidate("channels_last", layout, expectation)]
+    if ctx.device.type == "cuda" and expectation.applicable:
+        # cuDNN autotuning re-runs for every new input shape: only where shapes are fixed.
+        tuned = layout.replace(backend__cudnn_benchmark=True)
+        if ctx.facts.shapes_vary:
+            why = "batch shapes vary: cuDNN would autotune again for every new shape"
+            candidates.append(Candidate("channels_last+cudnn_benchmark", tuned, not_applicable=why))
+        else:
+            candidates.append(
+                Candidate(
+                    "channels_last+cudnn_benchmark",
+                    tuned,
+                    expectation.gain,
+                    evidence=expectation.evidence,
+                )
             )
-        )
     return candidates
 
 
@@ -76,7 +123,10 @@ def compile_stage(ctx: StageContext) -> list[Candidate] | str:
         # CUDA graphs (reduce-overhead) remove launch overhead; max-autotune-no-cudagraphs
         # searches matmul/conv kernels. On CPU neither applies, and each compile costs minutes.
         modes += ["reduce-overhead", "max-autotune-no-cudagraphs"]
-    return [Candidate(f"compile:{m}", ctx.best.replace(compile__mode=m)) for m in modes]
+    expectation = levers.compile_(ctx.facts)
+    return [
+        _candidate(f"compile:{m}", ctx.best.replace(compile__mode=m), expectation) for m in modes
+    ]
 
 
 def memory_stage(ctx: StageContext) -> list[Candidate] | str:
@@ -94,27 +144,28 @@ def memory_stage(ctx: StageContext) -> list[Candidate] | str:
             ctx.best.replace(checkpointing__mode="selective", checkpointing__every_n=2),
         ),
     ]
-    if ctx.micro_batches is not None:
-        for split in (2, 4, 8):
-            if ctx.recipe.batch_size % split == 0:
-                candidates.append(
-                    Candidate(
-                        f"micro-batch {ctx.recipe.batch_size // split} x{split}",
-                        ctx.best.replace(accumulation__steps=split),
-                        batches=ctx.micro_batches(split),
-                    )
+    batch_size = ctx.batch_size or ctx.recipe.batch_size
+    for split in (2, 4, 8):
+        if batch_size % split == 0:
+            candidates.append(
+                Candidate(
+                    f"micro-batch {batch_size // split} x{split}",
+                    ctx.best.replace(accumulation__steps=split),
+                    batching=f"split:{split}",
                 )
+            )
     return candidates
 
 
 def dynamic_batching_stage(ctx: StageContext) -> list[Candidate] | str:
-    if ctx.recipe.lengths is None or ctx.bucketed_batches is None:
-        return "the recipe gives no per-sample lengths"
+    if ctx.best.data.bucketing:
+        return "the current best already trains on length buckets"
     return [
-        Candidate(
+        _candidate(
             "length buckets",
             ctx.best.replace(data__bucketing=True),
-            batches=ctx.bucketed_batches(),
+            levers.length_buckets(ctx.facts),
+            batching="buckets",
         )
     ]
 
@@ -140,18 +191,27 @@ def comm_hook_stage(ctx: StageContext) -> list[Candidate] | str:
     if skip:
         return skip
     candidates = [
-        Candidate("comm_hook:fp16", ctx.best.replace(distributed__comm_hook="fp16")),
-        Candidate(
+        _candidate(
+            "comm_hook:fp16",
+            ctx.best.replace(distributed__comm_hook="fp16"),
+            levers.comm_hook(ctx.facts, 0.5, "fp16"),
+        ),
+        _candidate(
             "comm_hook:powersgd",
             ctx.best.replace(
                 distributed__comm_hook="powersgd",
                 distributed__powersgd_warmup=TUNING_POWERSGD_WARMUP,
             ),
+            levers.comm_hook(ctx.facts, 0.1, "PowerSGD"),
         ),
     ]
     if ctx.backend == "nccl":  # torch refuses bf16 all-reduce on gloo
         candidates.append(
-            Candidate("comm_hook:bf16", ctx.best.replace(distributed__comm_hook="bf16"))
+            _candidate(
+                "comm_hook:bf16",
+                ctx.best.replace(distributed__comm_hook="bf16"),
+                levers.comm_hook(ctx.facts, 0.5, "bf16"),
+            )
         )
     return candidates
 
@@ -174,8 +234,11 @@ def bucket_stage(ctx: StageContext) -> list[Candidate] | str:
             f"the gradients ({gradient_mb:.1f} MiB) fit one bucket at the current {current:g} MiB "
             f"and at every cap tried ({tried} MiB): the bucket size changes nothing here"
         )
+    expectation = levers.bucket_size(ctx.facts)
     return [
-        Candidate(f"bucket_cap_mb:{cap:g}", ctx.best.replace(distributed__bucket_cap_mb=cap))
+        _candidate(
+            f"bucket_cap_mb:{cap:g}", ctx.best.replace(distributed__bucket_cap_mb=cap), expectation
+        )
         for cap in caps
     ]
 

@@ -11,45 +11,76 @@ from torchturbo.tune.fields import (
     fmt_bytes,
     fmt_float,
     fmt_int,
+    fmt_interval,
     fmt_pct,
     fmt_rate,
-    fmt_x,
     num,
-    ratio,
 )
 
 
 def headline(results: dict) -> str:
-    """The one number a user came for, with its unit; says plainly when it is not confirmed."""
+    """The one number a user came for, with its unit, and what was left unmeasured."""
     unit = str(results.get("unit") or "throughput")
-    confirmed = num(results.get("confirmed_ratio"))
-    if confirmed is None:
-        best = num(results.get("best_throughput"))
-        searched = fmt_x(ratio(best, num(results.get("baseline_throughput"))))
-        return f"Not confirmed: the search measured {searched} over {BASELINE_LABEL}, {unit}"
-    if not results.get("adopted"):
-        return (
-            f"Nothing beat {BASELINE_LABEL}: keep the defaults "
-            f"(confirmation measured {confirmed:.2f}x, {unit})"
+    confirmation = (
+        results.get("confirmation") if isinstance(results.get("confirmation"), dict) else {}
+    )
+    state = confirmation.get("state")
+    if state == "consistent":
+        line = (
+            f"Measured {fmt_interval(confirmation)} over {BASELINE_LABEL}, {unit}: "
+            "consistent with the search, not decided (a noisy machine)"
         )
-    return f"Confirmed {confirmed:.2f}x over {BASELINE_LABEL}, {unit}"
+    elif state in ("confirmed", "dropped"):
+        line = f"Confirmed {fmt_interval(confirmation)} over {BASELINE_LABEL}, {unit}"
+        if state == "dropped":
+            line += f", after dropping {', '.join(confirmation.get('dropped') or [])}"
+    elif state == "reverted":
+        line = f"Nothing confirmed: keep {BASELINE_LABEL} ({confirmation.get('note') or ''})"
+    else:
+        measured = [c for c in _candidates(results) if c.get("ratio") is not None]
+        line = (
+            f"Measured {len(measured)} candidate{'s' if len(measured) != 1 else ''}: none beat "
+            f"{BASELINE_LABEL} beyond the noise, keep the defaults"
+            if measured
+            else f"Nothing was measured: keep {BASELINE_LABEL}"
+        )
+    return line + _unmeasured(results)
+
+
+def _candidates(results: dict) -> list[dict]:
+    return [c for c in results.get("candidates") or [] if c.get("stage") != "baseline"]
+
+
+def _unmeasured(results: dict) -> str:
+    """'; not measured for lack of time: X, Y (a budget of about N min would measure them)'."""
+    names = [str(c.get("name")) for c in _candidates(results) if c.get("verdict") == "not measured"]
+    if not names:
+        return ""
+    needed = (num(results.get("elapsed_s")) or 0.0) + (num(results.get("unmeasured_s")) or 0.0)
+    minutes = max(1, -(-int(needed) // 60))
+    return (
+        f"; not measured for lack of time: {', '.join(names)} "
+        f"(a budget of about {minutes} min would measure them)"
+    )
 
 
 def confirmation_line(results: dict) -> str:
-    unit = str(results.get("unit") or "throughput")
-    search = (
-        f"Search: {fmt_rate(results.get('baseline_throughput'))} → "
-        f"{fmt_rate(results.get('best_throughput'))} {unit}."
-    )
     c = results.get("confirmation")
-    if not isinstance(c, dict):
-        return search
-    return (
-        f"Final confirmation run, baseline and chosen interleaved: "
-        f"{fmt_float(c.get('baseline_step_ms'), 1)} ms → {fmt_float(c.get('best_step_ms'), 1)} "
-        f"ms per step (noise {fmt_pct(c.get('noise'))}, {fmt_int(c.get('repeats'))} repeats). "
-        + search
+    if not isinstance(c, dict) or c.get("state") in (None, "not needed"):
+        return (
+            "No confirmation run: nothing was adopted, so the chosen config is the baseline "
+            "(1.00x by definition)."
+        )
+    line = (
+        f"Confirmation, baseline and chosen config in paired rounds: "
+        f"{fmt_float(c.get('reference_step_ms'), 1)} ms → {fmt_float(c.get('step_ms'), 1)} ms "
+        f"per step, {fmt_interval(c)} over {fmt_int(c.get('rounds'))} rounds "
+        f"({fmt_rate(c.get('reference_throughput'))} → {fmt_rate(c.get('throughput'))} "
+        f"{results.get('unit') or ''})."
     )
+    if c.get("note"):
+        line += f" {str(c['note'])[0].upper()}{str(c['note'])[1:]}."
+    return line
 
 
 def system_line(results: dict) -> str:
@@ -64,6 +95,11 @@ def system_line(results: dict) -> str:
 
 def budget_line(results: dict) -> str:
     memory_budget = results.get("memory_budget_bytes")
+    reuse = (
+        f" {results['reuse_note'][0].upper()}{results['reuse_note'][1:]}."
+        if results.get("reuse_note")
+        else ""
+    )
     return (
         f"Recipe {results.get('recipe', 'n/a')} on {results.get('device', 'n/a')}"
         f"{_processes(results)}. "
@@ -71,7 +107,7 @@ def budget_line(results: dict) -> str:
         f"{fmt_float(results.get('time_budget_s'), 0)} s budget; memory budget: "
         f"{'none' if memory_budget is None else fmt_bytes(memory_budget)}; planned run: "
         f"{fmt_int(results.get('planned_steps'))} steps (one-time costs such as compilation are "
-        f"weighed against it); loss tolerance: {fmt_pct(results.get('loss_tolerance'))}."
+        f"weighed against it); loss tolerance: {fmt_pct(results.get('loss_tolerance'))}." + reuse
     )
 
 

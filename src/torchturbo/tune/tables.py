@@ -9,71 +9,62 @@ from __future__ import annotations
 
 from torchturbo.tune.fields import (
     BASELINE_LABEL,
-    adopted_candidate,
+    adopted_rows,
     baseline_candidate,
+    dropped,
     fmt_bytes,
     fmt_float,
     fmt_int,
+    fmt_interval,
     fmt_parity,
-    fmt_pct,
     fmt_rate,
-    fmt_x,
-    num,
-    ratio,
 )
 
 INCREMENTAL_HEADERS = (
     "configuration",
     "stage",
     "{unit}",
-    "vs baseline",
     "vs previous row",
     "step ms",
     "peak memory",
+    "one-time s",
     "break-even steps",
 )
 
 
 def incremental_rows(results: dict) -> list[tuple[str, ...]]:
-    """Baseline, then each adopted technique in order with the cumulative throughput it reached."""
-    baseline = num(results.get("baseline_throughput"))
-    base_candidate = baseline_candidate(results)
+    """The baseline, then each adoption the confirmation kept, in the order it was adopted.
+
+    A row's ratio is the one measurement that adopted it: against the best of its time (the row
+    above), in paired rounds of one run. Ratios to the baseline are not chained here: the one
+    figure against the baseline is the confirmation's, under the table.
+    """
+    base = baseline_candidate(results)
     rows = [
         (
             f"baseline ({BASELINE_LABEL})",
             "",
-            fmt_rate(baseline),
-            fmt_x(1.0 if baseline else None),
+            fmt_rate(results.get("baseline_throughput")),
             "",
-            fmt_float(base_candidate.get("step_ms"), 1),
-            fmt_bytes(base_candidate.get("memory_bytes")),
+            fmt_float(base.get("step_ms"), 1),
+            fmt_bytes(base.get("memory_bytes")),
+            "",
             "",
         )
     ]
-    # A candidate's "ratio" is measured against the best of its time, interleaved in one run, so
-    # the ratio to the baseline is the product of the ratios of the rows so far.
-    previous = baseline
-    cumulative: float | None = 1.0
-    for name in results.get("adopted") or []:
-        c = adopted_candidate(results, name)
-        throughput = num(c.get("throughput"))
-        vs_previous = num(c.get("ratio"))
-        if vs_previous is None:
-            vs_previous = ratio(throughput, previous)
-        cumulative = None if cumulative is None or vs_previous is None else cumulative * vs_previous
+    for row in adopted_rows(results):
         rows.append(
             (
-                f"+ {name}",
-                str(c.get("stage") or ""),
-                fmt_rate(throughput),
-                fmt_x(cumulative),
-                fmt_x(vs_previous),
-                fmt_float(c.get("step_ms"), 1),
-                fmt_bytes(c.get("memory_bytes")),
-                fmt_int(c.get("break_even_steps")),
+                f"+ {row.get('name')}",
+                str(row.get("stage") or ""),
+                fmt_rate(row.get("throughput")),
+                fmt_interval(row),
+                fmt_float(row.get("step_ms"), 1),
+                fmt_bytes(row.get("memory_bytes")),
+                fmt_float(row.get("one_time_s"), 1),
+                fmt_int(row.get("break_even_steps")),
             )
         )
-        previous = throughput
     return rows
 
 
@@ -81,9 +72,10 @@ CANDIDATE_HEADERS = (
     "stage",
     "candidate",
     "verdict",
+    "measured against",
+    "ratio (interval)",
+    "rounds",
     "{unit}",
-    "vs best so far",
-    "noise",
     "step ms",
     "peak memory",
     "one-time s",
@@ -94,49 +86,33 @@ CANDIDATE_HEADERS = (
 
 
 def candidate_rows(results: dict) -> list[tuple[str, ...]]:
+    """Every candidate in the article's stage order, with the one measurement that decided it."""
+    gone = dropped(results)
     rows = []
     for c in results.get("candidates") or []:
-        vs_best = num(c.get("ratio"))  # measured against the best of its time, same run
+        if c.get("stage") == "baseline":
+            continue
+        verdict = str(c.get("verdict") or "")
+        reason = str(c.get("reason") or "")
+        if c.get("name") in gone:
+            reason += "; dropped: the confirmation did not reproduce it"
+        if c.get("reused"):
+            reason += " (reused from the previous run)"
         rows.append(
             (
                 str(c.get("stage") or ""),
                 str(c.get("name") or ""),
-                str(c.get("verdict") or ""),
+                verdict,
+                str(c.get("against") or ""),
+                fmt_interval(c),
+                fmt_int(c.get("rounds")) if c.get("rounds") else "",
                 fmt_rate(c.get("throughput")),
-                fmt_x(vs_best),
-                fmt_pct(c.get("noise")),
                 fmt_float(c.get("step_ms"), 1),
                 fmt_bytes(c.get("memory_bytes")),
                 fmt_float(c.get("one_time_s"), 2),
                 fmt_int(c.get("break_even_steps")),
                 fmt_parity(c.get("parity")),
-                str(c.get("reason") or ""),
-            )
-        )
-    return rows
-
-
-STAGE_HEADERS = ("stage", "best after it", "{unit}", "vs baseline", "peak memory", "note")
-
-
-def stage_rows(results: dict) -> list[tuple[str, ...]]:
-    baseline = num(results.get("baseline_throughput"))
-    adopted = set(results.get("adopted") or [])
-    rows = []
-    for s in results.get("stages") or []:
-        best = s.get("best")
-        if s.get("skipped_reason"):
-            note = f"skipped: {s['skipped_reason']}"
-        else:
-            note = "adopted" if best in adopted else "nothing adopted"
-        rows.append(
-            (
-                str(s.get("stage") or ""),
-                str(best or "unchanged"),
-                fmt_rate(s.get("throughput")),
-                fmt_x(ratio(num(s.get("throughput")), baseline)),
-                fmt_bytes(s.get("memory_bytes")),
-                note,
+                reason,
             )
         )
     return rows

@@ -1,0 +1,132 @@
+"""What each lever is expected to buy on this model and machine, before anything is trained.
+
+The tuner measures candidates in order of expected gain per second of measuring, and the doctor
+ranks the same levers by the same numbers, so the two never disagree about what to try first.
+The expectations are priors built from facts measured in seconds (``torchturbo.facts``): the
+rate of a matrix product in each precision against fp32 on this device, the padding that length
+buckets would remove, the share of the FLOPs in convolutions, whether batch shapes vary. They
+order the work and explain it; only the tuner's paired measurement decides what is adopted.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from torchturbo.facts import Facts
+
+#: Share of a training step spent in dense maths (matmuls, convolutions) that a faster precision
+#: speeds up; the rest (elementwise ops, norms, the optimizer) is assumed unchanged. A prior from
+#: the built-in workloads' profiles (55-75% on CPU), not a measurement of the user's model.
+DENSE_SHARE = 0.6
+#: Below this GEMM speed-up over fp32 a precision cannot pay off in training: the speed-up of the
+#: dense part is diluted by the rest of the step and by the casts autocast adds.
+NATIVE_MIN_SPEEDUP = 1.3
+#: Expected compile gains, from the built-in workloads on CPU (1.1-1.3x): less where shapes vary,
+#: since every new shape recompiles or runs a dynamic-shape graph.
+COMPILE_GAIN = 1.15
+COMPILE_GAIN_VARYING_SHAPES = 1.05
+#: channels_last gains up to this fraction on a model whose FLOPs are all in 2-D convolutions.
+CHANNELS_LAST_GAIN = 0.25
+#: The gain assumed for a lever with no better prior (DDP bucket sizes).
+SMALL_GAIN = 1.03
+
+
+@dataclass(frozen=True)
+class Expectation:
+    """A lever's expected speed-up, or why it cannot help here, with the fact behind either."""
+
+    gain: float | None
+    evidence: str
+
+    @property
+    def applicable(self) -> bool:
+        return self.gain is not None
+
+
+def precision(facts: Facts, dtype: str) -> Expectation:
+    """bf16, fp16 or tf32: Amdahl's law over the measured GEMM speed-up of that precision."""
+    speedup = facts.gemm_speedup.get(dtype)
+    if speedup is None:
+        return Expectation(None, f"{dtype} matrix products were not measured on {facts.device}")
+    measured = f"a {dtype} matrix product runs at {speedup:.2f}x the fp32 rate on {facts.device}"
+    if dtype == "tf32" and not facts.device.startswith("cuda"):
+        return Expectation(None, f"TF32 is a CUDA tensor-core mode; {measured}")
+    if speedup < NATIVE_MIN_SPEEDUP:
+        kind = "emulated" if speedup < 1 else "no native units"
+        return Expectation(None, f"{measured} ({kind}): it cannot speed up training here")
+    gain = 1 / ((1 - DENSE_SHARE) + DENSE_SHARE / speedup)
+    return Expectation(gain, measured)
+
+
+def channels_last(facts: Facts) -> Expectation:
+    if not facts.has_convolutions:
+        return Expectation(None, "the model has no 2-D convolutions: channels_last changes nothing")
+    gain = 1 + CHANNELS_LAST_GAIN * facts.conv_share
+    return Expectation(gain, f"{facts.conv_share:.0%} of the forward FLOPs are 2-D convolutions")
+
+
+def compile_(facts: Facts) -> Expectation:
+    if facts.shapes_vary:
+        return Expectation(
+            COMPILE_GAIN_VARYING_SHAPES,
+            "batch shapes vary: compiled graphs recompile or run with dynamic shapes",
+        )
+    return Expectation(COMPILE_GAIN, "fuses elementwise ops and removes Python overhead")
+
+
+def length_buckets(facts: Facts) -> Expectation:
+    if facts.padding is None:
+        return Expectation(None, "the recipe gives no per-sample lengths")
+    random, bucketed = facts.padding
+    gain = (1 - bucketed) / (1 - random)
+    return Expectation(
+        gain,
+        f"padding {random:.0%} in random batches, {bucketed:.0%} in length buckets: "
+        f"{gain:.2f}x more real tokens per padded token",
+    )
+
+
+def comm_hook(facts: Facts, byte_ratio: float, name: str) -> Expectation:
+    """A compressing DDP hook: the communication share shrinks by ``byte_ratio``."""
+    if facts.comm_share is None:
+        return Expectation(None, "single process: no gradient communication to compress")
+    saved = facts.comm_share * (1 - byte_ratio)
+    gain = 1 / (1 - min(saved, 0.9))
+    return Expectation(
+        gain,
+        f"communication is {facts.comm_share:.0%} of the step; {name} sends "
+        f"{byte_ratio:.0%} of the bytes",
+    )
+
+
+def bucket_size(facts: Facts) -> Expectation:
+    if facts.comm_share is None:
+        return Expectation(None, "single process: no DDP buckets")
+    return Expectation(SMALL_GAIN, f"communication is {facts.comm_share:.0%} of the step")
+
+
+def priority(gain: float | None, cost_s: float) -> float:
+    """Expected gain per second of measuring: log-gain, so that gains compose by adding."""
+    if gain is None or gain <= 1:
+        return 0.0
+    return math.log(gain) / max(cost_s, 1e-3)
+
+
+@dataclass(frozen=True)
+class RankedLever:
+    name: str
+    expectation: Expectation
+
+
+def ranked(facts: Facts) -> list[RankedLever]:
+    """The single-process levers by expected gain, applicable ones first: the doctor's ranking."""
+    levers = [
+        RankedLever("length buckets", length_buckets(facts)),
+        RankedLever("bf16", precision(facts, "bf16")),
+        RankedLever("fp16", precision(facts, "fp16")),
+        RankedLever("tf32", precision(facts, "tf32")),
+        RankedLever("channels_last", channels_last(facts)),
+        RankedLever("compile", compile_(facts)),
+    ]
+    return sorted(levers, key=lambda lever: -(lever.expectation.gain or 0.0))

@@ -1,0 +1,74 @@
+"""The batches a tuner trial trains on: the recipe's fixed batches, or length buckets of the same
+token budget, or each batch cut into micro-batches; and small readers of batches and losses.
+
+A candidate names its batching ("buckets", "split:N"); the current best's batches are the
+starting point, so that a later candidate keeps the batching an earlier one adopted and is timed
+on the same batches as the best.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from torchturbo.data.bucketing import BucketBatchSampler
+from torchturbo.oom import leading_size, split_batch
+from torchturbo.recipe import Recipe
+
+if TYPE_CHECKING:
+    from torchturbo.tune.stages import Candidate
+
+
+def candidate_batches(
+    recipe: Recipe, candidate: Candidate, best_batches: list[Any], count: int
+) -> list[Any]:
+    """What ``candidate`` trains on: its own batches, else the best's with its batching."""
+    if candidate.batches is not None:
+        return candidate.batches
+    return batches_for(recipe, [candidate.batching], best_batches, count)
+
+
+def batches_for(
+    recipe: Recipe, batchings: Sequence[str | None], base: list[Any], count: int
+) -> list[Any]:
+    """``base`` with each batching applied in order (None leaves the batches as they are)."""
+    batches = base
+    for kind in batchings:
+        if kind == "buckets":
+            batches = bucketed_batches(recipe, count)
+        elif kind is not None and kind.startswith("split:"):
+            pieces = int(kind.removeprefix("split:"))
+            batches = [piece for batch in batches for piece in split_batch(batch, pieces)]
+        elif kind is not None:
+            raise ValueError(f"unknown batching {kind!r}: expected 'buckets' or 'split:N'")
+    return batches
+
+
+def bucketed_batches(recipe: Recipe, count: int) -> list[Any]:
+    """The first ``count`` length-bucketed batches, with the token budget of the recipe's random
+    batches (batch size x mean length), collated like the engine collates them."""
+    if recipe.lengths is None:
+        raise ValueError(f"recipe {recipe.name!r} gives no per-sample lengths to bucket by")
+    lengths = list(recipe.lengths)
+    budget = max(round(recipe.batch_size * sum(lengths) / len(lengths)), max(lengths))
+    sampler = BucketBatchSampler(lengths, max_tokens=budget, seed=recipe.seed)
+    collate = recipe.collate_fn()
+    batches = []
+    for indices in sampler:
+        batches.append(collate([recipe.dataset[i] for i in indices]))
+        if len(batches) == count:
+            break
+    return batches
+
+
+def batch_size(batches: list[Any]) -> int | None:
+    """Samples in the first batch, or None when that cannot be told."""
+    try:
+        return leading_size(batches[0]) if batches else None
+    except ValueError:
+        return None
+
+
+def window_losses(losses: Sequence[float], steps: int) -> list[float]:
+    """Per optimizer step losses: micro-batch losses averaged over each accumulation window."""
+    return [sum(losses[i : i + steps]) / steps for i in range(0, len(losses) - steps + 1, steps)]

@@ -1,0 +1,227 @@
+"""Measuring one candidate against the current best: its cost, then its outcome.
+
+The cost is estimated from the step times measured so far (``budget``); a candidate that does not
+fit in what is left once the confirmation and the report are held back is not measured and says
+what it needed. Otherwise it is built from the recipe's initial weights, stepped a few times (its
+first step carries its one-time costs; a compile also steps once through every batch shape, since
+each new shape recompiles), probed for a gross slowdown, and timed against the best in paired
+rounds until the ratio is decided (``compare``). ``decide.judge`` gives the verdict.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from dataclasses import dataclass
+
+from torchturbo.bench import Trial, start_trial
+from torchturbo.distributed.consensus import agree, any_rank
+from torchturbo.facts import shape_key
+from torchturbo.measure.timing import time_once
+from torchturbo.tune import batching
+from torchturbo.tune.budget import candidate_seconds, compile_seconds, confirm_seconds
+from torchturbo.tune.compare import Measured, compare, steps_per_round
+from torchturbo.tune.decide import MIN_ROUNDS, break_even_steps, judge, loss_parity
+from torchturbo.tune.outcome import Outcome, State
+from torchturbo.tune.stages import Candidate
+from torchturbo.tune.state import (
+    NUM_BATCHES,
+    PARITY_STEPS,
+    PROBE_STEPS,
+    REPORT_S,
+    SLOW_FACTOR,
+    Incumbent,
+    Run,
+)
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Seconds a candidate is expected to take: at the fewest rounds, at a typical count, and
+    the compile within them (0 when it does not compile)."""
+
+    min_s: float
+    typical_s: float
+    compile_s: float
+
+
+def estimate(run: Run, candidate: Candidate, best: Incumbent) -> Estimate:
+    best_step = best.trial.step_seconds or run.baseline_step_s
+    step = _expected_step(run, candidate, best)
+    compiles = candidate.config.compile.mode != best.config.compile.mode
+    compile_s = compile_seconds(run.facts) if compiles else 0.0
+    per_round = steps_per_round(min(step, best_step))
+    fixed = run.build_s + compile_s + (1 + PROBE_STEPS) * step + step  # + the memory probe
+    if compiles:
+        fixed += (NUM_BATCHES - 1) * step  # one pass over every batch shape: recompiles
+    return Estimate(
+        min_s=candidate_seconds(fixed, per_round, MIN_ROUNDS, best_step, step),
+        typical_s=candidate_seconds(fixed, per_round, MIN_ROUNDS + 2, best_step, step),
+        compile_s=compile_s,
+    )
+
+
+def reserve(run: Run, best_step_s: float) -> float:
+    """Seconds held back for the confirmation (were the best to change) and the report."""
+    return REPORT_S + confirm_seconds(run.baseline_step_s, best_step_s, steps_per_round)
+
+
+def _expected_step(run: Run, candidate: Candidate, best: Incumbent) -> float:
+    best_step = best.trial.step_seconds or run.baseline_step_s
+    return best_step / max(candidate.expected_gain or 1.0, 1.0)
+
+
+def not_measured(
+    stage: str,
+    candidate: Candidate,
+    reason: str,
+    *,
+    verdict: State = "not applicable",
+    estimate_s: float | None = None,
+) -> Outcome:
+    return Outcome(
+        stage=stage,
+        name=candidate.name,
+        config=candidate.config.to_dict(),
+        verdict=verdict,
+        reason=reason,
+        expected_gain=candidate.expected_gain,
+        estimate_s=estimate_s,
+        batching=candidate.batching,
+    )
+
+
+def try_candidate(
+    run: Run, stage: str, candidate: Candidate, best: Incumbent, fit_memory: bool
+) -> tuple[Outcome, Incumbent | None]:
+    """Measure ``candidate`` on top of ``best``; the outcome, and the new best if adopted.
+
+    ``fit_memory``: the best does not fit the memory budget, so fitting is this candidate's gain
+    and it need not be faster."""
+    cost = agree(estimate(run, candidate, best))  # a local clock and load: rank 0's figures
+    free = agree(run.budget.left() - reserve(run, _expected_step(run, candidate, best)))
+    if free < cost.min_s:
+        reason = f"budget: needs ~{cost.min_s:.0f} s, {max(free, 0.0):.0f} s left"
+        return not_measured(
+            stage, candidate, reason, verdict="not measured", estimate_s=cost.min_s
+        ), None
+    label = candidate.name + (f": compiling, ~{cost.compile_s:.0f} s" if cost.compile_s else "")
+    run.say(stage, label, run.budget.left())
+    trial = None
+    error: Exception | None = None
+    try:
+        batches = batching.candidate_batches(run.recipe, candidate, best.trial.batches, NUM_BATCHES)
+        trial, first = start_trial(
+            candidate.recipe or run.recipe, candidate.config, batches, run.clock
+        )
+        warm = 0.0
+        if cost.compile_s:  # every batch shape once: recompiling is a one-time cost too
+            for _ in range(len({shape_key(b) for b in batches}) - 1):
+                warm += time_once(trial.step, run.device, run.clock)
+        seconds = [time_once(trial.step, run.device, run.clock) for _ in range(PROBE_STEPS)]
+        trial.step_seconds = min(seconds)
+        slowdown = agree(_slowdown(trial, seconds, best))
+        if slowdown > SLOW_FACTOR:
+            trial.close()
+            reason = (
+                f"not faster: at its fastest of {PROBE_STEPS} steps it processed "
+                f"{1 / slowdown:.2f}x the {run.recipe.count_unit} per second of the current best, "
+                "so it was not measured further"
+            )
+            return not_measured(
+                stage, candidate, reason, verdict="rejected", estimate_s=cost.min_s
+            ), None
+        held_back = reserve(run, trial.step_seconds)
+        measured = compare(
+            best.trial,
+            trial,
+            against=best.name,
+            device=run.device,
+            max_rounds=run.options.max_rounds,
+            may_continue=lambda seconds: run.budget.left() - held_back >= seconds,
+            clock=run.clock,
+        )
+        while len(trial.losses) < PARITY_STEPS * candidate.config.accumulation.steps:
+            trial.step()
+        memory_bytes = trial.memory_footprint()[0]
+        warm_steps = 1 + (len({shape_key(b) for b in batches}) - 1 if cost.compile_s else 0)
+        one_time = max(0.0, first + warm - warm_steps * (trial.step_seconds or 0.0))
+    except Exception as err:  # a technique that fails on this model is a finding, not a crash
+        error = err
+    if any_rank(error is not None, run.device):
+        if trial is not None:
+            trial.close()
+        message = f"{type(error).__name__}: {error}" if error else "it failed on another rank"
+        reason = agree(f"error: {message}"[:500])
+        return not_measured(
+            stage, candidate, reason, verdict="rejected", estimate_s=cost.min_s
+        ), None
+    assert trial is not None
+    curve = batching.window_losses(trial.loss_curve(), candidate.config.accumulation.steps)
+    outcome = agree(
+        _judged(run, stage, candidate, measured, curve, memory_bytes, one_time, fit_memory)
+    )
+    outcome = dataclasses.replace(
+        outcome, estimate_s=cost.min_s, comm_bytes_per_step=(trial.comm_per_step() or (None,))[0]
+    )
+    if outcome.verdict != "adopted":
+        trial.close()
+        return outcome, None
+    return outcome, Incumbent(
+        candidate.name, candidate.config, trial, memory_bytes, candidate, outcome
+    )
+
+
+def _slowdown(trial: Trial, seconds: list[float], best: Incumbent) -> float:
+    """How many times lower the candidate's best probe throughput is than the best's typical."""
+    counts = [float(c) for c in trial.counts[-len(seconds) :]]
+    fastest = max(count / s for count, s in zip(counts, seconds, strict=True))
+    best_counts = [float(c) for c in best.trial.counts]
+    best_rate = statistics.fmean(best_counts) / (best.trial.step_seconds or math.inf)
+    return best_rate / fastest if fastest > 0 else math.inf
+
+
+def _judged(
+    run: Run,
+    stage: str,
+    candidate: Candidate,
+    measured: Measured,
+    curve: list[float],
+    memory_bytes: int | None,
+    one_time: float,
+    fit_memory: bool,
+) -> Outcome:
+    comparison = measured.comparison
+    break_even = break_even_steps(
+        one_time, comparison.reference_step_ms / 1e3, comparison.step_ms / 1e3
+    )
+    parity = loss_parity(run.reference_losses, curve[:PARITY_STEPS], run.options.loss_tolerance)
+    verdict = judge(
+        speed=comparison.speed,
+        parity=parity,
+        memory_bytes=memory_bytes,
+        memory_budget=run.options.memory_budget,
+        break_even=break_even,
+        planned_steps=run.options.planned_steps,
+        tolerance=run.options.loss_tolerance,
+        must_be_faster=not fit_memory,
+    )
+    reason = verdict.reason
+    if measured.cut_short and not verdict.adopt:
+        reason += f"; the budget stopped it after {comparison.speed.rounds} rounds"
+    return Outcome(
+        stage=stage,
+        name=candidate.name,
+        config=candidate.config.to_dict(),
+        verdict="adopted" if verdict.adopt else "rejected",
+        reason=reason,
+        comparison=comparison,
+        memory_bytes=memory_bytes,
+        one_time_s=one_time,
+        break_even_steps=None if break_even == math.inf else break_even,
+        parity=parity,
+        loss_curve=tuple(curve[:PARITY_STEPS]),
+        expected_gain=candidate.expected_gain,
+        batching=candidate.batching,
+    )

@@ -1,0 +1,107 @@
+"""One paired comparison of two live trials, decided sequentially: what the tuner's candidates,
+its confirmation and the doctor's quick gains all measure with, so that a figure means the same
+wherever it is printed.
+
+The reference is aligned to the candidate's next batch (when both cycle through the same batches)
+rather than the other way round: the candidate then trains its batches in order from the first,
+so its first steps are the ones its loss parity is judged on. Under torchrun every rank times its
+own blocks; whether to stop is rank 0's call (``agree``), so the ranks' collectives stay paired.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from torchturbo.bench import Trial
+from torchturbo.distributed.consensus import agree
+from torchturbo.measure.paired import Round, Side, paired_rounds
+from torchturbo.tune.decide import estimate
+from torchturbo.tune.outcome import Comparison
+
+#: A timed block should last at least this long, so that timer and scheduler jitter (~1 ms)
+#: stay small next to it; fast steps are therefore timed several to a block.
+MIN_BLOCK_S = 0.05
+MAX_STEPS_PER_ROUND = 8
+
+
+def steps_per_round(step_s: float) -> int:
+    """Steps per timed block for a step of ``step_s`` seconds (see ``MIN_BLOCK_S``)."""
+    if not step_s > 0:
+        return MAX_STEPS_PER_ROUND
+    return max(1, min(MAX_STEPS_PER_ROUND, math.ceil(MIN_BLOCK_S / step_s)))
+
+
+@dataclass(frozen=True)
+class Measured:
+    """A comparison and whether it ended before being decided (time ran out)."""
+
+    comparison: Comparison
+    cut_short: bool
+
+
+def compare(
+    reference: Trial,
+    candidate: Trial,
+    *,
+    against: str,
+    device: torch.device,
+    max_rounds: int,
+    may_continue: Callable[[float], bool],
+    min_rounds: int = 1,
+    clock: Callable[[], float] = time.perf_counter,
+) -> Measured:
+    """Time ``candidate`` against ``reference`` until the ratio is decided, ``max_rounds`` are
+    done, or ``may_continue(seconds of the next round)`` says no (asked only once ``min_rounds``
+    are done). Sets both trials' ``step_seconds`` to their median of this measurement."""
+    step_s = min(s for s in (reference.step_seconds, candidate.step_seconds, math.inf) if s)
+    per_round = steps_per_round(step_s)
+    reference.align_with(candidate)
+    cut_short = False
+
+    def stop(rounds: list[Round]) -> bool:
+        nonlocal cut_short
+        decided = estimate([r.ratio for r in rounds]).decision != "undecided"
+        # The slowest of the last rounds, with a margin: a busy machine's rounds vary, and a
+        # round that overruns cannot be stopped half-way.
+        next_s = 1.5 * per_round * max(r.reference_s + r.candidate_s for r in rounds[-3:])
+        out_of_time = (
+            not decided and min_rounds <= len(rounds) < max_rounds and not may_continue(next_s)
+        )
+        decided, out_of_time = agree((decided, out_of_time))
+        cut_short = out_of_time
+        return decided or out_of_time
+
+    rounds = paired_rounds(
+        _side(reference),
+        _side(candidate),
+        device=device,
+        steps_per_round=per_round,
+        max_rounds=max_rounds,
+        stop=stop,
+        clock=clock,
+    )
+    rounds = agree(rounds)
+    speed = estimate([r.ratio for r in rounds], final=True)
+    reference.step_seconds = statistics.median(r.reference_s for r in rounds)
+    candidate.step_seconds = statistics.median(r.candidate_s for r in rounds)
+    comparison = Comparison(
+        against=against,
+        speed=speed,
+        steps_per_round=per_round,
+        step_ms=candidate.step_seconds * 1e3,
+        reference_step_ms=reference.step_seconds * 1e3,
+        throughput=statistics.median(r.candidate_count / r.candidate_s for r in rounds),
+        reference_throughput=statistics.median(r.reference_count / r.reference_s for r in rounds),
+        step_samples_ms=tuple(r.candidate_s * 1e3 for r in rounds),
+    )
+    return Measured(comparison, cut_short)
+
+
+def _side(trial: Trial) -> Side:
+    return Side(step=trial.step, recent_count=trial.recent_count)

@@ -1,0 +1,134 @@
+"""The tuner's data stage: is the input pipeline what limits the step, and if so, how to fix it.
+
+Trials train on pre-collated batches, so loader settings change no trial; they matter only when
+loading a batch takes longer than computing on it. A first probe times the recipe's plain loader
+(no workers) over a few batches: far below the step time, the run is compute-bound and the grid
+of worker settings (``data.loader.tune_loader``, seconds per setting) is not worth its time. Only
+otherwise is the grid measured, when the budget allows it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import TYPE_CHECKING, Any
+
+from torch.utils.data import DataLoader
+
+from torchturbo.config import DataConfig
+from torchturbo.data.loader import default_candidates, describe, to_device, tune_loader
+from torchturbo.distributed.consensus import agree
+from torchturbo.measure.timing import time_once
+from torchturbo.tune.outcome import Outcome
+
+if TYPE_CHECKING:
+    from torchturbo.tune.search import Incumbent, Run
+
+#: Batches the probe times (after one untimed batch).
+PROBE_BATCHES = 3
+#: Loading below this share of the step cannot hold training back by more than it: no grid.
+COMPUTE_BOUND_SHARE = 0.1
+#: Batches and rounds per setting of the grid, and the seconds a worker setting takes to start.
+GRID_BATCHES = 8
+GRID_REPEATS = 2
+WORKER_START_S = 1.0
+
+
+def loader_stage(
+    run: Run, baseline: Incumbent
+) -> tuple[Outcome, dict[str, Any], DataConfig | None]:
+    """(the stage's outcome, the loader record of the report, the [data] settings to adopt)."""
+    recipe = run.recipe
+    run.say("data_loader", "timing the plain loader", run.budget.left())
+    load_s = agree(_probe(run))
+    step_s = run.baseline_step_s
+    config = baseline.config.to_dict()
+    figures = (
+        f"loading a batch takes {load_s * 1e3:.1f} ms in the main process, "
+        f"a step {step_s * 1e3:.0f} ms"
+    )
+    if agree(load_s < COMPUTE_BOUND_SHARE * step_s):
+        reason = f"compute-bound: {figures}; worker settings cannot speed the step up"
+        record = {"verdict": "compute-bound", "reason": reason, "chosen": None}
+        return (
+            Outcome(
+                stage="data_loader",
+                name="loader settings",
+                config=config,
+                verdict="not applicable",
+                reason=reason,
+            ),
+            record,
+            None,
+        )
+    grid = default_candidates(run.device)
+    estimate = len(grid) * GRID_REPEATS * (WORKER_START_S + (GRID_BATCHES + 2) * load_s)
+    free = agree(run.budget.left())
+    if agree(free < estimate + step_s):
+        reason = (
+            f"budget: the loader grid needs ~{estimate:.0f} s, {max(free, 0):.0f} s left "
+            f"({figures})"
+        )
+        record = {"verdict": "not measured", "reason": reason, "chosen": None}
+        return (
+            Outcome(
+                stage="data_loader",
+                name="loader settings",
+                config=config,
+                verdict="not measured",
+                reason=reason,
+                estimate_s=estimate,
+            ),
+            record,
+            None,
+        )
+    run.say("data_loader", f"measuring {len(grid)} loader settings", run.budget.left())
+    tuning = agree(
+        tune_loader(
+            recipe.dataset,
+            recipe.batch_size,
+            collate_fn=recipe.collate_fn(),
+            device=run.device,
+            candidates=grid,
+            batches=GRID_BATCHES,
+            warmup_batches=2,
+            repeats=GRID_REPEATS,
+            step_seconds=step_s,
+        )
+    )
+    verdict = "input-bound" if tuning.input_bound else "compute-bound"
+    record = {
+        "verdict": verdict,
+        "reason": tuning.reason,
+        "chosen": tuning.chosen.__dict__ if tuning.input_bound else None,
+    }
+    name = f"loader: {describe(tuning.chosen)}"
+    state = "adopted" if tuning.input_bound else "rejected"
+    outcome = Outcome(
+        stage="data_loader",
+        name=name,
+        config=config,
+        verdict=state,
+        reason=f"{verdict}: {tuning.reason}",
+        estimate_s=estimate,
+    )
+    return outcome, record, tuning.chosen if tuning.input_bound else None
+
+
+def _probe(run: Run) -> float:
+    """Seconds per batch of the recipe's loader without workers, including the device copy."""
+    recipe = run.recipe
+    loader = DataLoader(
+        recipe.dataset, batch_size=recipe.batch_size, shuffle=True, collate_fn=recipe.collate_fn()
+    )
+    batches = iter(loader)
+
+    def fetch() -> None:
+        to_device(next(batches), run.device, non_blocking=False)
+
+    fetch()
+    count = min(PROBE_BATCHES, max(len(loader) - 1, 0))
+    if count == 0:
+        return 0.0
+    seconds = [time_once(fetch, run.device, run.clock) for _ in itertools.repeat(None, count)]
+    return min(seconds) if seconds else math.inf

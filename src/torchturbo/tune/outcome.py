@@ -1,0 +1,275 @@
+"""The tuner's results as frozen records, built in one place and turned into JSON at the end.
+
+An :class:`Outcome` is one candidate's fate, decided once: adopted, rejected (the rule and its
+numbers), not measured (the budget, with the estimate it needed) or not applicable (the fact).
+A measured candidate carries the one :class:`Comparison` that decided it, so every table of the
+report shows the same ratio and interval for the same config. :class:`TuneResult` is the run.
+
+``to_dict`` flattens a comparison into its candidate's row (``ratio``, ``noise``, ``step_ms`` ...)
+because that is what the report's tables read and what results.json has always held;
+``outcome_from_dict`` reads a row back for a resumed run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from torchturbo.tune.decide import Parity, RatioEstimate
+
+#: "reference" is the baseline's row: what every other config is measured against.
+State = Literal["reference", "adopted", "rejected", "not measured", "not applicable"]
+STATES: tuple[str, ...] = ("reference", "adopted", "rejected", "not measured", "not applicable")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Comparison:
+    """A config timed against a reference in paired rounds of one run."""
+
+    #: The name of the reference: "fp32 eager", or the best config of the time.
+    against: str
+    speed: RatioEstimate
+    steps_per_round: int
+    #: Median seconds per step of each side, and samples (or tokens) per second.
+    step_ms: float
+    reference_step_ms: float
+    throughput: float
+    reference_throughput: float
+    #: The candidate's seconds per step in each round, in milliseconds.
+    step_samples_ms: tuple[float, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "against": self.against,
+            "ratio": self.speed.ratio,
+            "ratio_low": self.speed.low,
+            "ratio_high": self.speed.high,
+            "noise": self.speed.noise,
+            "rounds": self.speed.rounds,
+            "decision": self.speed.decision,
+            "steps_per_round": self.steps_per_round,
+            "step_ms": self.step_ms,
+            "reference_step_ms": self.reference_step_ms,
+            "throughput": self.throughput,
+            "reference_throughput": self.reference_throughput,
+            "step_samples_ms": list(self.step_samples_ms),
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class Outcome:
+    """What became of one candidate (see the module docstring)."""
+
+    stage: str
+    name: str
+    config: dict[str, Any]
+    verdict: State
+    reason: str
+    comparison: Comparison | None = None
+    memory_bytes: int | None = None
+    one_time_s: float | None = None
+    break_even_steps: float | None = None
+    parity: Parity | None = None
+    comm_bytes_per_step: int | None = None
+    #: Per optimizer step losses of the candidate's first steps.
+    loss_curve: tuple[float, ...] = ()
+    #: The prior that ordered the work (``torchturbo.levers``) and the seconds it was estimated
+    #: to cost; None where there was none.
+    expected_gain: float | None = None
+    estimate_s: float | None = None
+    #: Batches other than the best's it trained on ("buckets", "split:N"; see tune.batching).
+    batching: str | None = None
+    #: Taken from a previous run's results.json in the same --out instead of measured again.
+    reused: bool = False
+
+    def __post_init__(self) -> None:
+        if self.verdict not in STATES:
+            raise ValueError(f"Outcome.verdict = {self.verdict!r}: expected one of {STATES}")
+
+    def to_dict(self) -> dict[str, Any]:
+        row: dict[str, Any] = {
+            "stage": self.stage,
+            "name": self.name,
+            "config": self.config,
+            "verdict": self.verdict,
+            "reason": self.reason,
+            **_empty_comparison(),
+            "memory_bytes": self.memory_bytes,
+            "one_time_s": self.one_time_s,
+            "break_even_steps": self.break_even_steps,
+            "parity": None if self.parity is None else dataclasses.asdict(self.parity),
+            "comm_bytes_per_step": self.comm_bytes_per_step,
+            "loss_curve": list(self.loss_curve),
+            "expected_gain": self.expected_gain,
+            "estimate_s": self.estimate_s,
+            "batching": self.batching,
+            "reused": self.reused,
+        }
+        if self.comparison is not None:
+            row.update(self.comparison.to_dict())
+        return row
+
+
+def _empty_comparison() -> dict[str, Any]:
+    return {
+        "against": None,
+        "ratio": None,
+        "ratio_low": None,
+        "ratio_high": None,
+        "noise": None,
+        "rounds": None,
+        "decision": None,
+        "steps_per_round": None,
+        "step_ms": None,
+        "reference_step_ms": None,
+        "throughput": None,
+        "reference_throughput": None,
+        "step_samples_ms": [],
+    }
+
+
+def outcome_from_dict(row: dict[str, Any]) -> Outcome:
+    """A candidate row of a previous results.json, marked as reused."""
+    comparison = None
+    if row.get("ratio") is not None:
+        speed = RatioEstimate(
+            ratio=row["ratio"],
+            low=row["ratio_low"],
+            high=row["ratio_high"],
+            rounds=row["rounds"],
+            decision=row["decision"],
+        )
+        comparison = Comparison(
+            against=row["against"],
+            speed=speed,
+            steps_per_round=row["steps_per_round"],
+            step_ms=row["step_ms"],
+            reference_step_ms=row["reference_step_ms"],
+            throughput=row["throughput"],
+            reference_throughput=row["reference_throughput"],
+            step_samples_ms=tuple(row.get("step_samples_ms") or ()),
+        )
+    parity = row.get("parity")
+    return Outcome(
+        stage=row["stage"],
+        name=row["name"],
+        config=row["config"],
+        verdict=row["verdict"],
+        reason=row["reason"],
+        comparison=comparison,
+        memory_bytes=row.get("memory_bytes"),
+        one_time_s=row.get("one_time_s"),
+        break_even_steps=row.get("break_even_steps"),
+        parity=None if parity is None else Parity(**parity),
+        comm_bytes_per_step=row.get("comm_bytes_per_step"),
+        loss_curve=tuple(row.get("loss_curve") or ()),
+        expected_gain=row.get("expected_gain"),
+        estimate_s=row.get("estimate_s"),
+        batching=row.get("batching"),
+        reused=True,
+    )
+
+
+ConfirmationState = Literal["not needed", "confirmed", "consistent", "dropped", "reverted"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Confirmation:
+    """The chosen config against the baseline, measured again at the end.
+
+    ``not needed``: nothing was adopted, the chosen config is the baseline (1.00x by definition).
+    ``confirmed``: faster than the baseline beyond the noise. ``consistent``: not decided (a
+    noisy machine, a small budget), but no slower than the baseline and within the noise of what
+    the search measured: kept, and the report says it is unconfirmed. ``dropped``: it was not, the
+    adoptions in ``dropped`` failed when re-measured alone against the baseline and were removed,
+    and the rest was confirmed. ``reverted``: nothing could be confirmed, the baseline is kept.
+    """
+
+    state: ConfirmationState
+    comparison: Comparison | None
+    dropped: tuple[str, ...] = ()
+    note: str = ""
+
+    @property
+    def ratio(self) -> float:
+        return 1.0 if self.comparison is None else self.comparison.speed.ratio
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "state": self.state,
+            "dropped": list(self.dropped),
+            "note": self.note,
+            **(_empty_comparison() if self.comparison is None else self.comparison.to_dict()),
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class TuneResult:
+    """One tuning run: what was measured, what was chosen, and on what."""
+
+    recipe: str
+    device: str
+    processes: int
+    torch: str
+    date: str
+    unit: str
+    #: The fp32 eager baseline's row (verdict "reference"), and its own step time and throughput.
+    baseline: Outcome
+    baseline_step_ms: float
+    baseline_throughput: float
+    candidates: tuple[Outcome, ...]
+    adopted: tuple[str, ...]
+    confirmation: Confirmation
+    facts: dict[str, Any]
+    loader: dict[str, Any] | None
+    time_budget_s: float
+    elapsed_s: float
+    memory_budget_bytes: int | None
+    planned_steps: int
+    loss_tolerance: float
+    #: Seconds the candidates left unmeasured for lack of time were estimated to need.
+    unmeasured_s: float
+    #: The results.json a resumed run took candidates from; None for a fresh run.
+    reused_from: str | None
+    #: Why a previous results.json was or was not reused ("" when there was none).
+    reuse_note: str
+    breakdown: dict[str, dict[str, float]]
+    loss_curves: dict[str, list[float]]
+    system: dict[str, str]
+    fingerprint: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        confirmation = self.confirmation.comparison
+        baseline = self.baseline.to_dict()
+        baseline.update(step_ms=self.baseline_step_ms, throughput=self.baseline_throughput)
+        return {
+            "recipe": self.recipe,
+            "device": self.device,
+            "processes": self.processes,
+            "torch": self.torch,
+            "date": self.date,
+            "unit": self.unit,
+            "baseline_throughput": self.baseline_throughput,
+            "best_throughput": (
+                self.baseline_throughput if confirmation is None else confirmation.throughput
+            ),
+            "confirmed_ratio": self.confirmation.ratio,
+            "confirmation": self.confirmation.to_dict(),
+            "time_budget_s": self.time_budget_s,
+            "elapsed_s": self.elapsed_s,
+            "memory_budget_bytes": self.memory_budget_bytes,
+            "planned_steps": self.planned_steps,
+            "loss_tolerance": self.loss_tolerance,
+            "candidates": [baseline, *(c.to_dict() for c in self.candidates)],
+            "adopted": list(self.adopted),
+            "unmeasured_s": self.unmeasured_s,
+            "reused_from": self.reused_from,
+            "reuse_note": self.reuse_note,
+            "facts": self.facts,
+            "loader": self.loader,
+            "breakdown": self.breakdown,
+            "loss_curves": self.loss_curves,
+            "system": self.system,
+            "fingerprint": self.fingerprint,
+        }

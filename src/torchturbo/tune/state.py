@@ -1,0 +1,99 @@
+"""The state of a tuning run and the constants its steps share (see ``search``)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from torchturbo.bench import Trial
+from torchturbo.config import TurboConfig
+from torchturbo.facts import Facts
+from torchturbo.recipe import Recipe
+from torchturbo.tune.budget import Budget
+from torchturbo.tune.decide import MIN_ROUNDS
+from torchturbo.tune.outcome import Outcome
+from torchturbo.tune.stages import Candidate, StageContext
+
+Stage = Callable[[StageContext], "list[Candidate] | str"]
+
+#: Steps whose losses are compared for parity: enough to see a broken technique, few enough
+#: that fp32/bf16 rounding has not yet compounded into divergent trajectories.
+PARITY_STEPS = 6
+#: Distinct batches every trial cycles through.
+NUM_BATCHES = 8
+#: A candidate this many times slower than the best in its first steps is rejected at once,
+#: before any paired round: measuring it would only eat the budget. Generous, because single
+#: steps on a busy machine swing 3-5x; precisions without native units are decided earlier.
+SLOW_FACTOR = 10.0
+#: Steps timed one by one right after a candidate's first step (the fastest counts: robust to a
+#: stray slow step): the speed probe, and the warm-up of its paired rounds.
+PROBE_STEPS = 3
+MAX_ROUNDS = 15
+#: Seconds held back for writing the report (JSON, three PNG plots, markdown, HTML).
+REPORT_S = 5.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class TuneOptions:
+    time_budget_s: float = 300.0
+    memory_budget: int | None = None
+    planned_steps: int = 10_000
+    loss_tolerance: float = 0.05
+    device: str | None = None
+    #: Stage names to run (all when empty) and to leave out.
+    only: tuple[str, ...] = ()
+    skip: tuple[str, ...] = ()
+    max_rounds: int = MAX_ROUNDS
+
+    def __post_init__(self) -> None:
+        checks = {
+            "time_budget_s": math.isfinite(self.time_budget_s) and self.time_budget_s > 0,
+            "planned_steps": self.planned_steps >= 1,
+            "loss_tolerance": 0 < self.loss_tolerance < 1,
+            "max_rounds": self.max_rounds >= MIN_ROUNDS,
+        }
+        for name, ok in checks.items():
+            if not ok:
+                raise ValueError(f"{name} = {getattr(self, name)!r} is out of range")
+        if self.memory_budget is not None and self.memory_budget <= 0:
+            raise ValueError(f"memory budget {self.memory_budget} bytes is not positive")
+
+
+@dataclass
+class Incumbent:
+    """A config that is (or was) the best, with its live trial."""
+
+    name: str
+    config: TurboConfig
+    trial: Trial
+    memory_bytes: int | None
+    #: The candidate that made it the best (None for the baseline).
+    candidate: Candidate | None = None
+    outcome: Outcome | None = None
+
+
+@dataclass
+class Run:
+    """The state of one tuning run, shared by its steps."""
+
+    recipe: Recipe
+    options: TuneOptions
+    device: torch.device
+    budget: Budget
+    batches: list[Any]
+    say: Callable[[str, str, float], None]
+    facts: Facts
+    #: Seconds to build a trial (model, optimizer, setup) and steady seconds per baseline step.
+    build_s: float
+    baseline_step_s: float
+    reference_losses: list[float]
+    outcomes: list[Outcome] = field(default_factory=list)
+    adoptions: list[Incumbent] = field(default_factory=list)
+
+    @property
+    def clock(self) -> Callable[[], float]:
+        return self.budget.clock

@@ -1,0 +1,194 @@
+"""The tuner's decision rules on injected numbers: the sequential ratio test and the verdict.
+
+The false-adoption rate of the sequential test is checked by simulation: an A/A comparison (a
+config against itself) gives per-round log-ratios of pure noise; it must be called "faster" in
+well under 5% of runs (the issue's bound), whatever the noise looks like.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from torchturbo.tune.decide import (
+    MIN_ROUNDS,
+    Parity,
+    RatioEstimate,
+    break_even_steps,
+    estimate,
+    judge,
+    loss_parity,
+    t_quantile,
+)
+
+MAX_ROUNDS = 15
+OK_PARITY = Parity(2.3, 2.31, 0.004, True, True)
+
+
+def _sequential(draw, rng: random.Random) -> RatioEstimate:
+    """What the tuner does: one round at a time, stop once decided or at MAX_ROUNDS."""
+    ratios: list[float] = []
+    while True:
+        ratios.append(math.exp(draw(rng)))
+        final = len(ratios) == MAX_ROUNDS
+        speed = estimate(ratios, final=final)
+        if speed.decision != "undecided":
+            return speed
+
+
+def _normal(sd: float, effect: float = 1.0):
+    return lambda rng: math.log(effect) + rng.gauss(0, sd)
+
+
+def _heavy_tailed(sd: float):
+    # Student t with 3 degrees of freedom: occasional rounds far off, as on a busy machine.
+    return lambda rng: (
+        sd * rng.gauss(0, 1) / math.sqrt(sum(rng.gauss(0, 1) ** 2 for _ in range(3)) / 3)
+    )
+
+
+def _outliers(sd: float):
+    # One round in ten hit by a 1.5x stall of one side.
+    return lambda rng: (
+        rng.gauss(0, sd) + (rng.choice((-1, 1)) * math.log(1.5) if rng.random() < 0.1 else 0)
+    )
+
+
+def _drifting_load(sd: float, persistence: float = 0.95):
+    """Machine load that drifts from block to block (an AR(1) log slowdown shared by whatever
+    runs then), timed as the tuner times: two adjacent blocks per round, the reference first
+    in even rounds and second in odd ones. Returns log(reference block / candidate block)."""
+    state = {"load": 0.0, "round": 0}
+
+    def block(rng: random.Random) -> float:
+        state["load"] = persistence * state["load"] + rng.gauss(0, sd)
+        return state["load"] + rng.gauss(0, 0.01)
+
+    def draw(rng: random.Random) -> float:
+        first, second = block(rng), block(rng)
+        reference_first = state["round"] % 2 == 0
+        state["round"] += 1
+        return first - second if reference_first else second - first
+
+    return draw
+
+
+NOISES = {
+    "quiet": _normal(0.01),
+    "normal": _normal(0.05),
+    "busy": _normal(0.3),
+    "heavy tails": _heavy_tailed(0.1),
+    "outliers": _outliers(0.03),
+    "drifting load": _drifting_load(0.1),
+}
+
+
+@pytest.mark.parametrize("noise", NOISES)
+def test_a_config_against_itself_is_adopted_in_under_1_percent_of_runs(noise):
+    rng = random.Random(0)
+    runs = 2000
+    adopted = sum(_sequential(NOISES[noise], rng).decision == "faster" for _ in range(runs))
+    assert adopted / runs < 0.01
+
+
+@pytest.mark.parametrize(
+    ("effect", "sd", "rounds"), [(2.0, 0.05, 3), (1.3, 0.05, 6), (1.1, 0.02, 6)]
+)
+def test_real_gains_are_found_and_big_ones_quickly(effect, sd, rounds):
+    rng = random.Random(1)
+    results = [_sequential(_normal(sd, effect), rng) for _ in range(300)]
+    assert sum(r.decision == "faster" for r in results) / len(results) > 0.95
+    assert sorted(r.rounds for r in results)[len(results) // 2] <= rounds
+
+
+def test_no_decision_before_three_rounds():
+    assert estimate([3.0, 3.0]).decision == "undecided"
+    assert estimate([3.0, 3.0, 3.0]).decision == "faster"
+    assert MIN_ROUNDS == 3
+
+
+def test_a_null_effect_stops_as_not_faster_and_undecided_reads_not_faster_at_the_end():
+    assert estimate([1.0, 1.01, 0.99, 1.0]).decision == "not faster"
+    wild = [0.5, 2.0, 0.7, 1.6]
+    assert estimate(wild).decision == "undecided"
+    assert estimate(wild, final=True).decision == "not faster"
+
+
+def test_the_interval_is_the_geometric_mean_with_a_t_width():
+    speed = estimate([1.2, 1.25, 1.3, 1.22])
+    logs = [math.log(r) for r in (1.2, 1.25, 1.3, 1.22)]
+    centre = sum(logs) / 4
+    assert speed.ratio == pytest.approx(math.exp(centre))
+    sd = math.sqrt(sum((x - centre) ** 2 for x in logs) / 3)
+    width = t_quantile(0.999, 3) * sd / 2
+    assert speed.low == pytest.approx(math.exp(centre - width))
+    assert speed.noise == pytest.approx(math.exp(width) - 1)
+    # Two identical rounds do not make the interval vanish: the spread has a floor.
+    assert estimate([1.5, 1.5, 1.5]).low < 1.5
+
+
+def test_estimate_refuses_non_positive_ratios():
+    with pytest.raises(ValueError, match="positive, finite"):
+        estimate([1.0, 0.0])
+    with pytest.raises(ValueError, match="positive, finite"):
+        estimate([])
+
+
+def _judge(**overrides):
+    args = dict(
+        speed=estimate([1.5, 1.52, 1.49, 1.51]),
+        parity=OK_PARITY,
+        memory_bytes=100,
+        memory_budget=None,
+        break_even=10.0,
+        planned_steps=1000,
+        tolerance=0.05,
+    )
+    args.update(overrides)
+    return judge(**args)
+
+
+def test_a_clear_speedup_is_adopted_with_its_interval_in_the_reason():
+    verdict = _judge()
+    assert verdict.adopt and verdict.reason.startswith("1.50x (")
+
+
+def test_an_undecided_ratio_is_not_adopted_and_says_why():
+    verdict = _judge(speed=estimate([1.3, 0.8, 1.6, 0.9], final=True))
+    assert not verdict.adopt and "does not clear" in verdict.reason
+    slower = _judge(speed=estimate([0.5, 0.52, 0.49]))
+    assert not slower.adopt and "is slower" in slower.reason
+
+
+def test_parity_failure_is_rejected_with_the_numbers():
+    parity = loss_parity([2.3, 2.2], [2.9, 2.8], tolerance=0.05)
+    assert not parity.ok
+    verdict = _judge(parity=parity)
+    assert not verdict.adopt and "loss parity" in verdict.reason and "2.8500" in verdict.reason
+
+
+def test_non_finite_loss_is_rejected():
+    parity = loss_parity([2.3, 2.2], [2.3, math.nan], tolerance=0.05)
+    assert not parity.finite
+    assert "non-finite" in _judge(parity=parity).reason
+
+
+def test_memory_over_budget_is_rejected():
+    verdict = _judge(memory_bytes=3 * 2**20, memory_budget=2**20)
+    assert not verdict.adopt and "3.0 MiB > budget 1.0 MiB" in verdict.reason
+
+
+def test_a_one_time_cost_that_never_pays_back_is_rejected():
+    assert break_even_steps(30.0, 0.10, 0.09) == pytest.approx(3000)
+    assert break_even_steps(30.0, 0.10, 0.11) == math.inf
+    assert break_even_steps(0.0, 0.10, 0.11) == 0
+    verdict = _judge(break_even=3000.0, planned_steps=1000)
+    assert not verdict.adopt and "3,000 steps" in verdict.reason
+    assert _judge(break_even=3000.0, planned_steps=5000).adopt
+
+
+def test_memory_candidates_may_be_slower_when_the_best_does_not_fit():
+    verdict = _judge(speed=estimate([0.8, 0.8, 0.8]), must_be_faster=False)
+    assert verdict.adopt and "fits the memory budget" in verdict.reason
