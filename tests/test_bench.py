@@ -67,3 +67,26 @@ def test_a_trial_aligned_with_another_takes_the_same_next_batch_without_training
     other = Trial(recipe, TurboConfig(device="cpu"), fixed_batches(recipe, 4))
     other.align_with(ahead)  # different batch lists: nothing to align
     assert other.position == 0
+
+
+def test_bench_trains_a_bucketing_config_on_length_buckets_and_says_what_it_left_out():
+    from torchturbo.bench import compare_configs
+    from torchturbo.workloads import get_workload
+
+    recipe = get_workload("text", num_samples=256, d_model=64, num_layers=1)
+    bucketing = TurboConfig(device="cpu").replace(data__bucketing=True, data__num_workers=2)
+    rows = compare_configs(
+        recipe,
+        {"baseline": TurboConfig(device="cpu"), "buckets": bucketing},
+        baseline="baseline",
+        warmup=1,
+        repeats=2,
+        steps_per_repeat=1,
+        num_batches=4,
+    )
+    plain, buckets = rows
+    # Long-tailed lengths: random batches are mostly padding, length buckets hardly any.
+    assert plain.padding > 0.4 and buckets.padding < 0.15
+    assert buckets.loss_first != plain.loss_first  # other batches, not the same padded ones
+    assert "num_workers=2" in buckets.notes["loader settings"]
+    assert buckets.to_dict()["padding"] == buckets.padding

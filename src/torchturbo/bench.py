@@ -19,6 +19,8 @@ and the other figures (step time, loss, memory) are rank 0's, which is the rank 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import itertools
 import time
 from collections.abc import Callable, Mapping
@@ -31,7 +33,9 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
-from torchturbo.config import DistributedConfig, TurboConfig
+from torchturbo.config import DataConfig, DistributedConfig, TurboConfig
+from torchturbo.data.bucketing import BucketBatchSampler
+from torchturbo.data.collate import pad_collate
 from torchturbo.distributed.comm import CommStats
 from torchturbo.distributed.launch import current_env
 from torchturbo.distributed.setup import apply_distributed
@@ -260,6 +264,8 @@ class VariantResult:
     #: flight; None when not counted (one process, or FSDP).
     comm_bytes_per_step: int | None = None
     comm_ms_per_step: float | None = None
+    #: Share of the token positions computed that were padding (None: no mask in the batches).
+    padding: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -274,6 +280,28 @@ def model_flops_per_step(recipe: Recipe, batch: Any) -> int:
         (out[0] if isinstance(out, tuple) else out).backward()
 
     return count_step_flops(step)
+
+
+def mean_flops_per_step(recipe: Recipe, batches: list[Any]) -> int:
+    """FLOPs of an average step over ``batches``: counted on the first, scaled by token positions
+    (padding included: it is computed) where batches differ in length. Attention's quadratic
+    term is not scaled, so long-sequence batches are undercounted a little."""
+    flops = model_flops_per_step(recipe, batches[0])
+    sizes = [_positions(batch) for batch in batches]
+    if sizes[0] is None or any(size is None for size in sizes):
+        return flops
+    return round(flops * (sum(sizes) / len(sizes)) / sizes[0])
+
+
+def _positions(batch: Any) -> int | None:
+    mask = _mask(batch)
+    return mask.numel() if mask is not None and mask.numel() else None
+
+
+def _mask(batch: Any) -> torch.Tensor | None:
+    """A batch's token mask (``mask``, or Hugging Face's ``attention_mask``), if it has one."""
+    mask = batch.get("mask", batch.get("attention_mask")) if isinstance(batch, Mapping) else None
+    return mask if isinstance(mask, torch.Tensor) else None
 
 
 def compare_configs(
@@ -291,12 +319,17 @@ def compare_configs(
     if baseline not in configs:
         raise ValueError(f"baseline {baseline!r} is not among the variants {list(configs)}")
     say = on_progress or (lambda message: None)
-    batches = fixed_batches(recipe, num_batches)
+    plain = fixed_batches(recipe, num_batches)
+    bucketed: list[Any] | None = None
     trials: dict[str, Trial] = {}
     first_step: dict[str, float] = {}
     try:
         for name, config in configs.items():
             say(f"building {name}")
+            batches = plain
+            if config.data.bucketing and recipe.lengths is not None:
+                bucketed = bucketed or bucketed_batches(recipe, num_batches, config.data)
+                batches = bucketed
             trials[name], first_step[name] = start_trial(recipe, config, batches)
         say("timing (interleaved)")
         timings = measure_interleaved(
@@ -307,11 +340,73 @@ def compare_configs(
             steps_per_repeat=steps_per_repeat,
         )
         say("counting FLOPs and memory")
-        flops = model_flops_per_step(recipe, batches[0])
+        flops = {
+            id(batches): mean_flops_per_step(recipe, batches)
+            for batches in {id(t.batches): t.batches for t in trials.values()}.values()
+        }
         return _rows(recipe, trials, timings, first_step, flops, baseline)
     finally:
         for trial in trials.values():
             trial.close()
+
+
+def bucketed_batches(recipe: Recipe, count: int, data: DataConfig | None = None) -> list[Any]:
+    """The first ``count`` length-bucketed batches of the recipe's dataset, collated as the
+    engine collates them: ``[data] max_tokens`` per batch, else the token budget of the recipe's
+    random batches (batch size x mean length), so both compute about as many real tokens."""
+    if recipe.lengths is None:
+        raise ValueError(f"recipe {recipe.name!r} gives no per-sample lengths to bucket by")
+    data = data or DataConfig()
+    lengths = list(recipe.lengths)
+    budget = data.max_tokens or max(
+        round(recipe.batch_size * sum(lengths) / len(lengths)), max(lengths)
+    )
+    sampler = BucketBatchSampler(
+        lengths, max_tokens=budget, pad_to_multiple=data.pad_to_multiple, seed=recipe.seed
+    )
+    collate = recipe.collate or functools.partial(
+        pad_collate, pad_to_multiple=data.pad_to_multiple, pad_values=recipe.pad_values
+    )
+    batches = []
+    for indices in sampler:
+        batches.append(collate([recipe.dataset[i] for i in indices]))
+        if len(batches) == count:
+            break
+    return batches
+
+
+def padding_of(batches: list[Any]) -> float | None:
+    """Padded share of the token positions in ``batches``, read from their ``mask`` or
+    ``attention_mask``; None when they carry neither."""
+    masks = [_mask(batch) for batch in batches]
+    masks = [m for m in masks if m is not None]
+    if not masks:
+        return None
+    total = sum(m.numel() for m in masks)
+    return 1 - sum(int(m.bool().sum()) for m in masks) / total if total else None
+
+
+def _notes(recipe: Recipe, trial: Trial) -> dict[str, str]:
+    """What the engine could not apply, and the [data] settings bench does not exercise."""
+    notes = {k: v for k, v in trial.turbo.applied.items() if v is not None}
+    data = trial.config.data
+    loader = {f.name: getattr(data, f.name) for f in dataclasses.fields(data)}
+    changed = [
+        k for k, v in loader.items() if k in _LOADER_FIELDS and v != getattr(DataConfig(), k)
+    ]
+    if changed:
+        settings = ", ".join(f"{k}={loader[k]}" for k in changed)
+        notes["loader settings"] = (
+            f"{settings}: bench trains on pre-collated batches; torchturbo doctor --config "
+            "measures the loader"
+        )
+    if data.bucketing and recipe.lengths is None:
+        notes["bucketing"] = "the recipe gives no per-sample lengths to bucket by"
+    return notes
+
+
+#: The [data] fields that configure the DataLoader rather than the batches.
+_LOADER_FIELDS = ("num_workers", "pin_memory", "persistent_workers", "prefetch_factor")
 
 
 def start_trial(
@@ -335,7 +430,7 @@ def _rows(
     trials: Mapping[str, Trial],
     timings: Mapping[str, Timing],
     first_step: Mapping[str, float],
-    flops: int,
+    flops: Mapping[int, int],
     baseline: str,
 ) -> list[VariantResult]:
     throughput = {n: t.mean_count() / timings[n].median for n, t in trials.items()}
@@ -354,14 +449,15 @@ def _rows(
                 ratio=throughput[name] / throughput[baseline],
                 step_ms_median=timings[name].median * 1e3,
                 step_ms_spread=timings[name].spread,
-                mfu=mfu(flops, timings[name].median, peak),
+                mfu=mfu(flops[id(trial.batches)], timings[name].median, peak),
                 peak_memory_bytes=memory_bytes,
                 peak_memory_kind=memory_kind,
                 activation_bytes=trial.activation_bytes(),
                 loss_first=curve[0],
                 loss_last=curve[-1],
                 first_step_s=first_step[name],
-                notes={k: v for k, v in trial.turbo.applied.items() if v is not None},
+                notes=_notes(recipe, trial),
+                padding=padding_of(trial.batches),
                 processes=current_env().world_size,
                 comm_bytes_per_step=None if comm is None else comm[0],
                 comm_ms_per_step=None if comm is None or comm[1] is None else comm[1] * 1e3,

@@ -45,6 +45,9 @@ def rows_table(title: str, rows: Sequence[Any]) -> Table:
         "loss first → last",
         "first step s",
     ]
+    padded = any(r.padding is not None for r in rows)
+    if padded:
+        headers.append("padding")
     if communicates:
         headers += ["comm/step", "comm ms/step"]
     for header in headers:
@@ -61,6 +64,8 @@ def rows_table(title: str, rows: Sequence[Any]) -> Table:
             f"{r.loss_first:.3f} → {r.loss_last:.3f}",
             f"{r.first_step_s:.2f}",
         ]
+        if padded:
+            cells.append("n/a" if r.padding is None else f"{100 * r.padding:.0f}%")
         if communicates:
             ms = r.comm_ms_per_step
             cells += [format_bytes(r.comm_bytes_per_step), "n/a" if ms is None else f"{ms:.1f}"]

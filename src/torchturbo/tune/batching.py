@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from torchturbo.data.bucketing import BucketBatchSampler
+from torchturbo.bench import bucketed_batches
 from torchturbo.oom import leading_size, split_batch
 from torchturbo.recipe import Recipe
 
@@ -41,23 +41,6 @@ def batches_for(
             batches = [piece for batch in batches for piece in split_batch(batch, pieces)]
         elif kind is not None:
             raise ValueError(f"unknown batching {kind!r}: expected 'buckets' or 'split:N'")
-    return batches
-
-
-def bucketed_batches(recipe: Recipe, count: int) -> list[Any]:
-    """The first ``count`` length-bucketed batches, with the token budget of the recipe's random
-    batches (batch size x mean length), collated like the engine collates them."""
-    if recipe.lengths is None:
-        raise ValueError(f"recipe {recipe.name!r} gives no per-sample lengths to bucket by")
-    lengths = list(recipe.lengths)
-    budget = max(round(recipe.batch_size * sum(lengths) / len(lengths)), max(lengths))
-    sampler = BucketBatchSampler(lengths, max_tokens=budget, seed=recipe.seed)
-    collate = recipe.collate_fn()
-    batches = []
-    for indices in sampler:
-        batches.append(collate([recipe.dataset[i] for i in indices]))
-        if len(batches) == count:
-            break
     return batches
 
 
