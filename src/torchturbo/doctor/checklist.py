@@ -158,20 +158,19 @@ def _mixed_precision(f: Findings) -> Verdict:
     if low:
         return "applied", f"parameters are stored in low precision: {params}", None
     variant = f.precision_variant
-    if variant is None or f.speedups is None:
+    gain = None if variant is None or f.speedups is None else f.speedups.get(variant)
+    if gain is None:
         why = f.comparison_error or f.precision_reason
         return "not applicable", f"precision is {dtype}; {why}", None
-    ratio = f.speedups.ratios[variant]
-    measured = f"{variant} autocast measured {ratio:.2f}x the speed of {dtype} (interleaved)"
-    noise = f" (±{f.speedups.noise:.0%})"
-    if f.speedups.beats(ratio):
+    measured = f"{variant} autocast measured {gain.describe()} in paired rounds"
+    if gain.faster:
         return (
             "recommended",
             f"precision is {dtype}; {measured}; parameters: {params}. The tuner checks loss "
             "parity before keeping it",
-            f.speedups.describe(ratio),
+            gain.describe(),
         )
-    return "ok", f"precision is {dtype}; {measured}: no gain beyond the noise{noise} here", None
+    return "within noise", f"precision is {dtype}; {measured}: not faster beyond the noise", None
 
 
 def _fusion(f: Findings) -> Verdict:
@@ -191,21 +190,19 @@ def _fusion(f: Findings) -> Verdict:
         text = f"torch.compile (mode={mode!r}) fuses elementwise chains into generated kernels"
         return "applied", "; ".join(filter(None, [text, pair_text])), None
     compile_text = (
-        "torch.compile is off: it fuses norms, activations and residual adds into single "
-        "kernels in training too; its gain is not measured here (compiling outlasts this "
-        "diagnosis): compare with torchturbo bench"
+        "torch.compile (off) fuses norms, activations and residual adds in training too; its "
+        "gain is not measured here (compiling outlasts a diagnosis): torchturbo tune measures it"
     )
-    gain, fold_text = None, ""
-    if f.fold is not None and pairs:
-        ratio = f.fold.ratios["folded"]
-        if f.fold.beats(ratio):
-            gain = f"inference forward {f.fold.describe(ratio)}"
-        else:
-            fold_text = (
-                f"folding measured {ratio:.2f}x on the eval forward: no gain beyond the noise "
-                f"(±{f.fold.noise:.0%})"
-            )
-    return "recommended", "; ".join(filter(None, [pair_text, fold_text, compile_text])), gain
+    if f.fold is None or not pairs:
+        return "not applicable", "; ".join(filter(None, [pair_text, compile_text])), None
+    measured = f"folding measured {f.fold.describe()}"
+    if f.fold.faster:
+        return "recommended", "; ".join([pair_text, measured, compile_text]), f.fold.describe()
+    return (
+        "within noise",
+        "; ".join([pair_text, f"{measured}: not faster beyond the noise", compile_text]),
+        None,
+    )
 
 
 def _channels_last(f: Findings) -> Verdict:
@@ -216,22 +213,21 @@ def _channels_last(f: Findings) -> Verdict:
         if reason is None:
             return "applied", "model weights and 4-D float inputs are NHWC (channels_last)", None
         return "not applicable", f"channels_last is configured but was not applied: {reason}", None
-    if f.speedups is None or "channels_last" not in f.speedups.ratios:
+    alone = None if f.speedups is None else f.speedups.get("channels_last")
+    if alone is None:
         why = f.comparison_error or "the comparison did not run"
         return "not applicable", f"the model has Conv2d layers, but {why}", None
-    alone = f.speedups.ratios["channels_last"]
-    measured = [f"channels_last alone measured {alone:.2f}x"]
-    best, best_text = alone, f.speedups.describe(alone)
-    both = f.speedups.ratios.get(f"{f.precision_variant}+channels_last")
-    if both is not None and f.precision_variant is not None:
-        on_top = both / f.speedups.ratios[f.precision_variant]
-        measured.append(f"{on_top:.2f}x on top of {f.precision_variant}")
-        if on_top > best:
-            best, best_text = on_top, f"{f.speedups.describe(on_top)}, with {f.precision_variant}"
-    text = f"the model has Conv2d layers; {', '.join(measured)} (interleaved)"
-    if f.speedups.beats(best):
-        return "recommended", text, best_text
-    return "ok", f"{text}: no gain beyond the noise (±{f.speedups.noise:.0%}) here", None
+    gains = [alone]
+    on_top = None if f.speedups is None else f.speedups.get(f"{f.precision_variant}+channels_last")
+    if on_top is not None:
+        gains.append(on_top)
+    measured = "; ".join(f"measured {g.describe()}" for g in gains)
+    text = f"the model has Conv2d layers; channels_last {measured} (paired rounds)"
+    faster = [g for g in gains if g.faster]
+    if faster:
+        best = max(faster, key=lambda g: g.speed.ratio)
+        return "recommended", text, best.describe()
+    return "within noise", f"{text}: not faster beyond the noise", None
 
 
 # ---- training ----------------------------------------------------------------------------------

@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -20,6 +19,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
+from torchturbo import levers
 from torchturbo.bench import fixed_batches
 from torchturbo.config import CompileConfig, PrecisionConfig, TurboConfig
 from torchturbo.data.bucketing import padding_fractions
@@ -31,14 +31,14 @@ from torchturbo.doctor.data_facts import (
     loader_facts,
     varying_shapes,
 )
-from torchturbo.doctor.diagnosis import Diagnosis
+from torchturbo.doctor.diagnosis import Diagnosis, Lever
 from torchturbo.doctor.findings import Findings
-from torchturbo.doctor.gains import Speedups, fold_speedup, measure_configs
+from torchturbo.doctor.gains import Gain, fold_gain, measure_variants
 from torchturbo.doctor.model_facts import ModelFacts, inspect_model
 from torchturbo.doctor.profiling import profile_training
 from torchturbo.engine import resolve_device
+from torchturbo.facts import Facts, gather
 from torchturbo.recipe import Recipe
-from torchturbo.system import cpu_bf16_support
 
 #: Batches the quick comparisons cycle through.
 _SAMPLE_BATCHES = 2
@@ -84,11 +84,11 @@ def diagnose(
     try:
         say("inspecting the model")
         batches = fixed_batches(recipe, _SAMPLE_BATCHES)
-        facts, fold = _inspect(recipe, batches[0], run_device, say)
+        facts, fold, machine = _inspect(recipe, batches, run_device, say)
         say(f"profiling {2 * profile_steps + 3} training steps")
         trace = Path(trace_dir) if trace_dir is not None else None
         profile = profile_training(recipe, config, loader, steps=profile_steps, trace_dir=trace)
-        variant, reason = _precision_variant(config, run_device)
+        variant, reason = _precision_variant(config, run_device, machine)
         speedups, comparison_error = None, None
         say("timing variants side by side")
         try:
@@ -131,37 +131,47 @@ def diagnose(
         processes=current_env().world_size,
         comm_bytes_per_step=profile.comm_bytes_per_step,
         comm_seconds_per_step=profile.comm_seconds_per_step,
+        levers=[
+            Lever(lever.name, lever.expectation.gain, lever.expectation.evidence)
+            for lever in levers.ranked(machine)
+        ],
     )
 
 
 def _inspect(
-    recipe: Recipe, batch: Any, device: torch.device, say: Callable[[str], None]
-) -> tuple[ModelFacts, Speedups | None]:
-    """Model facts, and the Conv→BN folding gain, from a model that is freed on return so that
-    it does not count in the profile's peak memory."""
+    recipe: Recipe, batches: list[Any], device: torch.device, say: Callable[[str], None]
+) -> tuple[ModelFacts, Gain | None, Facts]:
+    """Model facts, the Conv→BN folding gain and the tuner's facts (GEMM rates per precision,
+    padding, convolution share) from a model that is freed on return, so that it does not count
+    in the profile's peak memory."""
     model, _ = recipe.build()
     model.to(device)
-    sample = to_device(batch, device, non_blocking=False)
+    sample = to_device(batches[0], device, non_blocking=False)
     facts = inspect_model(model, recipe.loss_fn, sample)
+    say("measuring GEMM rates per precision")
+    machine = gather(recipe, model, batches, device, lambda: recipe.loss_fn(model, sample))
     fold = None
     if facts.conv_bn_pairs:
         say("timing Conv→BatchNorm folding")
-        fold = fold_speedup(model, recipe.loss_fn, sample, facts.conv_bn_pairs, device)
-    return facts, fold
+        fold = fold_gain(model, recipe.loss_fn, sample, facts.conv_bn_pairs, device)
+    return facts, fold, machine
 
 
-def _precision_variant(config: TurboConfig, device: torch.device) -> tuple[str | None, str]:
-    """The low precision worth timing against the config on this device, or why there is none."""
+def _precision_variant(
+    config: TurboConfig, device: torch.device, machine: Facts
+) -> tuple[str | None, str]:
+    """The low precision worth timing against the config on this device, or why there is none:
+    the tuner's facts decide, so that a CPU emulating bf16 is not timed at 0.05x."""
     if config.precision.dtype in ("bf16", "fp16"):
         return None, f"already {config.precision.dtype}"
-    if device.type == "cuda":
-        return ("bf16" if torch.cuda.is_bf16_supported() else "fp16"), ""
-    if device.type == "cpu":
-        support = cpu_bf16_support()
-        if support.startswith("none"):
-            return None, f"this CPU has no native bf16 instructions: {support}"
-        return "bf16", ""
-    return None, f"no quick precision comparison on {device.type}"
+    if device.type not in ("cpu", "cuda"):
+        return None, f"no quick precision comparison on {device.type}"
+    candidates = ("bf16", "fp16") if device.type == "cuda" else ("bf16",)
+    expectations = {name: levers.precision(machine, name) for name in candidates}
+    usable = [name for name, expectation in expectations.items() if expectation.applicable]
+    if usable:
+        return usable[0], ""
+    return None, expectations[candidates[0]].evidence
 
 
 def _measure_variants(
@@ -170,25 +180,24 @@ def _measure_variants(
     facts: ModelFacts,
     precision: str | None,
     batches: list[Any],
-) -> Speedups | None:
-    """Time the config against its bf16 and channels_last variants, where they apply.
+) -> dict[str, Gain] | None:
+    """Time the config against its bf16 and channels_last variants, where they apply, and
+    channels_last on top of bf16 against bf16.
 
     Compilation would take longer than the whole diagnosis, so a compiled config is compared
     in eager mode: the ratios then describe eager execution.
     """
     base = config.replace(compile=CompileConfig()) if config.compile.mode != "off" else config
-    variants = {"config": base}
+    variants: dict[str, tuple[TurboConfig, str | None]] = {"config": (base, None)}
     if precision is not None:
-        variants[precision] = base.replace(precision=PrecisionConfig(dtype=precision))
+        variants[precision] = (base.replace(precision=PrecisionConfig(dtype=precision)), "config")
     if facts.has_conv2d and not config.memory_format.channels_last:
         layout = base.replace(memory_format__channels_last=True)
-        variants["channels_last"] = layout
+        variants["channels_last"] = (layout, "config")
         if precision is not None:
             both = layout.replace(precision=PrecisionConfig(dtype=precision))
-            variants[f"{precision}+channels_last"] = both
+            variants[f"{precision}+channels_last"] = (both, precision)
     if len(variants) == 1:
         return None
-    speedups = measure_configs(recipe, variants, batches)
-    if base is not config:
-        speedups = dataclasses.replace(speedups, note="eager, without compile")
-    return speedups
+    note = "eager, without compile" if base is not config else ""
+    return measure_variants(recipe, variants, batches, note=note)

@@ -18,12 +18,23 @@ CHECKLIST: dict[str, tuple[str, ...]] = {
 }
 
 #: applied: in use. recommended: would help here (the evidence says why, the gain how much when
-#: a quick measurement gave one). ok: checked, nothing to change. not applicable: nothing for the
-#: technique to act on in this setup, or it cannot be judged here (the evidence says which).
-State = Literal["applied", "recommended", "not applicable", "ok"]
-STATES: tuple[str, ...] = ("applied", "recommended", "not applicable", "ok")
+#: a quick measurement gave one; a measured gain is only recommended when it clears the tuner's
+#: noise rule). within noise: measured, and the gain did not clear the noise. ok: checked,
+#: nothing to change. not applicable: nothing for the technique to act on in this setup, or it
+#: cannot be judged here (the evidence says which).
+State = Literal["applied", "recommended", "within noise", "not applicable", "ok"]
+STATES: tuple[str, ...] = ("applied", "recommended", "within noise", "not applicable", "ok")
 
 Bound = Literal["input-bound", "compute-bound"]
+
+
+@dataclass(frozen=True)
+class Lever:
+    """A lever as ranked for this model and machine (see ``Diagnosis.levers``)."""
+
+    name: str
+    expected_gain: float | None
+    evidence: str
 
 
 @dataclass(frozen=True)
@@ -70,6 +81,10 @@ class Diagnosis:
     #: flight per step (overlapping backward); None without DDP.
     comm_bytes_per_step: float | None = None
     comm_seconds_per_step: float | None = None
+    #: The levers by expected gain on this model and machine (``torchturbo.levers``): what
+    #: ``torchturbo tune`` measures first. Each: name, expected gain (None: cannot help here),
+    #: and the fact behind it.
+    levers: list[Lever] = dataclasses.field(default_factory=list)
 
     def item(self, name: str) -> Item:
         """The item called ``name`` (a KeyError lists the names)."""

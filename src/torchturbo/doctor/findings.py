@@ -11,7 +11,7 @@ import torch
 from torchturbo.config import TurboConfig
 from torchturbo.doctor.data_facts import DatasetFacts, LoaderFacts
 from torchturbo.doctor.diagnosis import Bound
-from torchturbo.doctor.gains import Speedups
+from torchturbo.doctor.gains import Gain
 from torchturbo.doctor.model_facts import ModelFacts
 from torchturbo.doctor.profiling import ProfileResult
 from torchturbo.recipe import Recipe
@@ -47,14 +47,15 @@ class Findings:
     profile: ProfileResult
     #: Tensors whose non-batch dims varied across the batches drawn (data_facts.varying_shapes).
     varying: list[str]
-    #: Speed of variants relative to the config ("bf16", "channels_last", ...); None if not run.
-    speedups: Speedups | None
+    #: Variants against their reference ("bf16" and "channels_last" against the config,
+    #: "bf16+channels_last" against "bf16"), as the tuner judges them; None if not run.
+    speedups: dict[str, Gain] | None
     #: The measured precision variant's name ("bf16" or "fp16"), or why there is none.
     precision_variant: str | None
     precision_reason: str
     #: Why the variants were not measured, when their trials failed.
     comparison_error: str | None
-    fold: Speedups | None
+    fold: Gain | None
     #: Padding share of random and of length-sorted batches, when the recipe has lengths.
     padding: tuple[float, float] | None
 

@@ -1,10 +1,11 @@
-"""Quick measured gains for the doctor's items: a few interleaved steps, not a benchmark.
+"""Quick measured gains for the doctor's items, by the tuner's own measurement and rule.
 
-Training variants (bf16, channels_last) run as fresh ``bench.Trial`` s on the same fixed batches,
-timed side by side with ``measure.timing.measure_interleaved``; Conv→BatchNorm folding is timed on
-the eval-mode forward it is valid for. The figures are rough (3 steps each on a possibly busy
-machine) and are quoted with the run's noise band; ``torchturbo bench`` and the tuner measure
-properly.
+Training variants (bf16, channels_last) run as fresh ``bench.Trial`` s on the same fixed batches;
+each is timed against its reference in paired rounds and decided by the tuner's sequential rule
+(``tune.compare``, ``tune.decide``), capped at a few rounds: a diagnosis, not a tuning run. So a
+figure the doctor prints means what the tuner's would, and a gain that does not clear the noise
+reads "within noise", never "recommended". Conv→BatchNorm folding is timed the same way on the
+eval-mode forward it is valid for.
 """
 
 from __future__ import annotations
@@ -20,70 +21,87 @@ from torch.nn.utils.fusion import fuse_conv_bn_eval
 
 from torchturbo.bench import Trial
 from torchturbo.config import TurboConfig
-from torchturbo.measure.timing import measure_interleaved, noise_band
 from torchturbo.recipe import Recipe
+from torchturbo.tune.compare import compare
+from torchturbo.tune.decide import RatioEstimate, describe
 
-#: Timed steps per variant.
-REPEATS = 3
-#: A gain is reported as one only above this, or above the run's noise band if that is larger.
-MIN_GAIN = 0.05
-#: Above this noise band the figures are flagged: the machine was too busy to trust them.
-NOISY = 0.5
+#: Rounds per comparison: enough to decide a clear gain (3-5 rounds), few enough for a diagnosis.
+MAX_ROUNDS = 6
 
 
 @dataclass(frozen=True)
-class Speedups:
-    """Speed of each variant relative to the first (the user's config), from one interleaved run."""
+class Gain:
+    """A variant against its reference, as the tuner would judge it."""
 
-    ratios: dict[str, float]
-    #: The largest relative IQR among the variants (measure.timing.noise_band).
-    noise: float
-    repeats: int
-    #: What the figures describe when it differs from the config, e.g. "eager, without compile".
+    against: str
+    speed: RatioEstimate
+    #: What the figure describes when it differs from the config, e.g. "eager, without compile".
     note: str = ""
 
-    def beats(self, ratio: float) -> bool:
-        """Whether ``ratio`` is a gain beyond the noise of this run."""
-        return ratio > 1 + max(MIN_GAIN, self.noise)
+    @property
+    def faster(self) -> bool:
+        return self.speed.decision == "faster"
 
-    def describe(self, ratio: float) -> str:
-        notes = [f"noise ±{self.noise:.0%}", *([self.note] if self.note else [])]
-        if self.noise > NOISY:
-            notes.append("a busy machine: rerun when it is quiet")
-        return f"~{ratio:.2f}x measured over {self.repeats} steps ({', '.join(notes)})"
+    def describe(self) -> str:
+        note = f", {self.note}" if self.note else ""
+        return f"~{describe(self.speed)} against {self.against}{note}"
 
 
-def measure_configs(
-    recipe: Recipe, configs: Mapping[str, TurboConfig], batches: list[Any]
-) -> Speedups:
-    """Train each config on a fresh model, interleaved; ratios against the first config."""
+def measure_variants(
+    recipe: Recipe,
+    variants: Mapping[str, tuple[TurboConfig, str | None]],
+    batches: list[Any],
+    *,
+    note: str = "",
+) -> dict[str, Gain]:
+    """Train each variant on a fresh model and time it against its reference variant (the first
+    one has none): ``{name: (config, reference name)}`` -> ``{name: Gain}``."""
     trials: dict[str, Trial] = {}
     try:
-        for name, config in configs.items():
+        for name, (config, _) in variants.items():
             trials[name] = Trial(recipe, config, batches)
-        device = next(iter(trials.values())).turbo.device
-        timings = measure_interleaved(
-            {name: trial.step for name, trial in trials.items()},
-            device=device,
-            warmup=1,
-            repeats=REPEATS,
-            steps_per_repeat=1,
-        )
+            trials[name].step()  # the first step carries one-time costs: keep it out of timing
+        gains = {}
+        for name, (_, reference) in variants.items():
+            if reference is None:
+                continue
+            measured = compare(
+                trials[reference],
+                trials[name],
+                against=reference,
+                device=trials[name].turbo.device,
+                max_rounds=MAX_ROUNDS,
+                may_continue=lambda seconds: True,
+            )
+            gains[name] = Gain(reference, measured.comparison.speed, note)
+        return gains
     finally:
         for trial in trials.values():
             trial.close()
-    base = timings[next(iter(configs))].median
-    ratios = {name: base / timing.median for name, timing in timings.items()}
-    return Speedups(ratios, noise_band(timings), REPEATS)
 
 
-def fold_speedup(
+class _Forward:
+    """A plain callable as ``tune.compare`` sees a trial: the same input every call, one count."""
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self.step = fn
+        self.step_seconds: float | None = None
+        self.batches: list[Any] = []
+
+    def align_with(self, other: Any) -> None:
+        """Every call takes the same input: nothing to align."""
+
+    def recent_count(self, steps: int) -> float:
+        return float(steps)
+
+
+def fold_gain(
     model: nn.Module,
     loss_fn: Callable[[nn.Module, Any], Any],
     batch: Any,
     pairs: list[tuple[str, str]],
     device: torch.device,
-) -> Speedups | None:
+) -> Gain | None:
     """Eval-mode forward with each (conv, norm) pair folded into the conv, against unfolded.
 
     None when folding changes the loss beyond float32 rounding: then the pairs were not what
@@ -107,12 +125,12 @@ def fold_speedup(
     # Folding reorders float32 arithmetic: agreement to ~1e-4 relative is rounding, not error.
     if not torch.allclose(forward(reference)(), forward(folded)(), rtol=1e-3, atol=1e-4):
         return None
-    timings = measure_interleaved(
-        {"unfolded": forward(reference), "folded": forward(folded)},
+    measured = compare(
+        _Forward(forward(reference)),  # type: ignore[arg-type]
+        _Forward(forward(folded)),  # type: ignore[arg-type]
+        against="unfolded",
         device=device,
-        warmup=1,
-        repeats=REPEATS,
-        steps_per_repeat=1,
+        max_rounds=MAX_ROUNDS,
+        may_continue=lambda seconds: True,
     )
-    ratio = timings["unfolded"].median / timings["folded"].median
-    return Speedups({"unfolded": 1.0, "folded": ratio}, noise_band(timings), REPEATS)
+    return Gain("unfolded", measured.comparison.speed, "eval-mode forward")

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from torchturbo.doctor.diagnosis import CHECKLIST, Diagnosis
 from torchturbo.report import format_bytes
 
 _STATE_STYLES = {
     "recommended": "bold yellow",
+    "within noise": "yellow",
     "applied": "green",
     "ok": "green",
     "not applicable": "dim",
@@ -35,11 +37,26 @@ def render(diagnosis: Diagnosis, console: Console | None = None) -> None:
     recommended = [i.name for i in diagnosis.items if i.state == "recommended"]
     if recommended:
         console.print(f"[bold]recommended[/] {', '.join(recommended)}")
+    _print_levers(diagnosis, console)
     if diagnosis.trace_path is not None:
         console.print(
             f"[bold]trace[/] {diagnosis.trace_path} (open in https://ui.perfetto.dev or "
             "chrome://tracing)"
         )
+
+
+def _print_levers(diagnosis: Diagnosis, console: Console) -> None:
+    """The levers by expected gain: the order torchturbo tune measures them in, cost permitting."""
+    useful = [lever for lever in diagnosis.levers if lever.expected_gain is not None]
+    if useful:
+        console.print("[bold]levers by expected gain[/] (torchturbo tune measures them first):")
+    for rank, lever in enumerate(useful, 1):
+        console.print(
+            Text(f"  {rank}. {lever.name} ~{lever.expected_gain:.2f}x: {lever.evidence}")
+        )
+    for lever in diagnosis.levers:
+        if lever.expected_gain is None:
+            console.print(Text(f"  cannot help here: {lever.name}: {lever.evidence}"), style="dim")
 
 
 def _items_table(diagnosis: Diagnosis) -> Table:
