@@ -38,7 +38,7 @@ def tiny_recipe(**overrides) -> Recipe:
     return Recipe(**args)
 
 
-QUICK = TuneOptions(time_budget_s=60, device="cpu", max_rounds=6)
+QUICK = TuneOptions(time_budget_s=300, device="cpu", max_rounds=6)
 
 
 def _only(*names):
@@ -287,12 +287,13 @@ def _slowed(monkeypatch, max_norm: float, seconds: float) -> None:
 
 
 def test_an_adoption_the_confirmation_contradicts_is_dropped_and_the_baseline_kept(monkeypatch):
-    _slowed(monkeypatch, 123.0, 0.02)
+    _slowed(monkeypatch, 123.0, 0.015)  # ~4x slower: under the probe's 10x, so it is measured
     monkeypatch.setattr(candidate_module, "judge", lambda **_: Verdict(adopt=True, reason="forced"))
     stages = {
         "bad": lambda ctx: [Candidate("slow", ctx.best.replace(clipping__max_norm=123.0), 2.0)]
     }
-    config, result = tune(tiny_recipe(), QUICK, stages=stages)
+    options = dataclasses.replace(QUICK, max_rounds=10)
+    config, result = tune(tiny_recipe(), options, stages=stages)
     assert result.confirmation.state == "reverted" and result.confirmation.dropped == ("slow",)
     assert config.clipping.max_norm is None  # the written config is the baseline's
     assert result.adopted == ()

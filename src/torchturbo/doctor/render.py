@@ -51,9 +51,7 @@ def _print_levers(diagnosis: Diagnosis, console: Console) -> None:
     if useful:
         console.print("[bold]levers by expected gain[/] (torchturbo tune measures them first):")
     for rank, lever in enumerate(useful, 1):
-        console.print(
-            Text(f"  {rank}. {lever.name} ~{lever.expected_gain:.2f}x: {lever.evidence}")
-        )
+        console.print(Text(f"  {rank}. {lever.name} ~{lever.expected_gain:.2f}x: {lever.evidence}"))
     for lever in diagnosis.levers:
         if lever.expected_gain is None:
             console.print(Text(f"  cannot help here: {lever.name}: {lever.evidence}"), style="dim")

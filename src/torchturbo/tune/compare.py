@@ -99,6 +99,7 @@ def compare(
         throughput=statistics.median(r.candidate_count / r.candidate_s for r in rounds),
         reference_throughput=statistics.median(r.reference_count / r.reference_s for r in rounds),
         step_samples_ms=tuple(r.candidate_s * 1e3 for r in rounds),
+        ratios=tuple(r.ratio for r in rounds),
     )
     return Measured(comparison, cut_short)
 

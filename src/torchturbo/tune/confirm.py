@@ -21,7 +21,7 @@ from torchturbo.config import TurboConfig
 from torchturbo.distributed.consensus import agree
 from torchturbo.tune import batching
 from torchturbo.tune.compare import Measured, compare
-from torchturbo.tune.decide import MIN_ROUNDS, describe
+from torchturbo.tune.decide import MIN_ROUNDS, describe, estimate
 from torchturbo.tune.outcome import Confirmation
 from torchturbo.tune.state import NUM_BATCHES, PROBE_STEPS, REPORT_S, Incumbent, Run
 
@@ -32,24 +32,43 @@ def confirm(run: Run, baseline: Incumbent, best: Incumbent) -> tuple[Confirmatio
     """The confirmation and the config to keep (``best``, a reduced one, or the baseline)."""
     if best is baseline or not run.adoptions:
         return Confirmation(state="not needed", comparison=None), baseline
-    measured = _against_baseline(run, baseline, best.trial)
+    alone = _against_baseline(run, baseline, best.trial)
+    measured = _pooled(run, alone)
     speed = measured.comparison.speed
+    pooled = speed.rounds - alone.comparison.speed.rounds
     if speed.decision == "faster":
-        return Confirmation(state="confirmed", comparison=measured.comparison), best
+        note = f"pooled with the search's {pooled} rounds of the same comparison" if pooled else ""
+        return Confirmation(state="confirmed", comparison=measured.comparison, note=note), best
     searched = math.prod(
         a.outcome.comparison.speed.ratio
         for a in run.adoptions
         if a.outcome is not None and a.outcome.comparison is not None
     )
-    if speed.ratio >= 1 and speed.high >= searched:
+    if speed.high >= max(searched, 1.0):
         note = (
-            f"the search measured {searched:.2f}x; the confirmation agrees within its noise but "
+            f"the search measured {searched:.2f}x; the confirmation does not contradict it but "
             f"could not decide it in {speed.rounds} rounds on this machine: rerun when it is "
             "quieter, or with a larger budget, to confirm"
         )
         return Confirmation(state="consistent", comparison=measured.comparison, note=note), best
     best.trial.close()
     return _drop(run, baseline, measured)
+
+
+def _pooled(run: Run, measured: Measured) -> Measured:
+    """With one adoption, measured against the baseline itself, the confirmation times the same
+    two configs on the same batches again: its rounds and the search's are one sample, and
+    deciding on all of them beats deciding on the confirmation's few alone."""
+    adoption = run.adoptions[0].outcome if len(run.adoptions) == 1 else None
+    search = adoption.comparison if adoption is not None else None
+    if search is None or search.against != BASELINE or not search.ratios:
+        return measured
+    ratios = search.ratios + measured.comparison.ratios
+    speed = estimate(list(ratios), final=True)
+    return dataclasses.replace(
+        measured,
+        comparison=dataclasses.replace(measured.comparison, speed=speed, ratios=ratios),
+    )
 
 
 def _against_baseline(run: Run, baseline: Incumbent, trial: Trial) -> Measured:

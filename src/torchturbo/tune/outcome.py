@@ -38,6 +38,8 @@ class Comparison:
     reference_throughput: float
     #: The candidate's seconds per step in each round, in milliseconds.
     step_samples_ms: tuple[float, ...] = ()
+    #: Each round's throughput ratio: what ``speed`` was estimated from.
+    ratios: tuple[float, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -54,6 +56,7 @@ class Comparison:
             "throughput": self.throughput,
             "reference_throughput": self.reference_throughput,
             "step_samples_ms": list(self.step_samples_ms),
+            "ratios": list(self.ratios),
         }
 
 
@@ -126,6 +129,7 @@ def _empty_comparison() -> dict[str, Any]:
         "throughput": None,
         "reference_throughput": None,
         "step_samples_ms": [],
+        "ratios": [],
     }
 
 
@@ -149,6 +153,7 @@ def outcome_from_dict(row: dict[str, Any]) -> Outcome:
             throughput=row["throughput"],
             reference_throughput=row["reference_throughput"],
             step_samples_ms=tuple(row.get("step_samples_ms") or ()),
+            ratios=tuple(row.get("ratios") or ()),
         )
     parity = row.get("parity")
     return Outcome(
