@@ -207,7 +207,6 @@ def test_the_budget_is_kept_on_an_injected_clock():
     begin = clock()
     _, result = tune(tiny_recipe(), options, stages=_only("precision", "compile"), clock=clock)
     assert clock() - begin <= 1.1 * options.time_budget_s
-    assert result.elapsed_s <= options.time_budget_s
     assert _rows(result)["compile:default"].verdict == "not measured"
 
 

@@ -4,18 +4,17 @@ The cost is estimated from the step times measured so far (``budget``); a candid
 fit in what is left once the confirmation and the report are held back is not measured and says
 what it needed. Otherwise it is built from the recipe's initial weights, stepped a few times (its
 first step carries its one-time costs; a compile also steps once through every batch shape, since
-each new shape recompiles), probed for a gross slowdown, and timed against the best in paired
-rounds until the ratio is decided (``compare``). ``decide.judge`` gives the verdict.
+each new shape recompiles), warmed up, and timed against the best in paired rounds until the
+ratio is decided (``compare``). ``decide.judge`` gives the verdict.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import statistics
 from dataclasses import dataclass
 
-from torchturbo.bench import Trial, start_trial
+from torchturbo.bench import start_trial
 from torchturbo.distributed.consensus import agree, any_rank
 from torchturbo.facts import shape_key
 from torchturbo.measure.timing import time_once
@@ -28,9 +27,8 @@ from torchturbo.tune.stages import Candidate
 from torchturbo.tune.state import (
     NUM_BATCHES,
     PARITY_STEPS,
-    PROBE_STEPS,
     REPORT_S,
-    SLOW_FACTOR,
+    WARM_STEPS,
     Incumbent,
     Run,
 )
@@ -52,7 +50,7 @@ def estimate(run: Run, candidate: Candidate, best: Incumbent) -> Estimate:
     compiles = candidate.config.compile.mode != best.config.compile.mode
     compile_s = compile_seconds(run.facts) if compiles else 0.0
     per_round = steps_per_round(min(step, best_step))
-    fixed = run.build_s + compile_s + (1 + PROBE_STEPS) * step + step  # + the memory probe
+    fixed = run.build_s + compile_s + (1 + WARM_STEPS) * step + step  # + the memory probe
     if compiles:
         fixed += (NUM_BATCHES - 1) * step  # one pass over every batch shape: recompiles
     return Estimate(
@@ -119,19 +117,8 @@ def try_candidate(
         if cost.compile_s:  # every batch shape once: recompiling is a one-time cost too
             for _ in range(len({shape_key(b) for b in batches}) - 1):
                 warm += time_once(trial.step, run.device, run.clock)
-        seconds = [time_once(trial.step, run.device, run.clock) for _ in range(PROBE_STEPS)]
+        seconds = [time_once(trial.step, run.device, run.clock) for _ in range(WARM_STEPS)]
         trial.step_seconds = min(seconds)
-        slowdown = agree(_slowdown(trial, seconds, best))
-        if slowdown > SLOW_FACTOR:
-            trial.close()
-            reason = (
-                f"not faster: at its fastest of {PROBE_STEPS} steps it processed "
-                f"{1 / slowdown:.2f}x the {run.recipe.count_unit} per second of the current best, "
-                "so it was not measured further"
-            )
-            return not_measured(
-                stage, candidate, reason, verdict="rejected", estimate_s=cost.min_s
-            ), None
         held_back = reserve(run, trial.step_seconds)
         measured = compare(
             best.trial,
@@ -171,15 +158,6 @@ def try_candidate(
     return outcome, Incumbent(
         candidate.name, candidate.config, trial, memory_bytes, candidate, outcome
     )
-
-
-def _slowdown(trial: Trial, seconds: list[float], best: Incumbent) -> float:
-    """How many times lower the candidate's best probe throughput is than the best's typical."""
-    counts = [float(c) for c in trial.counts[-len(seconds) :]]
-    fastest = max(count / s for count, s in zip(counts, seconds, strict=True))
-    best_counts = [float(c) for c in best.trial.counts]
-    best_rate = statistics.fmean(best_counts) / (best.trial.step_seconds or math.inf)
-    return best_rate / fastest if fastest > 0 else math.inf
 
 
 def _judged(

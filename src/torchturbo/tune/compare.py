@@ -28,6 +28,9 @@ from torchturbo.tune.outcome import Comparison
 #: stay small next to it; fast steps are therefore timed several to a block.
 MIN_BLOCK_S = 0.05
 MAX_STEPS_PER_ROUND = 8
+#: A candidate this many times slower in its first two paired rounds is not measured further
+#: (fp16 on a CPU without fp16 units ran ~50x slower); paired, so a busy spell cannot fake it.
+HOPELESS_SLOWDOWN = 5.0
 
 
 def steps_per_round(step_s: float) -> int:
@@ -66,7 +69,10 @@ def compare(
 
     def stop(rounds: list[Round]) -> bool:
         nonlocal cut_short
-        decided = estimate([r.ratio for r in rounds]).decision != "undecided"
+        ratios = [r.ratio for r in rounds]
+        # Two rounds both this much slower decide it: a third would only cost their time.
+        hopeless = len(ratios) >= 2 and max(ratios) < 1 / HOPELESS_SLOWDOWN
+        decided = hopeless or estimate(ratios).decision != "undecided"
         # The slowest of the last rounds, with a margin: a busy machine's rounds vary, and a
         # round that overruns cannot be stopped half-way.
         next_s = 1.5 * per_round * max(r.reference_s + r.candidate_s for r in rounds[-3:])

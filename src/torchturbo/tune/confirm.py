@@ -23,7 +23,7 @@ from torchturbo.tune import batching
 from torchturbo.tune.compare import Measured, compare
 from torchturbo.tune.decide import MIN_ROUNDS, describe, estimate
 from torchturbo.tune.outcome import Confirmation
-from torchturbo.tune.state import NUM_BATCHES, PROBE_STEPS, REPORT_S, Incumbent, Run
+from torchturbo.tune.state import NUM_BATCHES, REPORT_S, WARM_STEPS, Incumbent, Run
 
 BASELINE = "fp32 eager"
 
@@ -44,7 +44,7 @@ def confirm(run: Run, baseline: Incumbent, best: Incumbent) -> tuple[Confirmatio
         for a in run.adoptions
         if a.outcome is not None and a.outcome.comparison is not None
     )
-    if speed.high >= max(searched, 1.0):
+    if speed.plausible_high >= max(searched, 1.0):
         note = (
             f"the search measured {searched:.2f}x; the confirmation does not contradict it but "
             f"could not decide it in {speed.rounds} rounds on this machine: rerun when it is "
@@ -182,6 +182,6 @@ def _start(
     config = baseline.config.replace(**changes)
     batches = batching.batches_for(run.recipe, batchings, baseline.trial.batches, NUM_BATCHES)
     trial, _ = start_trial(run.recipe, config, batches, run.clock)
-    for _ in range(PROBE_STEPS):
+    for _ in range(WARM_STEPS):
         trial.step()
     return Incumbent(name, config, trial, None)

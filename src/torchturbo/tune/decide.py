@@ -77,6 +77,9 @@ class RatioEstimate:
     high: float
     rounds: int
     decision: Decision
+    #: The one-sided upper bound at ``FUTILITY_CONFIDENCE``: above this the ratio is unlikely.
+    #: A confirmation whose plausible best is below the searched gain contradicts the search.
+    plausible_high: float = math.inf
 
     @property
     def noise(self) -> float:
@@ -110,6 +113,7 @@ def estimate(ratios: Sequence[float], *, final: bool = False) -> RatioEstimate:
         high=_exp(centre + width),
         rounds=n,
         decision=decision,
+        plausible_high=_exp(futile_high),
     )
 
 

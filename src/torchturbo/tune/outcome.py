@@ -47,6 +47,7 @@ class Comparison:
             "ratio": self.speed.ratio,
             "ratio_low": self.speed.low,
             "ratio_high": self.speed.high,
+            "ratio_plausible_high": self.speed.plausible_high,
             "noise": self.speed.noise,
             "rounds": self.speed.rounds,
             "decision": self.speed.decision,
@@ -120,6 +121,7 @@ def _empty_comparison() -> dict[str, Any]:
         "ratio": None,
         "ratio_low": None,
         "ratio_high": None,
+        "ratio_plausible_high": None,
         "noise": None,
         "rounds": None,
         "decision": None,
@@ -143,6 +145,7 @@ def outcome_from_dict(row: dict[str, Any]) -> Outcome:
             high=row["ratio_high"],
             rounds=row["rounds"],
             decision=row["decision"],
+            plausible_high=row.get("ratio_plausible_high") or row["ratio_high"],
         )
         comparison = Comparison(
             against=row["against"],

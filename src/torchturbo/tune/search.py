@@ -58,8 +58,8 @@ from torchturbo.tune.stages import STAGES, Candidate, StageContext
 from torchturbo.tune.state import (
     NUM_BATCHES,
     PARITY_STEPS,
-    PROBE_STEPS,
     REPORT_S,
+    WARM_STEPS,
     Incumbent,
     Run,
     Stage,
@@ -186,7 +186,7 @@ def _replay(run: Run, reuse: Previous | None, baseline: Incumbent) -> Incumbent:
     chain = [o.batching for o in reuse.adopted]
     batches = batching.batches_for(run.recipe, chain, baseline.trial.batches, NUM_BATCHES)
     trial, _ = start_trial(run.recipe, config, batches, run.clock)
-    for _ in range(PROBE_STEPS):
+    for _ in range(WARM_STEPS):
         trial.step()
     trial.step_seconds = agree(min(time_once(trial.step, run.device, run.clock) for _ in range(2)))
     for outcome in reuse.adopted:

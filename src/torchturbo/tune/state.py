@@ -25,13 +25,9 @@ Stage = Callable[[StageContext], "list[Candidate] | str"]
 PARITY_STEPS = 6
 #: Distinct batches every trial cycles through.
 NUM_BATCHES = 8
-#: A candidate this many times slower than the best in its first steps is rejected at once,
-#: before any paired round: measuring it would only eat the budget. Generous, because single
-#: steps on a busy machine swing 3-5x; precisions without native units are decided earlier.
-SLOW_FACTOR = 10.0
-#: Steps timed one by one right after a candidate's first step (the fastest counts: robust to a
-#: stray slow step): the speed probe, and the warm-up of its paired rounds.
-PROBE_STEPS = 3
+#: Untimed steps after a trial's first one, before its paired rounds: the first step carries
+#: the one-time costs, and allocator and cache warm-up settle in the next.
+WARM_STEPS = 1
 MAX_ROUNDS = 15
 #: Seconds held back for writing the report (JSON, three PNG plots, markdown, HTML).
 REPORT_S = 5.0
