@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from torchturbo.cli import main, parse_duration, parse_size
+from torchturbo.cli import main
 from torchturbo.config import TurboConfig
 
 TINY = str(Path(__file__).parent / "recipes" / "tiny.py") + ":recipe"
@@ -129,23 +129,3 @@ def test_debug_shows_the_traceback():
         timeout=120,
     )
     assert result.returncode != 0 and "Traceback" in result.stderr
-
-
-@pytest.mark.parametrize(
-    ("text", "seconds"), [("90s", 90), ("5m", 300), ("1.5h", 5400), ("42", 42)]
-)
-def test_durations(text, seconds):
-    assert parse_duration(text) == seconds
-
-
-@pytest.mark.parametrize(
-    ("text", "size"), [("20GiB", 20 * 2**30), ("512MB", 512 * 10**6), ("1024", 1024)]
-)
-def test_sizes(text, size):
-    assert parse_size(text) == size
-
-
-@pytest.mark.parametrize("text", ["fast", "-1m", "0"])
-def test_bad_durations_are_refused(text):
-    with pytest.raises(Exception, match="duration"):
-        parse_duration(text)

@@ -14,6 +14,8 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from torchturbo.units import parse_duration, parse_size
+
 EXIT_USAGE = 2
 
 
@@ -179,49 +181,6 @@ def _parser() -> argparse.ArgumentParser:
     )
     train.set_defaults(run=_run_train)
     return parser
-
-
-_DURATION_UNITS = {"s": 1, "m": 60, "h": 3600}
-_SIZE_UNITS = {
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
-
-
-def parse_duration(text: str) -> float:
-    """'90s', '5m', '1.5h' or plain seconds, as seconds."""
-    unit = text[-1:].lower()
-    number = text[:-1] if unit in _DURATION_UNITS else text
-    try:
-        seconds = float(number) * _DURATION_UNITS.get(unit, 1)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a duration: use e.g. 90s, 5m or 1h"
-        ) from None
-    if seconds <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: the duration must be positive")
-    return seconds
-
-
-def parse_size(text: str) -> int:
-    """'20GiB', '512MB', '1e9' (bytes) as bytes."""
-    stripped = text.strip().lower()
-    unit = next((u for u in sorted(_SIZE_UNITS, key=len, reverse=True) if stripped.endswith(u)), "")
-    try:
-        size = int(float(stripped[: len(stripped) - len(unit)]) * _SIZE_UNITS.get(unit, 1))
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a size: use e.g. 20GiB, 512MiB or a number of bytes"
-        ) from None
-    if size <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: the size must be positive")
-    return size
 
 
 def _add_target_arguments(parser: argparse.ArgumentParser) -> None:
