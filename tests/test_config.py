@@ -2,18 +2,33 @@
 
 from __future__ import annotations
 
+import dataclasses
+import os
+from pathlib import Path
+
 import pytest
+import tomli_w
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from torchturbo.config import (
+    _SECTIONS,
     CheckpointConfig,
     ConfigError,
     DataConfig,
+    Environment,
     PrecisionConfig,
     TurboConfig,
+    check_environment,
 )
 
 INVALID = [
     ('device = "tpu"', "device = 'tpu'"),
+    ('device = "cuda:banana"', "device = 'cuda:banana' is invalid"),
+    ('device = "cuda:128"', "with N from 0 to 127"),  # torch's int8 index: cuda:-128
+    ('device = "cuda:01"', "device = 'cuda:01'"),
+    ('device = "CUDA"', "device = 'CUDA'"),
+    ("device = 3", "device = 3 is invalid"),
     ('[precision]\ndtype = "fp8"', "'fp32', 'tf32', 'bf16', 'fp16'"),
     ('[precision]\ndtype = "fp16"\ngrad_scaler = false', "underflow"),
     ('[precision]\ndtype = "bf16"\ngrad_scaler = true', "only fp16 needs a GradScaler"),
@@ -28,8 +43,23 @@ INVALID = [
     ('[checkpointing]\nmode = "selective"\nmodule_types = [1]', "module_types"),
     ('[accumulation]\nsteps = "4"', "steps = '4' is invalid: expected int"),
     ("[accumulation]\nsteps = 0", "steps = 0"),
+    ("[accumulation]\nsteps = 99999999999999999999", "<= 2**63 - 1 (torch's int64)"),
+    ("[accumulation]\nsteps = 4.0", "steps = 4.0 is invalid: expected int"),
+    ("[accumulation]\nsteps = true", "steps = True is invalid: expected int"),
     ("[clipping]\nmax_norm = -1.0", "max_norm = -1.0"),
+    ("[clipping]\nmax_norm = nan", "max_norm = nan is invalid: expected a finite number > 0"),
+    ("[clipping]\nmax_norm = inf", "max_norm = inf is invalid: expected a finite number > 0"),
+    (
+        "[clipping]\nnorm_type = -3.0",
+        "norm_type = -3.0 is invalid: expected a finite number >= 1, or inf",
+    ),
+    ("[clipping]\nnorm_type = 0.5", "norm_type = 0.5"),
+    ("[clipping]\nnorm_type = nan", "norm_type = nan"),
+    ("[clipping]\nnorm_type = -inf", "norm_type = -inf"),
     ("[data]\nnum_workers = -1", "num_workers = -1"),
+    ("[data]\nnum_workers = 100000", "<= 1024 (each worker is a process)"),
+    ("[data]\npad_to_multiple = 1000000", "pad_to_multiple = 1000000"),
+    ("[data]\nbucketing = true\nmax_tokens = 64\npad_to_multiple = 128", "would not fit"),
     ("[data]\npersistent_workers = true", "needs num_workers > 0"),
     ("[data]\nprefetch_factor = 2", "needs num_workers > 0"),
     ("[data]\nnum_workers = 2\nprefetch_factor = 0", "prefetch_factor = 0"),
@@ -38,6 +68,7 @@ INVALID = [
     ("[data]\npad_to_multiple = 0", "pad_to_multiple = 0"),
     ("[reliability]\nkeep_last = 0", "keep_last = 0"),
     ("[reliability]\nmemory_budget_bytes = 0", "memory_budget_bytes = 0"),
+    ("[reliability]\nmemory_budget_bytes = 1e9", "expected int or nothing"),
     ("[reliability]\nnonfinite_patience = -1", "nonfinite_patience = -1"),
     ('[reliability]\nauto_microbatch = "yes"', "auto_microbatch"),
     ('[distributed]\nstrategy = "zero"', "'ddp', 'fsdp'"),
@@ -45,6 +76,9 @@ INVALID = [
     ("[distributed]\npowersgd_rank = 0", "powersgd_rank = 0"),
     ("[distributed]\npowersgd_warmup = 1", "powersgd_warmup = 1"),
     ("[distributed]\nbucket_cap_mb = 0", "bucket_cap_mb = 0"),
+    ("[distributed]\nbucket_cap_mb = nan", "bucket_cap_mb = nan"),
+    ("[distributed]\nbucket_cap_mb = inf", "bucket_cap_mb = inf"),
+    ("[distributed]\nbucket_cap_mb = 1e300", "<= 1048576"),
     ('[distributed]\nstrategy = "fsdp"\ncomm_hook = "fp16"', "does not apply"),
     ("[distributed]\npipeline_microbatches = 0", "pipeline_microbatches = 0"),
     ("[precision]\ncolour = 1", "unknown key(s) ['colour']"),
@@ -123,3 +157,196 @@ def test_replace_validates_the_fields_of_a_section_together():
     assert config.checkpointing == CheckpointConfig(mode="selective", every_n=2)
     with pytest.raises(ConfigError, match="needs module_types"):
         TurboConfig().replace(checkpointing__mode="selective")
+
+
+def test_every_problem_of_a_file_is_reported_at_once(tmp_path):
+    path = tmp_path / "turbo.toml"
+    path.write_text(
+        'device = "cuda:banana"\n[precision]\ndtype = "fp8"\n[clipping]\nmax_norm = nan\n'
+        "[data]\nnum_workers = 0\npersistent_workers = true\n[colours]\nx = 1\n"
+    )
+    with pytest.raises(ConfigError) as caught:
+        TurboConfig.load(path)
+    message = str(caught.value)
+    assert message.startswith(f"{path}: 5 problems: ") and "\n" not in message
+    for part in ("'cuda:banana'", "'fp8'", "max_norm = nan", "persistent_workers", "'colours'"):
+        assert part in message
+    assert len(caught.value.problems) == 5
+
+
+def test_a_section_with_a_wrong_type_skips_its_combination_checks():
+    """persistent_workers needs num_workers > 0, but num_workers = "2" is the problem to fix."""
+    with pytest.raises(ConfigError) as caught:
+        TurboConfig.from_toml('[data]\nnum_workers = "2"\npersistent_workers = true')
+    assert caught.value.problems == ("[data] num_workers = '2' is invalid: expected int",)
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda tmp: tmp, "is a directory, not a file"),
+        (lambda tmp: Path("/dev/null"), "is a character device, not a file"),
+        (lambda tmp: tmp / "missing.toml", "does not exist"),
+        (lambda tmp: _write(tmp / "x.toml", b"\x00\xd0\xcf\x11\xe0binary"), "is not UTF-8 text"),
+        (lambda tmp: _write(tmp / "x.toml", b"#" * (2 << 20)), "bytes, not a config file"),
+    ],
+)
+def test_a_path_that_is_not_a_config_file_is_named_and_said_what_it_is(tmp_path, make, message):
+    path = make(tmp_path)
+    with pytest.raises(ConfigError, match=message) as caught:
+        TurboConfig.load(path)
+    assert repr(str(path)) in str(caught.value)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads files whatever their mode")
+def test_an_unreadable_config_file_is_named(tmp_path):
+    path = _write(tmp_path / "x.toml", b"[precision]\n")
+    path.chmod(0)
+    with pytest.raises(ConfigError, match=r"cannot read config file .*x\.toml.*Permission denied"):
+        TurboConfig.load(path)
+
+
+def _write(path: Path, data: bytes) -> Path:
+    path.write_bytes(data)
+    return path
+
+
+def test_deep_nesting_is_a_config_error_not_a_recursion_error():
+    with pytest.raises(ConfigError, match="too deeply"):
+        TurboConfig.from_toml("x = " + "[" * 5000 + "]" * 5000)
+    nested: dict = {}
+    for _ in range(10_000):
+        nested = {"a": nested}
+    with pytest.raises(ConfigError, match=r"\[precision\] dtype = \{'a': \{'a': \{\.\.\.\}\}\}"):
+        TurboConfig.from_dict({"precision": {"dtype": nested}})
+
+
+# --- checks against the machine and the launch ------------------------------------------------
+
+CPU_ONLY = Environment(cuda_devices=0, processes=1, cpu_fp16=False)
+
+
+@pytest.mark.parametrize(
+    ("config", "env", "errors", "warnings"),
+    [
+        (TurboConfig(), CPU_ONLY, [], []),  # negative control: the defaults pass anywhere
+        (TurboConfig(device="cuda"), CPU_ONLY, ["needs CUDA"], []),
+        (
+            TurboConfig(device="cuda:3"),
+            Environment(cuda_devices=2, processes=1, cpu_fp16=False),
+            ["cuda:0 to cuda:1"],
+            [],
+        ),
+        (
+            TurboConfig(device="cuda:1"),
+            Environment(cuda_devices=2, processes=1, cpu_fp16=False),
+            [],
+            [],
+        ),
+        (TurboConfig().replace(precision__dtype="fp16"), CPU_ONLY, [], ["runs emulated"]),
+        (
+            TurboConfig().replace(precision__dtype="fp16"),
+            Environment(cuda_devices=0, processes=1, cpu_fp16=True),
+            [],
+            [],
+        ),
+        (
+            TurboConfig(device="cuda").replace(precision__dtype="fp16"),
+            Environment(cuda_devices=1, processes=1, cpu_fp16=False),
+            [],
+            [],
+        ),
+        (
+            TurboConfig().replace(compile__mode="reduce-overhead", checkpointing__mode="full"),
+            CPU_ONLY,
+            ["refused by torch.compile"],
+            [],
+        ),
+        (
+            TurboConfig().replace(distributed__strategy="fsdp"),
+            CPU_ONLY,
+            [],
+            ["[distributed] strategy take(s) effect only under torchrun"],
+        ),
+        (
+            TurboConfig().replace(distributed__strategy="fsdp"),
+            Environment(cuda_devices=0, processes=2, cpu_fp16=False),
+            [],
+            [],
+        ),
+    ],
+)
+def test_checks_against_the_environment(config, env, errors, warnings):
+    found_errors, found_warnings = check_environment(config, env)
+    assert len(found_errors) == len(errors) and len(found_warnings) == len(warnings)
+    for expected, found in zip(errors + warnings, found_errors + found_warnings, strict=True):
+        assert expected in found
+
+
+def test_a_contradictory_config_reports_all_three_problems():
+    config = TurboConfig().replace(
+        precision__dtype="fp16",
+        compile__mode="reduce-overhead",
+        checkpointing__mode="full",
+        distributed__strategy="fsdp",
+    )
+    errors, warnings = check_environment(config, CPU_ONLY)
+    assert len(errors) == 1 and len(warnings) == 2
+
+
+# --- property: any dict or TOML text is a valid config or a ConfigError -----------------------
+
+_NAMES = {name: [f.name for f in dataclasses.fields(t)] for name, t in _SECTIONS.items()}
+_scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(),
+    st.integers(-(2**80), 2**80),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=12),
+    st.sampled_from(["fp16", "bf16", "full", "selective", "fsdp", "powersgd", "cuda:0", "cpu"]),
+)
+_values = st.recursive(
+    _scalars,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner),
+    max_leaves=12,
+)
+_sections = st.one_of(
+    *(
+        st.dictionaries(st.sampled_from(fields) | st.text(max_size=8), _values, max_size=4)
+        for fields in _NAMES.values()
+    )
+)
+_configs = st.dictionaries(
+    st.sampled_from(["device", *_NAMES]) | st.text(max_size=8), _sections | _values, max_size=5
+)
+
+
+def _toml_or_text(data: dict) -> str:
+    """``data`` as TOML, or as its repr where TOML cannot hold it (None, mixed arrays)."""
+    try:
+        return tomli_w.dumps(data)
+    except (TypeError, ValueError):
+        return repr(data)
+
+
+@settings(max_examples=150, deadline=None, database=None)
+@given(_configs)
+def test_any_dict_is_a_valid_config_or_a_config_error(data):
+    try:
+        config = TurboConfig.from_dict(data)
+    except ConfigError as err:
+        assert err.problems and "\n" not in str(err)
+    else:
+        assert TurboConfig.from_toml(config.to_toml()) == config
+
+
+@settings(max_examples=100, deadline=None, database=None)
+@given(st.one_of(st.text(max_size=200), _configs.map(_toml_or_text)))
+def test_any_toml_text_is_a_valid_config_or_a_config_error(text):
+    try:
+        config = TurboConfig.from_toml(text)
+    except ConfigError as err:
+        assert err.problems
+    else:
+        assert TurboConfig.from_toml(config.to_toml()) == config

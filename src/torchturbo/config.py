@@ -1,14 +1,23 @@
 """TurboConfig: every knob torchturbo turns, one frozen section per concern, with TOML I/O.
 
 Each section validates itself in ``__post_init__`` and raises :class:`ConfigError` naming the
-field, the bad value and what is allowed. Field types are checked from the annotations, so a TOML
-file with ``steps = "4"`` fails with a message, not deep inside the engine.
+field, the bad value and what is allowed, for every bad field at once. Field types are checked
+from the annotations, so a TOML file with ``steps = "4"`` fails with a message, not deep inside
+the engine; numbers are checked against the range declared beside the field (``_between``):
+never NaN, never infinite unless the field says so, never beyond what the code can use.
+Checks that depend on the machine or the launch (fp16 on a CPU, a CUDA index, one process with
+a ``[distributed]`` section) are :func:`check_environment`'s, run when a command loads a config.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
+import os
+import re
+import reprlib
+import stat
 import sys
 import types
 import typing
@@ -25,7 +34,17 @@ else:  # pragma: no cover - exercised only on Python 3.10
 
 
 class ConfigError(ValueError):
-    """An invalid configuration value; the message names the field and the allowed values."""
+    """Invalid configuration values; the message names each field, its value and what is allowed.
+
+    ``problems`` holds one sentence per problem: a file with several is reported whole, in one
+    line, rather than one problem per run.
+    """
+
+    def __init__(self, *problems: str, where: str = "") -> None:
+        self.problems = problems
+        self.where = where
+        count = f"{len(problems)} problems: " if len(problems) > 1 else ""
+        super().__init__(f"{where}: " * bool(where) + count + "; ".join(problems))
 
 
 Precision = Literal["fp32", "tf32", "bf16", "fp16"]
@@ -38,18 +57,99 @@ CommHookName = Literal["none", "fp16", "bf16", "powersgd", "powersgd_fp16", "pow
 ParamDtype = Literal["fp32", "bf16", "fp16"]
 PipelineSchedule = Literal["gpipe", "1f1b"]
 
+#: Every int field fits torch's int64 (counters and sizes become int64 tensors and C++ ints).
+INT64_MAX = 2**63 - 1
+#: torch's device index is an int8: "cuda:128" silently becomes cuda:-128.
+MAX_CUDA_INDEX = 127
+_DEVICE = re.compile(r"auto|cpu|cuda(?::(?P<index>0|[1-9][0-9]{0,2}))?")
+#: A config file is a few hundred bytes; a larger one is the wrong file.
+MAX_FILE_BYTES = 1 << 20
 
-def _check_types(section: Any) -> None:
-    """Check every field of a section against its annotation (Literal, bool, int, float, ...)."""
+
+def _quote(value: Any) -> str:
+    """``repr(value)`` cut short: a TOML value may be a huge or deeply nested table."""
+    short = reprlib.Repr()  # keyword arguments only from Python 3.12
+    short.maxlevel, short.maxstring, short.maxother = 2, 40, 40
+    short.maxlist = short.maxtuple = short.maxdict = 4
+    return short.repr(value)
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """The range a numeric field allows; ``why`` explains an upper limit in the error.
+
+    Int fields are also capped at :data:`INT64_MAX`; floats must be finite unless
+    ``inf_allowed``.
+    """
+
+    low: float
+    high: float = math.inf
+    low_exclusive: bool = False
+    #: +inf is a meaningful value (clipping's norm_type: the max-norm).
+    inf_allowed: bool = False
+    why: str = ""
+    #: What leaving the key out means, for fields that may be None ("no clipping").
+    absent: str = ""
+
+    def problem(self, value: float, *, integer: bool) -> str | None:
+        """What is wrong with ``value`` (of an int field when ``integer``), or None."""
+        if value == math.inf and self.inf_allowed:
+            return None
+        high = min(self.high, INT64_MAX) if integer else self.high
+        too_low = value <= self.low if self.low_exclusive else value < self.low
+        if not math.isfinite(value) or too_low or value > high:
+            return f"expected {self._allowed(integer, above=value > high)}"
+        return None
+
+    def _allowed(self, integer: bool, *, above: bool) -> str:
+        kind = "an int" if integer else "a finite number"
+        allowed = f"{kind} {'>' if self.low_exclusive else '>='} {self.low}"
+        if self.inf_allowed:
+            allowed += ", or inf"
+        elif self.high < math.inf:
+            allowed += f" and <= {self.high}" + f" ({self.why})" * bool(self.why)
+        elif integer and above:  # the int64 cap is news only to a value beyond it
+            allowed += " and <= 2**63 - 1 (torch's int64)"
+        return allowed + f", or no key for {self.absent}" * bool(self.absent)
+
+
+def _between(default: Any, low: float, **bounds: Any) -> Any:
+    """A dataclass field whose numeric value must lie within :class:`Bounds` ``(low, **bounds)``."""
+    return field(default=default, metadata={"bounds": Bounds(low, **bounds)})
+
+
+def _validate(section: Any, *combinations: typing.Callable[[], list[str]]) -> None:
+    """Raise one :class:`ConfigError` for every bad field of ``section``.
+
+    ``combinations`` check how fields go together; they run only once every field has the
+    right type and range, so that they compare well-formed values.
+    """
+    problems = _field_problems(section)
+    if not problems:
+        problems = [problem for check in combinations for problem in check()]
+    if problems:
+        raise ConfigError(*problems)
+
+
+def _field_problems(section: Any) -> list[str]:
+    """Type and range problems of every field, from the annotations and ``_between`` bounds."""
     hints = typing.get_type_hints(type(section))
+    problems = []
     for f in dataclasses.fields(section):
         value = getattr(section, f.name)
         expected = hints[f.name]
+        bounds = f.metadata.get("bounds")
         if not _matches(value, expected):
-            raise ConfigError(
-                f"[{section.SECTION}] {f.name} = {value!r} is invalid: "
-                f"expected {_describe(expected)}"
-            )
+            wrong = f"expected {_describe(expected)}"
+        elif bounds is not None and isinstance(value, (int, float)):
+            wrong = bounds.problem(value, integer=not _matches(0.5, expected))
+        elif isinstance(value, float) and not math.isfinite(value):
+            wrong = "expected a finite number"
+        else:
+            wrong = None
+        if wrong:
+            problems.append(f"[{section.SECTION}] {f.name} = {_quote(value)} is invalid: {wrong}")
+    return problems
 
 
 def _matches(value: Any, expected: Any) -> bool:
@@ -95,17 +195,20 @@ class PrecisionConfig:
     grad_scaler: bool | None = None
 
     def __post_init__(self) -> None:
-        _check_types(self)
+        _validate(self, self._combinations)
+
+    def _combinations(self) -> list[str]:
         if self.dtype == "fp16" and self.grad_scaler is False:
-            raise ConfigError(
+            return [
                 "[precision] dtype = 'fp16' with grad_scaler = false is invalid: fp16 gradients "
                 "underflow without loss scaling; remove grad_scaler or use dtype = 'bf16'"
-            )
+            ]
         if self.dtype != "fp16" and self.grad_scaler:
-            raise ConfigError(
+            return [
                 f"[precision] grad_scaler = true with dtype = {self.dtype!r} is invalid: only fp16 "
                 "needs a GradScaler (bf16 has fp32's exponent range); remove grad_scaler"
-            )
+            ]
+        return []
 
     @property
     def uses_scaler(self) -> bool:
@@ -122,7 +225,7 @@ class MemoryFormatConfig:
     channels_last: bool = False
 
     def __post_init__(self) -> None:
-        _check_types(self)
+        _validate(self)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -134,7 +237,7 @@ class BackendConfig:
     cudnn_benchmark: bool = False
 
     def __post_init__(self) -> None:
-        _check_types(self)
+        _validate(self)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -150,7 +253,7 @@ class CompileConfig:
     dynamic: bool | None = None
 
     def __post_init__(self) -> None:
-        _check_types(self)
+        _validate(self)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -166,25 +269,24 @@ class CheckpointConfig:
     #: fnmatch pattern on qualified module names, e.g. "encoder.layers.*" (selective only).
     name_pattern: str = ""
     #: Checkpoint every n-th of the chosen blocks (1 = all of them).
-    every_n: int = 1
+    every_n: int = _between(1, 1)
 
     def __post_init__(self) -> None:
-        _check_types(self)
-        if self.every_n < 1:
-            raise ConfigError(
-                f"[checkpointing] every_n = {self.every_n} is invalid: expected an int >= 1"
-            )
+        _validate(self, self._combinations)
+
+    def _combinations(self) -> list[str]:
         chooses_nothing = not (self.module_types or self.name_pattern) and self.every_n == 1
         if self.mode == "selective" and chooses_nothing:
-            raise ConfigError(
+            return [
                 "[checkpointing] mode = 'selective' needs module_types, name_pattern or "
                 "every_n > 1 to choose blocks; use mode = 'full' to checkpoint all blocks"
-            )
+            ]
         if self.mode != "selective" and (self.module_types or self.name_pattern):
-            raise ConfigError(
+            return [
                 f"[checkpointing] module_types/name_pattern are only used with mode = "
                 f"'selective', but mode = {self.mode!r}"
-            )
+            ]
+        return []
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -194,12 +296,12 @@ class AccumulationConfig:
     SECTION: typing.ClassVar[str] = "accumulation"
     #: Micro-batches per optimizer step. Gradients are normalized by the total sample or token
     #: count of the window, so micro-batches of different sizes give the full-batch gradient.
-    steps: int = 1
+    #: A window also closes at the end of an epoch: ``torchturbo train`` refuses more steps than
+    #: an epoch has batches, which would make every window the epoch.
+    steps: int = _between(1, 1)
 
     def __post_init__(self) -> None:
-        _check_types(self)
-        if self.steps < 1:
-            raise ConfigError(f"[accumulation] steps = {self.steps} is invalid: expected >= 1")
+        _validate(self)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -207,18 +309,13 @@ class ClippingConfig:
     """Gradient norm clipping (applied to unscaled gradients)."""
 
     SECTION: typing.ClassVar[str] = "clipping"
-    #: Clip the total gradient norm to this value; None = no clipping.
-    max_norm: float | None = None
-    #: The p of the p-norm.
-    norm_type: float = 2.0
+    #: Clip the total gradient norm to this value; None (no key) = no clipping.
+    max_norm: float | None = _between(None, 0, low_exclusive=True, absent="no clipping")
+    #: The p of the p-norm: p >= 1 (a norm), or inf for the largest absolute value.
+    norm_type: float = _between(2.0, 1, inf_allowed=True)
 
     def __post_init__(self) -> None:
-        _check_types(self)
-        if self.max_norm is not None and self.max_norm <= 0:
-            raise ConfigError(
-                f"[clipping] max_norm = {self.max_norm} is invalid: expected a positive number "
-                "or no key at all for no clipping"
-            )
+        _validate(self)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -226,51 +323,51 @@ class DataConfig:
     """DataLoader settings (used when Turbo.setup builds the loader from a dataset)."""
 
     SECTION: typing.ClassVar[str] = "data"
-    num_workers: int = 0
+    #: Loader worker processes (0 = load in the training process).
+    num_workers: int = _between(0, 0, high=1024, why="each worker is a process")
     #: Page-locked host memory for faster, asynchronous host-to-device copies (CUDA only).
     pin_memory: bool = False
     #: Keep workers alive between epochs. Needs num_workers > 0.
     persistent_workers: bool = False
     #: Batches prefetched per worker. Needs num_workers > 0; None = torch's default (2).
-    prefetch_factor: int | None = None
+    prefetch_factor: int | None = _between(
+        None, 1, high=1024, why="each prefetched batch is held in memory"
+    )
     #: Host-to-device copies with non_blocking=True (asynchronous only from pinned memory).
     non_blocking: bool = True
     #: Length-bucketed batches (data/bucketing.py); needs per-sample lengths from the recipe.
     bucketing: bool = False
     #: Token budget per bucketed batch, padding included; None = the recipe's batch size times
     #: its mean length, so that bucketing changes padding, not the amount of work per step.
-    max_tokens: int | None = None
+    max_tokens: int | None = _between(None, 1)
     #: Pad sequence lengths up to a multiple of this (8 suits tensor cores).
-    pad_to_multiple: int = 1
+    pad_to_multiple: int = _between(1, 1, high=65536, why="every sequence is padded to it")
 
     def __post_init__(self) -> None:
-        _check_types(self)
-        if self.num_workers < 0:
-            raise ConfigError(f"[data] num_workers = {self.num_workers} is invalid: expected >= 0")
+        _validate(self, self._combinations)
+
+    def _combinations(self) -> list[str]:
+        problems = []
         if self.num_workers == 0 and self.persistent_workers:
-            raise ConfigError(
+            problems.append(
                 "[data] persistent_workers = true needs num_workers > 0 (there are no workers "
                 "to keep alive); set num_workers or remove persistent_workers"
             )
         if self.num_workers == 0 and self.prefetch_factor is not None:
-            raise ConfigError(
+            problems.append(
                 f"[data] prefetch_factor = {self.prefetch_factor} needs num_workers > 0 "
                 "(the main process does not prefetch); set num_workers or remove prefetch_factor"
             )
         if self.max_tokens is not None and not self.bucketing:
-            raise ConfigError(
+            problems.append(
                 f"[data] max_tokens = {self.max_tokens} is only used with bucketing = true"
             )
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ConfigError(f"[data] max_tokens = {self.max_tokens} is invalid: expected >= 1")
-        if self.pad_to_multiple < 1:
-            raise ConfigError(
-                f"[data] pad_to_multiple = {self.pad_to_multiple} is invalid: expected >= 1"
+        if self.max_tokens is not None and self.pad_to_multiple > self.max_tokens:
+            problems.append(
+                f"[data] pad_to_multiple = {self.pad_to_multiple} is invalid with max_tokens = "
+                f"{self.max_tokens}: one padded sequence would not fit in a batch"
             )
-        if self.prefetch_factor is not None and self.prefetch_factor < 1:
-            raise ConfigError(
-                f"[data] prefetch_factor = {self.prefetch_factor} is invalid: expected >= 1"
-            )
+        return problems
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -279,33 +376,19 @@ class ReliabilityConfig:
 
     SECTION: typing.ClassVar[str] = "reliability"
     #: Checkpoints kept by Turbo.save; older ones are deleted once a new one is complete.
-    keep_last: int = 3
+    keep_last: int = _between(3, 1)
     #: Halve the micro-batch and retry the step when it runs out of memory (CUDA OOM, or the
     #: budget below). False: the out-of-memory error propagates.
     auto_microbatch: bool = True
     #: Activation budget in bytes: the tensors a micro-batch keeps for backward (parameters
     #: excluded). Exceeding it counts as out of memory, on any device. None = no budget.
-    memory_budget_bytes: int | None = None
-    #: Raise after this many consecutive optimizer steps with a non-finite loss or gradient
-    #: (fp16 overflow that the GradScaler skips does not count). 0 = never.
-    nonfinite_patience: int = 3
+    memory_budget_bytes: int | None = _between(None, 1, absent="no budget")
+    #: Stop after this many consecutive optimizer steps whose loss, inputs or applied gradients
+    #: are non-finite (fp16 overflow that the GradScaler skips does not count). 0 = never.
+    nonfinite_patience: int = _between(3, 0)
 
     def __post_init__(self) -> None:
-        _check_types(self)
-        if self.keep_last < 1:
-            raise ConfigError(
-                f"[reliability] keep_last = {self.keep_last} is invalid: expected an int >= 1"
-            )
-        if self.memory_budget_bytes is not None and self.memory_budget_bytes < 1:
-            raise ConfigError(
-                f"[reliability] memory_budget_bytes = {self.memory_budget_bytes} is invalid: "
-                "expected a positive int, or no key at all for no budget"
-            )
-        if self.nonfinite_patience < 0:
-            raise ConfigError(
-                f"[reliability] nonfinite_patience = {self.nonfinite_patience} is invalid: "
-                "expected an int >= 0 (0 turns the guard off)"
-            )
+        _validate(self)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -321,11 +404,14 @@ class DistributedConfig:
     #: needs NCCL), powersgd (low-rank), powersgd_fp16/powersgd_bf16 (low-rank, then cast).
     comm_hook: CommHookName = "none"
     #: PowerSGD matrix rank: bytes sent per (n x m) gradient are about rank x (n + m).
-    powersgd_rank: int = 4
-    #: Plain all-reduce for this many steps before PowerSGD starts (torch needs >= 2).
-    powersgd_warmup: int = 10
+    powersgd_rank: int = _between(4, 1)
+    #: Plain all-reduce for this many steps before PowerSGD starts (torch needs >= 2: it starts
+    #: error feedback from plain all-reduce steps).
+    powersgd_warmup: int = _between(10, 2)
     #: DDP bucket size in MiB: larger buckets, fewer and larger all-reduces.
-    bucket_cap_mb: float = 25.0
+    bucket_cap_mb: float = _between(
+        25.0, 0, low_exclusive=True, high=2**20, why="1 TiB, more than any device holds"
+    )
     #: Gradients are views into DDP's buckets: saves one copy and the memory of the gradients.
     gradient_as_bucket_view: bool = False
     #: The set of used parameters never changes between steps: DDP may skip re-checking it.
@@ -336,29 +422,18 @@ class DistributedConfig:
     fsdp_reduce_dtype: ParamDtype = "fp32"
     #: Pipeline parallelism (distributed/pipeline.py): schedule and micro-batches per batch.
     pipeline_schedule: PipelineSchedule = "1f1b"
-    pipeline_microbatches: int = 4
+    pipeline_microbatches: int = _between(4, 1)
 
     def __post_init__(self) -> None:
-        _check_types(self)
-        for name in ("powersgd_rank", "pipeline_microbatches"):
-            if getattr(self, name) < 1:
-                raise ConfigError(
-                    f"[distributed] {name} = {getattr(self, name)} is invalid: expected >= 1"
-                )
-        if self.powersgd_warmup < 2:
-            raise ConfigError(
-                f"[distributed] powersgd_warmup = {self.powersgd_warmup} is invalid: expected "
-                ">= 2 (torch's PowerSGD needs plain all-reduce steps to start error feedback)"
-            )
-        if self.bucket_cap_mb <= 0:
-            raise ConfigError(
-                f"[distributed] bucket_cap_mb = {self.bucket_cap_mb} is invalid: expected > 0"
-            )
+        _validate(self, self._combinations)
+
+    def _combinations(self) -> list[str]:
         if self.strategy == "fsdp" and self.comm_hook != "none":
-            raise ConfigError(
+            return [
                 f"[distributed] comm_hook = {self.comm_hook!r} is a DDP hook and does not apply "
                 "to strategy = 'fsdp'; use fsdp_reduce_dtype to reduce in lower precision"
-            )
+            ]
+        return []
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -379,15 +454,12 @@ class TurboConfig:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.device, str) or not (
-            self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")
-        ):
-            raise ConfigError(
-                f"device = {self.device!r} is invalid: expected 'auto', 'cpu', 'cuda' or 'cuda:N'"
-            )
+        problems = [] if (problem := _device_problem(self.device)) is None else [problem]
         for name, section_type in _SECTIONS.items():
             if not isinstance(getattr(self, name), section_type):
-                raise ConfigError(f"[{name}] must be a {section_type.__name__}")
+                problems.append(f"[{name}] must be a {section_type.__name__}")
+        if problems:
+            raise ConfigError(*problems)
 
     def replace(self, **sections: Any) -> TurboConfig:
         """A copy with whole sections or ``section__field`` values replaced.
@@ -422,22 +494,31 @@ class TurboConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TurboConfig:
-        """Build and validate from a dict as read from TOML; unknown keys are errors."""
+        """Build and validate from a dict as read from TOML; every problem is reported at once.
+
+        Unknown sections and keys are errors (with the closest valid name when there is one).
+        """
         if not isinstance(data, dict):
             raise ConfigError(f"a config must be a table of sections, got {type(data).__name__}")
-        unknown = set(data) - set(_SECTIONS) - {"device"}
+        problems = []
+        unknown = {str(key) for key in data} - set(_SECTIONS) - {"device"}
         if unknown:
-            raise ConfigError(
+            problems.append(
                 f"unknown config section(s) {sorted(unknown)}"
                 f"{_did_you_mean(unknown, {'device', *_SECTIONS})}; "
                 f"allowed: {['device', *_SECTIONS]}"
             )
-        kwargs: dict[str, Any] = {}
-        if "device" in data:
-            kwargs["device"] = data["device"]
+        if "device" in data and (problem := _device_problem(data["device"])) is not None:
+            problems.append(problem)
+        kwargs: dict[str, Any] = {"device": data.get("device", "auto")}
         for name, section_type in _SECTIONS.items():
             if name in data:
-                kwargs[name] = _section_from_dict(section_type, name, data[name])
+                try:
+                    kwargs[name] = _section_from_dict(section_type, name, data[name])
+                except ConfigError as err:
+                    problems.extend(err.problems)
+        if problems:
+            raise ConfigError(*problems)
         return cls(**kwargs)
 
     def to_toml(self) -> str:
@@ -449,6 +530,8 @@ class TurboConfig:
             data = tomllib.loads(text)
         except tomllib.TOMLDecodeError as err:
             raise ConfigError(f"config is not valid TOML: {err}") from err
+        except RecursionError:  # tomllib recurses once per level of nested arrays and tables
+            raise ConfigError("config nests arrays or tables too deeply to read") from None
         return cls.from_dict(data)
 
     def save(self, path: str | Path) -> None:
@@ -456,13 +539,13 @@ class TurboConfig:
 
     @classmethod
     def load(cls, path: str | Path) -> TurboConfig:
+        """Read a TOML file; every problem, of the file or of its values, names the file."""
         path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {str(path)!r} does not exist")
+        text = _read_config_file(path)
         try:
-            return cls.from_toml(path.read_text())
+            return cls.from_toml(text)
         except ConfigError as err:
-            raise ConfigError(f"{path}: {err}") from err
+            raise ConfigError(*err.problems, where=str(path)) from err
 
     @classmethod
     def preset(cls, name: str) -> TurboConfig:
@@ -483,11 +566,22 @@ def _did_you_mean(unknown: set[str], allowed: set[str]) -> str:
     return f" (did you mean {', '.join(guesses)}?)" if guesses else ""
 
 
+def _device_problem(device: Any) -> str | None:
+    """Why ``device`` is not a device name torchturbo can use, or None."""
+    match = _DEVICE.fullmatch(device) if isinstance(device, str) else None
+    if match is not None and int(match["index"] or 0) <= MAX_CUDA_INDEX:
+        return None
+    return (
+        f"device = {_quote(device)} is invalid: expected 'auto', 'cpu', 'cuda' or 'cuda:N' "
+        f"with N from 0 to {MAX_CUDA_INDEX}"
+    )
+
+
 def _section_from_dict(section_type: type, name: str, values: Any) -> Any:
     if not isinstance(values, dict):
-        raise ConfigError(f"[{name}] must be a table, got {values!r}")
+        raise ConfigError(f"[{name}] must be a table, got {_quote(values)}")
     allowed = {f.name for f in dataclasses.fields(section_type)}
-    unknown = set(values) - allowed
+    unknown = {str(key) for key in values} - allowed
     if unknown:
         raise ConfigError(
             f"[{name}] unknown key(s) {sorted(unknown)}{_did_you_mean(unknown, allowed)}; "
@@ -495,6 +589,40 @@ def _section_from_dict(section_type: type, name: str, values: Any) -> Any:
         )
     converted = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
     return section_type(**converted)
+
+
+def _read_config_file(path: Path) -> str:
+    """The text of a config file; an error that names the file says why it cannot be read."""
+    try:
+        status = path.stat()
+        kind = _not_a_file(status.st_mode)
+        if kind is None and status.st_size > MAX_FILE_BYTES:
+            kind = f"{status.st_size:,} bytes, not a config file (at most {MAX_FILE_BYTES:,})"
+        data = b"" if kind else path.read_bytes()
+    except FileNotFoundError:
+        raise ConfigError(f"config file {str(path)!r} does not exist") from None
+    except OSError as err:
+        raise ConfigError(f"cannot read config file {str(path)!r}: {err.strerror}") from None
+    if kind:
+        raise ConfigError(f"config file {str(path)!r} is {kind}")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(
+            f"config file {str(path)!r} is not UTF-8 text (byte {data[err.start]:#04x} at offset "
+            f"{err.start}): a config is a TOML file such as the turbo.toml that tune writes"
+        ) from None
+
+
+def _not_a_file(mode: int) -> str | None:
+    """What a path is when it is not a file that can be read as text (pipes can), else None."""
+    kinds = {
+        stat.S_ISDIR: "a directory",
+        stat.S_ISCHR: "a character device",
+        stat.S_ISBLK: "a block device",
+        stat.S_ISSOCK: "a socket",
+    }
+    return next((f"{kind}, not a file" for test, kind in kinds.items() if test(mode)), None)
 
 
 _SECTIONS: dict[str, type] = {
@@ -517,3 +645,68 @@ PRESETS: dict[str, TurboConfig] = {
         memory_format=MemoryFormatConfig(channels_last=True),
     ),
 }
+
+
+@dataclass(frozen=True, kw_only=True)
+class Environment:
+    """What the machine and the launch offer: the facts :func:`check_environment` reads."""
+
+    cuda_devices: int
+    #: Processes of the run: torchrun's WORLD_SIZE, 1 without torchrun.
+    processes: int
+    #: The CPU has native fp16 arithmetic (AVX512-FP16 or AMX-FP16).
+    cpu_fp16: bool
+
+    @classmethod
+    def current(cls) -> Environment:
+        import torch
+
+        from torchturbo.system import cpu_flags
+
+        world_size = os.environ.get("WORLD_SIZE", "1")
+        return cls(
+            cuda_devices=torch.cuda.device_count() if torch.cuda.is_available() else 0,
+            processes=int(world_size) if world_size.isdigit() else 1,
+            cpu_fp16=bool(cpu_flags() & {"avx512_fp16", "amx_fp16"}),
+        )
+
+
+def check_environment(config: TurboConfig, env: Environment) -> tuple[list[str], list[str]]:
+    """(errors, warnings) that ``config`` meets on this machine and launch, before any step runs.
+
+    Errors are combinations that cannot run; warnings are settings that run but do not do what
+    their name promises here. Each is one sentence naming the fields.
+    """
+    errors, warnings = [], []
+    index = _DEVICE.fullmatch(config.device)["index"]  # type: ignore[index]  # validated
+    if config.device.startswith("cuda") and env.cuda_devices == 0:
+        errors.append(f"device = {config.device!r} needs CUDA; this machine has no CUDA device")
+    elif index is not None and int(index) >= env.cuda_devices:
+        errors.append(
+            f"device = {config.device!r} is not on this machine: it has {env.cuda_devices} "
+            f"CUDA device(s), cuda:0 to cuda:{env.cuda_devices - 1}"
+        )
+    if config.compile.mode != "off" and config.checkpointing.mode != "off":
+        errors.append(
+            f"[compile] mode = {config.compile.mode!r} with [checkpointing] mode = "
+            f"{config.checkpointing.mode!r} is refused by torch.compile (torchturbo's checkpoint "
+            "regions restore BatchNorm statistics through a context_fn, which compiled "
+            "checkpoints do not accept); turn one of them off"
+        )
+    on_cpu = config.device == "cpu" or (config.device == "auto" and env.cuda_devices == 0)
+    if config.precision.dtype == "fp16" and on_cpu and not env.cpu_fp16:
+        warnings.append(
+            "[precision] dtype = 'fp16' on this CPU runs emulated (no avx512_fp16 or amx_fp16), "
+            "slower than fp32, and needs loss scaling; dtype = 'bf16' needs none"
+        )
+    if env.processes == 1 and config.distributed != DistributedConfig():
+        changed = [
+            f.name
+            for f in dataclasses.fields(DistributedConfig)
+            if getattr(config.distributed, f.name) != f.default
+        ]
+        warnings.append(
+            f"[distributed] {', '.join(changed)} take(s) effect only under torchrun "
+            "(torchrun --nproc-per-node N -m torchturbo ...); this is one process"
+        )
+    return errors, warnings
