@@ -250,7 +250,7 @@ class Turbo:
             with self.recorder.phase("forward"):
                 loss, count = self.forward(loss_fn, batch)
             with self.recorder.phase("backward"):
-                self.guard.observe(loss, functools.partial(self.forward, loss_fn, batch))
+                self.guard.observe(loss, functools.partial(self.forward, loss_fn, batch), batch)
                 weighted = loss.float() * self._window.weight(count)
                 if self.scaler is not None:
                     weighted = self.scaler.scale(weighted)
@@ -305,10 +305,11 @@ class Turbo:
             skipped = self.guard.window_nonfinite(params, grad_norm, self.scaler is None)
             if self.scaler is not None:
                 scale_before = self.scaler.get_scale()
-                self.scaler.step(self.optimizer)
+                if not skipped:  # the guard also sees what clipping did after unscale_
+                    self.scaler.step(self.optimizer)
                 self.scaler.update()
                 # GradScaler lowers its scale exactly when it skipped the step for inf/NaN.
-                skipped = self.scaler.get_scale() < scale_before
+                skipped = skipped or self.scaler.get_scale() < scale_before
             elif not skipped:
                 self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)

@@ -3,17 +3,22 @@
 **Non-finite guard.** fp16 overflow is the GradScaler's job: it skips the step and lowers its
 scale, and the engine counts the skip. What no scaler fixes is a loss or gradient that *stays*
 non-finite (a bad learning rate, a log of zero, corrupt data). The guard folds a non-finite flag
-of every micro-batch's loss into one device tensor (no sync per micro-step), adds the gradient
-norm when the window closes, and reads it once per optimizer step. Without a scaler it skips a
-non-finite step instead of writing NaN into the weights; after ``patience`` non-finite steps in a
-row it raises :class:`NonFiniteError` naming the step and the first module whose output went
-non-finite. That module is found by re-running the forward of the failing micro-batch with
-forward hooks on every module, only once the guard trips: ``torch.autograd.detect_anomaly``
-would slow every step and names a backward node, not a module.
+of every micro-batch's loss into one device tensor (no sync per micro-step), adds the norm of the
+gradients *as the optimizer will apply them* (after unscaling and clipping: a clipping
+coefficient that is not finite turns finite gradients into NaN) when the window closes, and
+reads it once per optimizer step. A non-finite step is skipped instead of writing NaN into the
+weights; after ``patience`` non-finite steps in a row it raises :class:`NonFiniteError` naming
+the step, the inputs of the last micro-batch when they hold NaN or inf, and the first module
+whose output went non-finite. That module is found by re-running the forward of the failing
+micro-batch with forward hooks on every module, only once the guard trips:
+``torch.autograd.detect_anomaly`` would slow every step and names a backward node, not a module.
+The inputs are inspected only then too: a NaN input that reaches no loss harms no weight.
+:func:`refuse_nonfinite_state` keeps a checkpoint from ever holding non-finite weights.
 
 **Batch structure.** A dataset that yields a structure ``loss_fn`` does not expect (a tuple where
 it indexes a dict, a missing key) fails deep inside the user's code; :func:`call_loss_fn` re-raises
-such errors as :class:`BatchError` with the batch's structure spelled out.
+such errors as :class:`BatchError` with the batch's structure spelled out, and refuses what
+``loss_fn`` returns when it is not a loss or ``(loss, count)``.
 """
 
 from __future__ import annotations
@@ -54,17 +59,37 @@ def describe_batch(batch: Any, depth: int = 0) -> str:
 
 
 def call_loss_fn(loss_fn: Callable[[nn.Module, Any], Any], model: nn.Module, batch: Any) -> Any:
-    """``loss_fn(model, batch)``, with structure errors re-raised naming the batch's structure."""
+    """``loss_fn(model, batch)``, with structure errors re-raised naming the batch's structure,
+    and an output that is neither a scalar loss tensor nor ``(loss, count)`` refused."""
     try:
-        return loss_fn(model, batch)
+        output = loss_fn(model, batch)
     except _STRUCTURE_ERRORS as err:
-        if isinstance(err, BatchError):
+        if isinstance(err, BatchError) or type(err).__module__.startswith("torchturbo"):
             raise
         raise BatchError(
             f"loss_fn failed on a batch of structure {describe_batch(batch)}: "
             f"{type(err).__name__}: {err}. Check that the dataset/collate output matches what "
             "loss_fn reads"
         ) from err
+    if not _is_loss_output(output):
+        raise BatchError(
+            "loss_fn must return the batch's mean loss as a scalar float tensor, or (loss, count) "
+            "with count a number or one-element tensor of the samples or tokens the mean is "
+            f"over; it returned {describe_batch(output)}"
+        )
+    return output
+
+
+def _is_loss_output(output: Any) -> bool:
+    if isinstance(output, tuple):
+        if len(output) != 2:
+            return False
+        output, count = output
+        count_is_number = isinstance(count, (int, float)) and not isinstance(count, bool)
+        count_is_tensor = isinstance(count, torch.Tensor) and count.numel() == 1
+        if not (count_is_number or count_is_tensor):
+            return False
+    return isinstance(output, torch.Tensor) and output.dim() == 0 and output.is_floating_point()
 
 
 class NonFiniteGuard:
@@ -76,14 +101,16 @@ class NonFiniteGuard:
         self.streak = 0
         self._flag: torch.Tensor | None = None
         self._rerun: Callable[[], Any] | None = None
+        self._batch: Any = None
 
-    def observe(self, loss: torch.Tensor, rerun: Callable[[], Any]) -> None:
-        """Fold this micro-batch's loss into the window's flag; keep how to re-run its forward."""
+    def observe(self, loss: torch.Tensor, rerun: Callable[[], Any], batch: Any = None) -> None:
+        """Fold this micro-batch's loss into the window's flag; keep how to re-run its forward
+        and (a reference to) its batch, to say what went wrong if the guard trips."""
         if self.patience == 0:
             return
         bad = ~torch.isfinite(loss.detach())
         self._flag = bad if self._flag is None else self._flag | bad
-        self._rerun = rerun
+        self._rerun, self._batch = rerun, batch
 
     def forget_window(self) -> None:
         """Drop the open window's flag (its micro-batches are about to be replayed)."""
@@ -94,18 +121,22 @@ class NonFiniteGuard:
     ) -> bool:
         """Whether the closing window was non-finite (one host read); updates the streak.
 
-        ``check_grads`` is False under a GradScaler, which checks the gradients itself.
+        Call it with the gradients as the optimizer will apply them: unscaled, and clipped when
+        ``grad_norm`` (clipping's norm of the gradients *before* clipping) is given; they are then
+        checked again, since clipping by a coefficient that is not finite makes them NaN.
+        ``check_grads`` is False under a GradScaler, which skips steps whose gradients overflowed
+        itself: then only gradients that clipping made non-finite count.
         """
         if self.patience == 0:
             return False
         flag, self._flag = self._flag, None
-        if check_grads:
-            grads = [p.grad for p in params if p.grad is not None]
-            if grad_norm is None and grads:
-                grad_norm = torch.nn.utils.get_total_norm(grads, error_if_nonfinite=False)
-            if grad_norm is not None:
-                bad_grad = ~torch.isfinite(grad_norm)
-                flag = bad_grad if flag is None else flag | bad_grad.to(flag.device)
+        grads = [p.grad for p in params if p.grad is not None]
+        if grads and (check_grads or grad_norm is not None):
+            applied = torch.nn.utils.get_total_norm(grads, error_if_nonfinite=False)
+            bad_grad = ~torch.isfinite(applied)
+            if not check_grads:  # the scaler's overflow is the scaler's to skip
+                bad_grad &= torch.isfinite(grad_norm).to(bad_grad.device)
+            flag = bad_grad if flag is None else flag | bad_grad.to(flag.device)
         nonfinite = flag is not None and bool(flag)  # the one sync of the guard per step
         self.streak = self.streak + 1 if nonfinite else 0
         return nonfinite
@@ -114,12 +145,30 @@ class NonFiniteGuard:
         """Raise :class:`NonFiniteError` once ``patience`` non-finite steps came in a row."""
         if self.patience == 0 or self.streak < self.patience:
             return
-        where = self._locate(model)
         raise NonFiniteError(
             f"the loss or gradients were non-finite for {self.streak} consecutive optimizer steps "
-            f"(up to optimizer step {optimizer_step}); {where}. Lower the learning rate, check "
-            "the data, or use [precision] dtype = 'bf16' for fp16 overflow"
+            f"(up to optimizer step {optimizer_step}); {self._diagnose(model)}. Lower the "
+            "learning rate, check the data, or use [precision] dtype = 'bf16' for fp16 overflow"
         )
+
+    def raise_if_ending_nonfinite(self, model: nn.Module, optimizer_step: int) -> None:
+        """Raise :class:`NonFiniteError` when a run ends inside a non-finite streak shorter than
+        the patience: its last steps were skipped, its last loss is NaN, it did not succeed."""
+        if self.patience == 0 or self.streak == 0:
+            return
+        raise NonFiniteError(
+            f"the run ended with {self.streak} non-finite optimizer step(s) in a row, skipped "
+            f"(up to optimizer step {optimizer_step}; [reliability] nonfinite_patience = "
+            f"{self.patience} would have stopped it later); {self._diagnose(model)}"
+        )
+
+    def _diagnose(self, model: nn.Module) -> str:
+        """The last micro-batch's non-finite inputs if any, else the first non-finite module."""
+        inputs = nonfinite_tensors(self._batch, "batch")
+        if inputs:
+            more = f" and {len(inputs) - 1} more" if len(inputs) > 1 else ""
+            return f"the last micro-batch's inputs are not finite: {inputs[0]}{more}"
+        return self._locate(model)
 
     def _locate(self, model: nn.Module) -> str:
         if self._rerun is None:
@@ -173,3 +222,40 @@ def _has_nonfinite(output: Any) -> bool:
     if isinstance(output, (list, tuple)):
         return any(_has_nonfinite(v) for v in output)
     return False
+
+
+def nonfinite_tensors(tree: Any, name: str, depth: int = 0) -> list[str]:
+    """``"batch[0]: 12 of 32 values are NaN or inf"`` for each floating tensor of a nested
+    structure (dicts, lists, tuples) that holds any; [] when all are finite."""
+    if isinstance(tree, torch.Tensor):
+        if not tree.is_floating_point() or bool(torch.isfinite(tree).all()):
+            return []
+        bad = int((~torch.isfinite(tree)).sum())
+        return [f"{name}: {bad} of {tree.numel()} values are NaN or inf"]
+    if depth > 8:
+        return []
+    items = tree.items() if isinstance(tree, Mapping) else None
+    if items is None and isinstance(tree, (list, tuple)):
+        items = enumerate(tree)
+    return [
+        found
+        for key, value in items or ()
+        for found in nonfinite_tensors(value, f"{name}[{key!r}]", depth + 1)
+    ]
+
+
+def refuse_nonfinite_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Raise :class:`NonFiniteError` when a weight, buffer or optimizer state is NaN or inf.
+
+    Called before a checkpoint is written: saving it would keep useless weights and, as the
+    newest checkpoints are kept, push out the last good one.
+    """
+    bad = nonfinite_tensors(model.state_dict(), "model") or nonfinite_tensors(
+        optimizer.state_dict()["state"], "optimizer state"
+    )
+    if bad:
+        raise NonFiniteError(
+            f"refusing to save a checkpoint of non-finite weights: {bad[0]}"
+            + (f" (and {len(bad) - 1} more tensors)" if len(bad) > 1 else "")
+            + "; the checkpoints already saved are kept"
+        )
