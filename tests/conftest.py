@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -85,3 +87,18 @@ def run_two_ranks(script, out_dir, timeout_s: float = 120) -> tuple[list[dict], 
 
     text = torchrun_two([str(script), str(out_dir)], timeout_s)
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(2)], text
+
+
+def edit_checkpoint_json(checkpoint: Path, name: str, edit) -> None:
+    """Edit JSON file ``name`` of one checkpoint directory by hand (``edit(data)`` changes it in
+    place) and update the manifest's checksum to match, as a user editing it carefully would."""
+    import hashlib
+    import json
+
+    data = json.loads((checkpoint / name).read_text())
+    edit(data)
+    (checkpoint / name).write_text(json.dumps(data))
+    if name != "manifest.json":
+        manifest = json.loads((checkpoint / "manifest.json").read_text())
+        manifest["files"][name] = hashlib.sha256((checkpoint / name).read_bytes()).hexdigest()
+        (checkpoint / "manifest.json").write_text(json.dumps(manifest))

@@ -8,6 +8,7 @@ accumulation windows span epoch boundaries. A resume that missed any of these wo
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import random
 import signal
@@ -18,10 +19,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import edit_checkpoint_json
 from torch import nn
 
-from torchturbo import Turbo, TurboConfig
-from torchturbo.checkpoint import CheckpointError, read_checkpoint, write_checkpoint
+from torchturbo import Turbo, TurboConfig, checkpoint
+from torchturbo.checkpoint import MANIFEST, CheckpointError, read_checkpoint, write_checkpoint
 from torchturbo.epochs import LoaderPosition
 
 TOTAL_STEPS = 9  # optimizer steps of 2-batch windows: more than two epochs of both datasets
@@ -226,6 +228,146 @@ def test_an_unwritable_checkpoint_directory_is_a_clear_error(tmp_path):
     turbo, _model, _opt, _sched, _loader, _loss = _workload("shuffled", init_seed=0)
     with pytest.raises(CheckpointError, match="cannot write a checkpoint in"):
         turbo.save(blocker / "ckpt")
+
+
+def _failing_write(monkeypatch, fail_on: str) -> None:
+    """Make writing ``fail_on`` fail as a full disk does (ENOSPC), the other files unchanged."""
+    real = checkpoint._write_file
+
+    def write(path, data):
+        if path.name == fail_on:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(path, data)
+
+    monkeypatch.setattr(checkpoint, "_write_file", write)
+
+
+def test_a_failed_write_removes_its_temporary_and_keeps_the_checkpoints_before(
+    tmp_path, monkeypatch
+):
+    turbo = _train_and_save_two(tmp_path)
+    before = {p.name: sorted(f.name for f in p.iterdir()) for p in tmp_path.iterdir()}
+    _failing_write(monkeypatch, "optimizer.pt")
+    with pytest.raises(CheckpointError, match=r"ckpt-0000000009'.*No space left on device"):
+        turbo.save(tmp_path)
+    after = {p.name: sorted(f.name for f in p.iterdir()) for p in tmp_path.iterdir()}
+    assert after == before  # no .tmp-ckpt-*, ckpt-2 and ckpt-3 as they were
+
+
+def test_saving_the_same_step_again_keeps_the_old_one_if_the_new_one_fails(tmp_path, monkeypatch):
+    turbo = _train_and_save_two(tmp_path)
+    write_checkpoint(tmp_path, 3, {"state.json": {"n": 1}}, keep_last=3)
+    _failing_write(monkeypatch, "manifest.json")
+    with pytest.raises(CheckpointError, match="No space left"):
+        write_checkpoint(tmp_path, 3, {"state.json": {"n": 2}}, keep_last=3)
+    assert read_checkpoint(tmp_path / "ckpt-0000000003") == {"state.json": {"n": 1}}
+    assert turbo.optimizer_steps == 9 and not list(tmp_path.glob(".*"))
+
+
+def test_a_manifest_that_names_a_file_outside_the_checkpoint_is_refused(tmp_path):
+    outside = tmp_path / "secret.json"
+    outside.write_text("{}")
+    path = write_checkpoint(tmp_path / "ckpt", 1, {"state.json": {}}, keep_last=1)
+    edit_checkpoint_json(
+        path, "manifest.json", lambda m: m["files"].update({"../../secret.json": "0"})
+    )
+    with pytest.raises(
+        CheckpointError, match=r"lists '\.\./\.\./secret\.json', which is not a file"
+    ):
+        read_checkpoint(path)
+
+
+# --- compatibility of a checkpoint with the run resuming it -----------------------------
+
+
+class Wider(Net):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body[0] = nn.Linear(8, 32)
+        self.body[3] = nn.Linear(32, 3)
+
+
+def _fresh(model: nn.Module, optimizer_class=torch.optim.Adam):
+    turbo = Turbo(CONFIG)
+    turbo.setup(model, optimizer_class(model.parameters(), lr=0.01))
+    return turbo
+
+
+def _refused(turbo, tmp_path, message: str) -> None:
+    weights = _params(turbo.model)
+    with pytest.raises(CheckpointError, match=message):
+        turbo.load(tmp_path)
+    # Checked before anything was restored: the live model is untouched.
+    assert all(torch.equal(a, b) for a, b in zip(weights, _params(turbo.model), strict=True))
+
+
+def test_resuming_another_architecture_names_both_shapes(tmp_path):
+    _train_and_save_two(tmp_path)
+    _refused(
+        _fresh(Wider()),
+        tmp_path,
+        r"'body\.0\.weight' is \[16, 8\] in the checkpoint and \[32, 8\] in the model; "
+        r"'body\.0\.bias' is \[16\]",
+    )
+    _refused(_fresh(Tagger()), tmp_path, r"the model has 3 entries \('embed\.weight'")
+
+
+def test_resuming_with_another_optimizer_type_names_both(tmp_path):
+    _train_and_save_two(tmp_path)
+    _refused(
+        _fresh(Net(), torch.optim.SGD),
+        tmp_path,
+        "the checkpoint's optimizer is Adam, this run's is SGD",
+    )
+
+
+def test_a_checkpoint_without_the_optimizer_name_is_told_by_its_hyperparameters(tmp_path):
+    _train_and_save_two(tmp_path)
+    edit_checkpoint_json(tmp_path / "ckpt-0000000003", "state.json", lambda s: s.pop("optimizer"))
+    _refused(
+        _fresh(Net(), torch.optim.SGD),
+        tmp_path,
+        r"group 0 lacks dampening, momentum, which SGD needs: it was saved from another "
+        r"optimizer type \(it has amsgrad, betas",
+    )
+    _fresh(Net()).load(tmp_path)  # negative control: with Adam it resumes
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda s: s.update(optimizer_steps="3"), r"optimizer_steps = '3' is invalid"),
+        (
+            lambda s: s.update(optimizer_steps=5),
+            "says optimizer step 5, the checkpoint is named for step 0000000003",
+        ),
+        (
+            lambda s: s.update(skipped_steps=4),
+            r"skipped_steps = 4 is invalid: expected an int from 0 to 3",
+        ),
+        (lambda s: s.update(micro_batch_split=0), "micro_batch_split = 0 is invalid"),
+        (
+            lambda s: s.update(loader=[0, 7]),
+            "batch 7 is out of range: this run's loader has 7 batches",
+        ),
+        (lambda s: s.update(loader=[0, "1"]), r"loader = \[0, '1'\] is invalid"),
+        (lambda s: s.update(version=2), "version = 2, expected 1"),
+        (lambda s: s.update(numpy=[9999, 0, 0.0]), "numpy is not the tail"),
+        (lambda s: s["python"][1].pop(), "python is not a random.getstate"),
+    ],
+)
+def test_hand_edited_state_is_refused_with_the_field_and_its_range(tmp_path, edit, message):
+    _train_and_save_two(tmp_path)
+    edit_checkpoint_json(tmp_path / "ckpt-0000000003", "state.json", edit)
+    turbo, *_ = _workload("shuffled", init_seed=0)
+    _refused(turbo, tmp_path, message)
+
+
+def test_a_manifest_missing_an_entry_is_refused(tmp_path):
+    _train_and_save_two(tmp_path)
+    edit_checkpoint_json(tmp_path / "ckpt-0000000003", MANIFEST, lambda m: m["files"].pop("rng.pt"))
+    turbo, *_ = _workload("shuffled", init_seed=0)
+    _refused(turbo, tmp_path, "its manifest lists no rng.pt")
 
 
 # --- a real kill: SIGKILL in a subprocess at a random batch, resumed here ------------------

@@ -6,7 +6,8 @@ A checkpoint is a directory ``<root>/ckpt-<step>/`` of named files (``*.pt`` wri
 - **Atomic**: the files are written into ``<root>/.tmp-ckpt-<step>-<pid>/``, each fsynced, the
   manifest last; then the directory is renamed to its final name and the root is fsynced. A
   crash at any moment leaves either a complete checkpoint or a temporary directory that is
-  ignored (and removed by the next save).
+  ignored (and removed by the next save); a write that fails removes its temporary directory at
+  once, and older checkpoints are pruned only after the new one is in place.
 - **Checked**: loading hashes every file and compares it with the manifest, so a truncated or
   corrupted checkpoint is detected; :func:`read_latest` then falls back to the previous one with
   a warning.
@@ -46,7 +47,9 @@ def write_checkpoint(root: str | Path, step: int, files: Mapping[str, Any], keep
     """Write ``files`` (name -> object) as checkpoint ``step`` under ``root``; keep the last K.
 
     Objects of ``.pt`` names go through ``torch.save``, ``.json`` through ``json``, ``.toml``
-    must be text. Returns the checkpoint directory.
+    must be text. Returns the checkpoint directory. A write that fails (a full disk, a file
+    size limit) removes its temporary directory and leaves the checkpoints already saved as
+    they were; the :class:`CheckpointError` names the path and the system's reason.
     """
     root = Path(root)
     final = root / checkpoint_name(step)
@@ -56,17 +59,43 @@ def write_checkpoint(root: str | Path, step: int, files: Mapping[str, Any], keep
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
     except OSError as err:
-        raise CheckpointError(f"cannot write a checkpoint in {str(root)!r}: {err}") from err
-    digests = {name: _write_file(tmp / name, _encode(name, obj)) for name, obj in files.items()}
-    manifest = {"format": _FORMAT, "step": step, "files": digests}
-    _write_file(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
-    _fsync_dir(tmp)
-    if final.exists():  # the same step saved again: the new one replaces it
-        shutil.rmtree(final)
-    tmp.rename(final)
+        raise CheckpointError(
+            f"cannot write a checkpoint in {str(root)!r}: {err.strerror or err}"
+        ) from err
+    try:
+        digests = {name: _write_file(tmp / name, _encode(name, obj)) for name, obj in files.items()}
+        manifest = {"format": _FORMAT, "step": step, "files": digests}
+        _write_file(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
+        _fsync_dir(tmp)
+        _rename_into_place(tmp, final)
+    except BaseException as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not isinstance(err, OSError):
+            raise
+        raise CheckpointError(
+            f"cannot write checkpoint {str(final)!r}: {err.strerror or err}; nothing of it was "
+            "kept, and the checkpoints saved before are intact"
+        ) from err
     _fsync_dir(root)
     _prune(root, keep_last)
     return final
+
+
+def _rename_into_place(tmp: Path, final: Path) -> None:
+    """Rename the complete ``tmp`` to ``final``; an existing ``final`` (the same step saved
+    again) is replaced only once the rename has succeeded, and put back if it failed."""
+    if not final.exists():
+        tmp.rename(final)
+        return
+    old = final.with_name(f".old-{final.name}-{os.getpid()}")
+    shutil.rmtree(old, ignore_errors=True)
+    final.rename(old)
+    try:
+        tmp.rename(final)
+    except BaseException:
+        old.rename(final)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def checkpoint_name(step: int) -> str:
@@ -95,6 +124,16 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {str(path)!r} has no readable manifest: {err}") from err
     out: dict[str, Any] = {}
     for name, expected in digests.items():
+        if (
+            not isinstance(name, str)
+            or name in ("", ".", "..", MANIFEST)
+            or Path(name).name != name
+        ):
+            # A hand-edited manifest must not make loading read outside the checkpoint.
+            raise CheckpointError(
+                f"checkpoint {str(path)!r}: its manifest lists {name!r}, which is not a file "
+                "name of the checkpoint"
+            )
         try:
             data = (path / name).read_bytes()
         except OSError as err:
@@ -157,9 +196,10 @@ def _decode(path: Path, data: bytes) -> Any:
                 f"checkpoint file {str(path)!r} was refused by torch.load(weights_only=True): it "
                 f"holds something other than tensors and plain data ({err})"
             ) from err
-    if path.suffix == ".json":
-        return json.loads(data)
-    return data.decode()
+    try:
+        return json.loads(data) if path.suffix == ".json" else data.decode()
+    except ValueError as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise CheckpointError(f"checkpoint file {str(path)!r} cannot be read: {err}") from err
 
 
 def _write_file(path: Path, data: bytes) -> str:
@@ -187,6 +227,7 @@ def _prune(root: Path, keep_last: int) -> None:
     """Delete checkpoints beyond the newest ``keep_last``, and temporaries of dead saves."""
     for old in list_checkpoints(root)[keep_last:]:
         shutil.rmtree(old, ignore_errors=True)
-    for tmp in root.glob(".tmp-ckpt-*"):
-        if not tmp.name.endswith(f"-{os.getpid()}"):
-            shutil.rmtree(tmp, ignore_errors=True)
+    for pattern in (".tmp-ckpt-*", ".old-ckpt-*"):
+        for tmp in root.glob(pattern):
+            if not tmp.name.endswith(f"-{os.getpid()}"):
+                shutil.rmtree(tmp, ignore_errors=True)

@@ -25,14 +25,15 @@ import torch
 from torchturbo.checkpoint import CheckpointError, read_latest, write_checkpoint
 from torchturbo.config import ConfigError, TurboConfig
 from torchturbo.epochs import EpochLoader, LoaderPosition
-
-_VERSION = 1
+from torchturbo.guard import refuse_nonfinite_state
+from torchturbo.resume_checks import STATE_VERSION, check_resumable
 
 
 def save_training_state(turbo: Any, directory: str | Path, scheduler: Any = None) -> Path:
     """Write the state of ``turbo`` (a set-up :class:`~torchturbo.engine.Turbo`) atomically."""
     if turbo.model is None or turbo.optimizer is None:
         raise CheckpointError("Turbo.save needs Turbo.setup(model, optimizer, ...) first")
+    refuse_nonfinite_state(turbo.model, turbo.optimizer)
     if turbo.window_open:
         raise CheckpointError(
             "Turbo.save was called inside an accumulation window (gradients of "
@@ -46,7 +47,8 @@ def save_training_state(turbo: Any, directory: str | Path, scheduler: Any = None
         "optimizer.pt": turbo.optimizer.state_dict(),
         "rng.pt": _tensor_random_state(position),
         "state.json": {
-            "version": _VERSION,
+            "version": STATE_VERSION,
+            "optimizer": type(turbo.optimizer).__name__,
             "optimizer_steps": turbo.optimizer_steps,
             "skipped_steps": turbo.skipped_steps,
             "micro_batch_split": turbo.microbatcher.split,
@@ -70,11 +72,8 @@ def load_training_state(turbo: Any, directory: str | Path, scheduler: Any = None
     if turbo.model is None or turbo.optimizer is None:
         raise CheckpointError("Turbo.load needs Turbo.setup(model, optimizer, ...) first")
     path, files = read_latest(directory)
+    check_resumable(path, files, turbo.model, turbo.optimizer, turbo.loader)
     state = files["state.json"]
-    if state.get("version") != _VERSION:
-        raise CheckpointError(
-            f"checkpoint {str(path)!r} has unknown version {state.get('version')}"
-        )
     _warn_on_config_change(path, files["config.toml"], turbo.config)
     turbo.model.load_state_dict(files["model.pt"])
     turbo.optimizer.load_state_dict(files["optimizer.pt"])
