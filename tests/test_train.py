@@ -8,6 +8,8 @@ import pytest
 
 from torchturbo import TurboConfig
 from torchturbo.checkpoint import CheckpointError
+from torchturbo.config import ConfigError
+from torchturbo.guard import NonFiniteError
 from torchturbo.oom import MemoryBudgetError
 from torchturbo.recipe import load_recipe
 from torchturbo.train import train
@@ -46,3 +48,50 @@ def test_a_budget_that_cannot_hold_one_sample_is_a_clear_error():
 def test_resume_without_a_checkpoint_is_a_clear_error(tmp_path):
     with pytest.raises(CheckpointError, match="holds no checkpoint"):
         train(load_recipe(TINY), CONFIG, steps=2, checkpoint_dir=tmp_path, resume=True)
+
+
+def test_resuming_with_fewer_steps_than_the_checkpoint_is_refused(tmp_path):
+    recipe = load_recipe(TINY)
+    train(recipe, CONFIG, steps=4, checkpoint_dir=tmp_path)
+    written = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")}
+    with pytest.raises(CheckpointError, match=r"step 2 \(--steps\).*already at step 4"):
+        train(recipe, CONFIG, steps=2, checkpoint_dir=tmp_path, resume=True)
+    # Negative control: as many steps as the checkpoint has trains nothing and rewrites nothing.
+    result = train(recipe, CONFIG, steps=4, checkpoint_dir=tmp_path, resume=True)
+    assert result.optimizer_steps == 4 and result.last_loss is None and result.saved is None
+    assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")} == written
+
+
+def test_more_accumulation_steps_than_an_epoch_has_batches_is_refused():
+    recipe = load_recipe(TINY)  # 64 samples in batches of 8: 8 batches per epoch
+    with pytest.raises(ConfigError, match="steps = 9 is more than the 8 batches of an epoch"):
+        train(recipe, CONFIG.replace(accumulation__steps=9), steps=1)
+    assert train(recipe, CONFIG.replace(accumulation__steps=8), steps=1).optimizer_steps == 1
+
+
+def test_a_run_that_ends_on_non_finite_steps_raises_and_saves_nothing(tmp_path):
+    recipe = load_recipe(str(Path(__file__).parent / "recipes" / "broken.py") + ":nan_inputs")
+    with pytest.raises(NonFiniteError, match="ended with 2 non-finite optimizer step"):
+        train(recipe, CONFIG, steps=2, checkpoint_dir=tmp_path)
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"steps": 0}, "steps = 0 is invalid: expected an int >= 1"),
+        ({"steps": 2**63}, "<= 2\\*\\*63 - 1"),
+        ({"steps": True}, "steps = True is invalid"),
+        ({"steps": 2, "save_every": -1}, "save_every = -1 is invalid"),
+        ({"steps": 2, "resume": True}, "need a checkpoint directory"),
+    ],
+)
+def test_arguments_no_run_can_use_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        train(load_recipe(TINY), CONFIG, **kwargs)
+
+
+def test_a_checkpoint_directory_that_is_a_file_is_refused(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="is not a directory"):
+        train(load_recipe(TINY), CONFIG, steps=1, checkpoint_dir=tmp_path / "file")

@@ -1,18 +1,23 @@
 """The ``torchturbo`` command: argument parsing, error reporting and printing only.
 
-Every command's work lives in its own module; this one maps arguments onto it. User errors
-(bad config, recipe, value) print one readable line and exit with code 2; ``--debug`` shows the
-traceback instead.
+Every command's work lives in its own module; this one maps arguments onto it. An error the
+user can fix (bad argument, config, recipe code or data, checkpoint, file system) prints one
+readable line, ``torchturbo CMD: error: ...``, and exits with code 2; warnings print one line
+each. ``--debug`` shows the traceback instead; a bug of torchturbo always shows it (exit 1).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import linecache
+import re
 import sys
+import traceback
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from torchturbo.units import parse_duration, parse_size
 
@@ -21,31 +26,100 @@ EXIT_USAGE = 2
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:  # --help, or a bad argument (already printed): its exit code
+        return exit_.code if isinstance(exit_.code, int) else EXIT_USAGE
     if not hasattr(args, "run"):
         parser.print_help()
         return EXIT_USAGE
     try:
-        return args.run(args) or 0
+        with _warnings_as_lines(args.command):
+            return args.run(args) or 0
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
     except Exception as err:
-        if args.debug or not _is_user_error(err):
+        line = None if args.debug else error_line(err, args)
+        if line is None:
             raise
-        print(f"torchturbo {args.command}: error: {err}", file=sys.stderr)
+        print(f"torchturbo {args.command}: error: {line}", file=sys.stderr)
         return EXIT_USAGE
 
 
-def _is_user_error(err: Exception) -> bool:
-    from torchturbo.config import ConfigError
-    from torchturbo.recipe import RecipeError
+def error_line(err: Exception, args: argparse.Namespace) -> str | None:
+    """The one line for an error the user can fix; None for a bug of torchturbo (traceback).
 
-    return isinstance(err, (ConfigError, RecipeError, ValueError, FileNotFoundError, OSError))
+    Those are: torchturbo's own errors (they name the field, file or function); failures of
+    the user's code or data (``recipe.user_code_failure``); out of memory; the file system's
+    errors; and ValueErrors that a ``raise`` in torchturbo's source threw on bad input.
+    """
+    import torch
+
+    from torchturbo.recipe import describe_exception, is_torchturbo_error, user_code_failure
+
+    if is_torchturbo_error(err):
+        line = str(err)
+    elif isinstance(err, torch.OutOfMemoryError):
+        line = (
+            f"out of memory: {describe_exception(err)}; lower the batch size, or let "
+            "[reliability] auto_microbatch = true split it"
+        )
+    elif (failure := user_code_failure(err)) is not None:
+        line = f"{failure}; --debug shows the traceback"
+    elif isinstance(err, OSError):
+        where = f": {str(err.filename)!r}" if err.filename is not None else ""
+        line = f"{err.strerror or describe_exception(err)}{where}"
+    elif isinstance(err, ValueError) and _raised_by_torchturbo(err):
+        line = str(err)
+    else:
+        return None
+    return _naming_the_option(" ".join(line.split()), args)
+
+
+def _raised_by_torchturbo(err: BaseException) -> bool:
+    """Whether a ``raise`` statement in torchturbo's source threw ``err`` (not torch, called by
+    torchturbo with something it should have checked)."""
+    frames = list(traceback.walk_tb(err.__traceback__))
+    if not frames:
+        return False
+    frame, line = frames[-1]
+    source = linecache.getline(frame.f_code.co_filename, line).strip()
+    package = str(Path(__file__).resolve().parent)
+    return frame.f_code.co_filename.startswith(package) and source.startswith("raise ")
+
+
+def _naming_the_option(line: str, args: argparse.Namespace) -> str:
+    """Add which option a path in the message came from: ``... (--checkpoint-dir)``."""
+    for dest, value in vars(args).items():
+        option = "--" + dest.replace("_", "-")
+        quoted = isinstance(value, Path) and re.search(rf"'{re.escape(str(value))}[^']*'", line)
+        if quoted and option not in line:
+            return f"{line} ({option})"
+    return line
+
+
+@contextlib.contextmanager
+def _warnings_as_lines(command: str) -> Iterator[None]:
+    """Show each warning as one ``torchturbo CMD: warning: ...`` line (Python shows two)."""
+
+    def show(message: Any, *_args: Any, **_kwargs: Any) -> None:
+        print(f"torchturbo {command}: warning: {' '.join(str(message).split())}", file=sys.stderr)
+
+    with warnings.catch_warnings():
+        warnings.showwarning = show
+        yield
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors on one line (no usage block), exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="torchturbo",
         description="Make PyTorch training faster and leaner, and prove it by measurement.",
     )
@@ -201,7 +275,19 @@ def _add_target_arguments(parser: argparse.ArgumentParser) -> None:
         help="size of the built-in workload: small steps take 0.05-0.2 s on a 2-core CPU, "
         "large ones 1-5 s, as real models do (default small)",
     )
-    parser.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available)")
+    parser.add_argument(
+        "--device", type=_device, help="cpu, cuda or cuda:N (default: cuda when available)"
+    )
+
+
+def _device(text: str) -> str:
+    """--device's value, checked like a config's ``device`` before any work starts."""
+    from torchturbo.config import device_problem
+
+    problem = device_problem(text, name="")
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem)
+    return text
 
 
 def _add_config_arguments(parser: argparse.ArgumentParser, *, default_preset: str) -> None:
@@ -216,11 +302,29 @@ def _add_config_arguments(parser: argparse.ArgumentParser, *, default_preset: st
 
 
 def chosen_config(args: argparse.Namespace) -> Any:
-    """The TurboConfig named by --config or --preset, with --device applied."""
+    """The TurboConfig named by --config or --preset, with --device applied, checked against
+    this machine and launch: errors raise, warnings print one line each."""
     from torchturbo.config import TurboConfig
 
     config = TurboConfig.load(args.config) if args.config else TurboConfig.preset(args.preset)
-    return config.replace(device=args.device) if args.device else config
+    config = config.replace(device=args.device) if args.device else config
+    return checked_against_environment(config, args)
+
+
+def checked_against_environment(config: Any, args: argparse.Namespace) -> Any:
+    """``config``, once :func:`~torchturbo.config.check_environment` found no error in it.
+
+    With an error, the warnings join it in the one error line: every problem at once.
+    """
+    from torchturbo.config import ConfigError, Environment, check_environment
+
+    errors, warnings = check_environment(config, Environment.current())
+    if errors:
+        source = str(args.config) if getattr(args, "config", None) else "the config"
+        raise ConfigError(*errors, *warnings, where=source)
+    for warning in warnings:
+        print(f"torchturbo {args.command}: warning: {warning}", file=sys.stderr)
+    return config
 
 
 def load_target(args: argparse.Namespace) -> Any:
@@ -249,6 +353,8 @@ def _run_bench(args: argparse.Namespace) -> int:
 
     if args.steps < 2:
         raise ValueError(f"--steps {args.steps} is too few: give at least 2 timed steps")
+    if args.json:
+        check_output_file(args.json, "--json")
     chosen = chosen_config(args)
     baseline = TurboConfig(device=chosen.device)
     configs = {"baseline": baseline}
@@ -378,8 +484,12 @@ def _run_doctor(args: argparse.Namespace) -> int:
     if args.steps < 1:
         raise ValueError(f"--steps {args.steps} is too few: profile at least 1 step")
     config = TurboConfig.load(args.config) if args.config else None
+    if config is not None:
+        checked_against_environment(config, args)
     if args.trace:
-        check_writable(args.trace)
+        check_writable(args.trace, "--trace")
+    if args.json:
+        check_output_file(args.json, "--json")
     recipe = load_target(args)
     device = args.device or (config.device if config else "auto")
     with launched(device):
@@ -407,7 +517,13 @@ def _run_doctor(args: argparse.Namespace) -> int:
 def _run_export(args: argparse.Namespace) -> int:
     from torchturbo.techniques.export import export_recipe
 
-    report = export_recipe(load_target(args), args.out, method=args.method)
+    check_output_file(args.out, "--out")
+    try:
+        report = export_recipe(load_target(args), args.out, method=args.method)
+    except RuntimeError as err:  # torch's zip writer reports a failed write (a full disk) so
+        if "PytorchStreamWriter" not in str(err):
+            raise
+        raise ValueError(f"--out {str(args.out)!r}: writing failed: {err}") from err
     print(
         f"wrote {report.path} ({report.size_bytes:,} B in {report.export_s:.1f} s); reloaded and "
         f"checked at batch sizes {report.checked_batch_sizes}: max relative difference "
@@ -417,10 +533,15 @@ def _run_export(args: argparse.Namespace) -> int:
 
 
 def _run_train(args: argparse.Namespace) -> int:
+    from torchturbo.config import INT64_MAX
     from torchturbo.train import train
 
-    if args.steps < 1:
-        raise ValueError(f"--steps {args.steps} is invalid: train at least 1 step")
+    if not 1 <= args.steps <= INT64_MAX:
+        raise ValueError(f"--steps {args.steps} is invalid: expected 1 to 2**63 - 1 steps")
+    if not 0 <= args.save_every <= INT64_MAX:
+        raise ValueError(
+            f"--save-every {args.save_every} is invalid: expected >= 0 (0 = at the end only)"
+        )
     if args.resume and args.checkpoint_dir is None:
         raise ValueError("--resume needs --checkpoint-dir to know where to resume from")
     config = chosen_config(args)
@@ -437,23 +558,42 @@ def _run_train(args: argparse.Namespace) -> int:
     )
     loss = "n/a" if result.last_loss is None else f"{result.last_loss:.4f}"
     print(
-        f"trained to optimizer step {result.optimizer_steps}, last loss {loss}, micro-batch "
+        f"trained to optimizer step {result.optimizer_steps}, last loss {loss}"
+        + (f" ({result.skipped_steps} steps skipped)" if result.skipped_steps else "")
+        + ", micro-batch "
         f"split {result.micro_batch_split} (size {result.micro_batch_size}); "
         f"resumed from {result.resumed_from}; last checkpoint {result.saved}"
     )
     return 0
 
 
-def check_writable(directory: Path) -> None:
-    """Fail before hours of tuning, not after, when the output cannot be written."""
+def check_writable(directory: Path, option: str = "--out") -> None:
+    """Fail before hours of tuning, not after, when the output directory cannot be written.
+
+    The directory (and its parents) is created if missing; errors name ``option`` and the path.
+    """
     import os
     import tempfile
 
-    directory.mkdir(parents=True, exist_ok=True)
-    if not directory.is_dir() or not os.access(directory, os.W_OK):
-        raise ValueError(f"output directory {str(directory)!r} is not writable")
-    with tempfile.TemporaryFile(dir=directory):
-        pass
+    where = f"{option} {str(directory)!r}"
+    if directory.exists() and not directory.is_dir():
+        raise ValueError(f"{where} is not a directory; give a directory to write into")
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        if not os.access(directory, os.W_OK):
+            raise PermissionError(13, os.strerror(13))
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as err:
+        raise ValueError(f"{where} cannot be written: {err.strerror or err}") from err
+
+
+def check_output_file(path: Path, option: str) -> None:
+    """Fail before the work, not after, when ``path`` cannot be written as a file."""
+    where = f"{option} {str(path)!r}"
+    if path.is_dir():
+        raise ValueError(f"{where} is a directory; give a file name")
+    check_writable(path.parent, option=f"the directory of {option}")
 
 
 def _with_status(title: str, work: Callable[[Callable[[str], None]], Any]) -> Any:

@@ -454,7 +454,7 @@ class TurboConfig:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
     def __post_init__(self) -> None:
-        problems = [] if (problem := _device_problem(self.device)) is None else [problem]
+        problems = [] if (problem := device_problem(self.device)) is None else [problem]
         for name, section_type in _SECTIONS.items():
             if not isinstance(getattr(self, name), section_type):
                 problems.append(f"[{name}] must be a {section_type.__name__}")
@@ -508,7 +508,7 @@ class TurboConfig:
                 f"{_did_you_mean(unknown, {'device', *_SECTIONS})}; "
                 f"allowed: {['device', *_SECTIONS]}"
             )
-        if "device" in data and (problem := _device_problem(data["device"])) is not None:
+        if "device" in data and (problem := device_problem(data["device"])) is not None:
             problems.append(problem)
         kwargs: dict[str, Any] = {"device": data.get("device", "auto")}
         for name, section_type in _SECTIONS.items():
@@ -566,13 +566,14 @@ def _did_you_mean(unknown: set[str], allowed: set[str]) -> str:
     return f" (did you mean {', '.join(guesses)}?)" if guesses else ""
 
 
-def _device_problem(device: Any) -> str | None:
-    """Why ``device`` is not a device name torchturbo can use, or None."""
+def device_problem(device: Any, *, name: str = "device = ") -> str | None:
+    """Why ``device`` is not a device name torchturbo can use, or None. ``name`` is how the
+    message introduces the value."""
     match = _DEVICE.fullmatch(device) if isinstance(device, str) else None
     if match is not None and int(match["index"] or 0) <= MAX_CUDA_INDEX:
         return None
     return (
-        f"device = {_quote(device)} is invalid: expected 'auto', 'cpu', 'cuda' or 'cuda:N' "
+        f"{name}{_quote(device)} is invalid: expected 'auto', 'cpu', 'cuda' or 'cuda:N' "
         f"with N from 0 to {MAX_CUDA_INDEX}"
     )
 

@@ -1,7 +1,18 @@
-"""Recipe: what a user hands torchturbo, and loading one from ``file.py:function``.
+"""Recipe: what a user hands torchturbo, loading one from ``file.py:function``, and naming the
+user function that failed.
 
 A recipe holds *factories* rather than instances so that the tuner can build a fresh model and
 optimizer from the same initial weights for every trial.
+
+**The boundary around user code.** An exception raised by the user's code is the user's to fix,
+and deserves one line that says which of their functions failed and with what, not a traceback
+through torchturbo. The recipe function and the factories are called through :func:`call_user`,
+which names them by role ("the model factory"); everything else (dataset items, collate,
+``loss_fn`` and the model it runs) is attributed after the fact by :func:`user_code_failure`,
+which reads the traceback: the DataLoader's fetch frame marks a failure of the dataset or the
+collate function, and frames in files that belong to neither torchturbo, torch nor an installed
+package mark the user's code. Wrapping the dataset or the loss function instead would change
+their types, which the doctor and the data loaders inspect.
 """
 
 from __future__ import annotations
@@ -9,7 +20,11 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
+import re
+import site
 import sys
+import sysconfig
+import traceback
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +39,10 @@ LossFn = Callable[[nn.Module, Any], "torch.Tensor | tuple[torch.Tensor, int | to
 
 class RecipeError(ValueError):
     """A recipe could not be loaded or is malformed; the message says what to fix."""
+
+
+class UserCodeError(RecipeError):
+    """A function of the user's recipe raised; the message names the function and the error."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,9 +71,19 @@ class Recipe:
     extras: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.batch_size, int) or self.batch_size < 1:
+        if not _is_int(self.batch_size) or self.batch_size < 1:
             raise RecipeError(
                 f"Recipe {self.name!r}: batch_size must be a positive int, got {self.batch_size!r}"
+            )
+        if not _is_int(self.seed) or not -(2**63) <= self.seed < 2**63:
+            raise RecipeError(
+                f"Recipe {self.name!r}: seed must be an int that fits int64 (torch.manual_seed), "
+                f"got {self.seed!r}"
+            )
+        if _length(self.dataset) == 0:
+            raise RecipeError(
+                f"Recipe {self.name!r}: the dataset is empty (len(dataset) == 0): there is nothing "
+                "to train on"
             )
         if self.count_unit not in ("samples", "tokens"):
             raise RecipeError(
@@ -80,10 +109,37 @@ class Recipe:
         return functools.partial(pad_collate, pad_values=self.pad_values)
 
     def build(self) -> tuple[nn.Module, torch.optim.Optimizer]:
-        """A fresh model and optimizer, with initial weights fixed by ``seed``."""
+        """A fresh model and optimizer, with initial weights fixed by ``seed``.
+
+        A factory that raises, or returns something else than a module or an optimizer, is a
+        :class:`RecipeError` naming the factory.
+        """
         torch.manual_seed(self.seed)
-        model = self.model()
-        return model, self.optimizer(model.parameters())
+        model = call_user("the model factory", self.model)
+        if not isinstance(model, nn.Module):
+            raise RecipeError(
+                f"Recipe {self.name!r}: the model factory {describe_callable(self.model)} "
+                f"returned {type(model).__name__}, expected a torch.nn.Module"
+            )
+        optimizer = call_user("the optimizer factory", self.optimizer, model.parameters())
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise RecipeError(
+                f"Recipe {self.name!r}: the optimizer factory {describe_callable(self.optimizer)} "
+                f"returned {type(optimizer).__name__}, expected a torch.optim.Optimizer"
+            )
+        return model, optimizer
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _length(dataset: Any) -> int | None:
+    """``len(dataset)``, or None for an iterable dataset without a length."""
+    try:
+        return len(dataset)
+    except TypeError:
+        return None
 
 
 def load_recipe(spec: str) -> Recipe:
@@ -103,7 +159,7 @@ def load_recipe(spec: str) -> Recipe:
         raise RecipeError(f"recipe {spec!r}: {where} has no {func_name!r}; it defines {public}")
     if not callable(func):
         raise RecipeError(f"recipe {spec!r}: {func_name!r} is not a function")
-    recipe = func()
+    recipe = call_user("the recipe function", func)
     if not isinstance(recipe, Recipe):
         raise RecipeError(
             f"recipe {spec!r}: {func_name}() returned {type(recipe).__name__}, "
@@ -134,3 +190,126 @@ def _import_module(name: str) -> Any:
         return importlib.import_module(name)
     except ImportError as err:
         raise RecipeError(f"recipe module {name!r} cannot be imported: {err}") from err
+
+
+# --- the boundary around user code ---------------------------------------------------------
+
+#: One line of an error message at most this long: the rest of a torch message is detail.
+_MAX_MESSAGE = 300
+_FETCH = str(Path("torch", "utils", "data", "_utils", "fetch.py"))
+_COLLATE = str(Path("torch", "utils", "data", "_utils", "collate.py"))
+_WORKER_FRAME = re.compile(r'File "(?P<file>.+?)", line (?P<line>\d+), in (?P<name>\S+)')
+
+
+def call_user(role: str, function: Callable[..., Any], *args: Any) -> Any:
+    """``function(*args)``; what it raises becomes a :class:`UserCodeError` naming ``role``.
+
+    torchturbo's own errors, raised by torchturbo code the user's function called, pass through:
+    their message already says what to fix.
+    """
+    try:
+        return function(*args)
+    except Exception as err:
+        if is_torchturbo_error(err):
+            raise
+        raise UserCodeError(
+            f"{role} {describe_callable(function)} raised {describe_exception(err)}"
+        ) from err
+
+
+def is_torchturbo_error(err: BaseException) -> bool:
+    """Whether ``err`` is one of torchturbo's error types, whose message is written for users."""
+    return type(err).__module__.split(".")[0] == "torchturbo"
+
+
+def describe_callable(function: Any) -> str:
+    """``make_model (recipe.py:12)``, ``<lambda> (recipe.py:30)`` or ``TinyConv``."""
+    while isinstance(function, functools.partial):
+        function = function.func
+    code = getattr(function, "__code__", None)
+    name = getattr(function, "__qualname__", None) or type(function).__name__
+    return f"{name} ({Path(code.co_filename).name}:{code.co_firstlineno})" if code else name
+
+
+def describe_exception(err: BaseException) -> str:
+    """``KeyError: 'y'``: the type and the first line of the message, cut short."""
+    lines = str(err).strip().splitlines()
+    text = f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
+    return text if len(text) <= _MAX_MESSAGE else text[: _MAX_MESSAGE - 3] + "..."
+
+
+def user_code_failure(err: BaseException) -> str | None:
+    """One line naming the user function that raised ``err``, or None if none did.
+
+    A failure inside the DataLoader's fetch (``dataset[i]`` or the collate function, in the
+    training process or a worker) names which of the two failed; otherwise the outermost frame
+    of the user's own files is the function torchturbo called, and the innermost one is where
+    it failed. None means no user code is on the traceback: the error is torchturbo's or torch's.
+    """
+    worker = _worker_traceback(err)
+    if worker is not None:
+        frames, raised = worker
+    else:
+        frames = [_frame(f, line) for f, line in traceback.walk_tb(err.__traceback__)]
+        raised = describe_exception(err)
+    fetch = [i for i, (file, _, _) in enumerate(frames) if file.endswith(_FETCH)]
+    if fetch:
+        return (
+            f"the data loader could not build a batch: {_fetched(frames[fetch[-1] + 1 :], raised)}"
+        )
+    user = [frame for frame in frames if _is_user_file(frame[0])]
+    if not user:
+        return None
+    (_, _, entry), (file, line, name) = user[0], user[-1]
+    where = f"{Path(file).name}:{line}" + (f" in {name}" if name != entry else "")
+    return f"{entry} raised {raised} ({where})"
+
+
+def _frame(frame: Any, line: int) -> tuple[str, int, str]:
+    code = frame.f_code
+    return code.co_filename, line, getattr(code, "co_qualname", code.co_name)
+
+
+def _worker_traceback(err: BaseException) -> tuple[list[tuple[str, int, str]], str] | None:
+    """(frames, "Type: message") of an exception re-raised from a DataLoader worker, whose
+    traceback in this process ends in torch; the worker's traceback is in the message."""
+    text = str(err)
+    if not (text.startswith("Caught ") and " in DataLoader worker process " in text):
+        return None
+    frames = [(m["file"], int(m["line"]), m["name"]) for m in _WORKER_FRAME.finditer(text)]
+    raised = text.strip().splitlines()[-1].strip()
+    return frames, raised[:_MAX_MESSAGE]
+
+
+def _fetched(inner: list[tuple[str, int, str]], raised: str) -> str:
+    """Which of the dataset and the collate function raised, from the frames past fetch."""
+    inner = [frame for frame in inner if not frame[0].endswith(_FETCH)]
+    if not inner:
+        return f"indexing the dataset raised {raised}"
+    file, line, name = inner[0]
+    if name.split(".")[-1] in ("__getitem__", "__getitems__"):
+        return f"the dataset's {name} ({Path(file).name}:{line}) raised {raised}"
+    if file.endswith(_COLLATE):
+        return (
+            f"torch's default_collate raised {raised}; the samples must have one structure of "
+            "tensors, numbers and dicts/lists of them, or the Recipe needs a collate function"
+        )
+    return f"the collate function {name} ({Path(file).name}:{line}) raised {raised}"
+
+
+@functools.cache
+def _library_dirs() -> tuple[str, ...]:
+    """Where installed code lives: the standard library, site-packages, torchturbo itself."""
+    paths = sysconfig.get_paths()
+    dirs = {paths[key] for key in ("stdlib", "platstdlib", "purelib", "platlib") if key in paths}
+    dirs.update(site.getsitepackages())
+    dirs.add(str(Path(__file__).resolve().parent))
+    dirs.add(str(Path(torch.__file__).resolve().parent))
+    return tuple(sorted(str(Path(d).resolve()) for d in dirs))
+
+
+def _is_user_file(filename: str) -> bool:
+    """A real file outside the standard library, installed packages and torchturbo."""
+    if filename.startswith("<"):  # <frozen importlib._bootstrap>, <string>, ...
+        return False
+    return not str(Path(filename).resolve()).startswith(_library_dirs())

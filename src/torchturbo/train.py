@@ -14,9 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from torchturbo.checkpoint import checkpoint_name
-from torchturbo.config import TurboConfig
+from torchturbo.config import INT64_MAX, ConfigError, TurboConfig
 from torchturbo.engine import Turbo
 from torchturbo.recipe import Recipe
+from torchturbo.resume_checks import check_steps
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,8 @@ class TrainResult:
     optimizer_steps: int
     #: Mean loss of the last batch trained (None when no step was left to train).
     last_loss: float | None
+    #: Optimizer steps skipped, over the whole run: non-finite (the guard) or fp16 overflow.
+    skipped_steps: int
     #: The checkpoint the run resumed from, and the last one it wrote.
     resumed_from: Path | None
     saved: Path | None
@@ -48,14 +51,11 @@ def train(
     """Train ``recipe`` for ``steps`` optimizer steps (counted across resumes).
 
     ``save_every`` > 0 saves every that many optimizer steps into ``checkpoint_dir``, which is
-    also saved at the end; ``resume`` continues from its newest valid checkpoint.
+    also saved at the end; ``resume`` continues from its newest valid checkpoint, whose step must
+    not exceed ``steps``. A run that ends on skipped non-finite steps raises
+    :class:`~torchturbo.guard.NonFiniteError` instead of returning, and saves nothing.
     """
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps = {steps!r} is invalid: expected a positive int")
-    if save_every < 0:
-        raise ValueError(f"save_every = {save_every} is invalid: expected >= 0 (0 = at the end)")
-    if (resume or save_every) and checkpoint_dir is None:
-        raise ValueError("resume and save_every need a checkpoint directory (checkpoint_dir=)")
+    _check_arguments(steps, save_every, checkpoint_dir, resume)
     turbo = Turbo(config)
     model, optimizer = recipe.build()
     _, _, loader = turbo.setup(
@@ -68,8 +68,11 @@ def train(
         lengths=recipe.lengths,
     )
     assert loader is not None
+    _check_accumulation(config, recipe, len(loader))
     resumed_from = turbo.load(checkpoint_dir) if resume else None
-    saved, last_loss, seen_events = None, None, 0
+    if resumed_from is not None:
+        check_steps(steps, turbo.optimizer_steps, resumed_from)
+    saved, last_loss, seen_events, first_step = None, None, 0, turbo.optimizer_steps
     try:
         while turbo.optimizer_steps < steps:
             if len(loader) == 0:
@@ -87,17 +90,51 @@ def train(
                     saved = turbo.save(checkpoint_dir)
                 if turbo.optimizer_steps >= steps:
                     break
+        turbo.guard.raise_if_ending_nonfinite(turbo.model, turbo.optimizer_steps)
         just_saved = saved is not None and saved.name == checkpoint_name(turbo.optimizer_steps)
-        if checkpoint_dir is not None and not just_saved:
+        trained = turbo.optimizer_steps > first_step
+        if checkpoint_dir is not None and trained and not just_saved:
             saved = turbo.save(checkpoint_dir)
     finally:
         turbo.close()
     return TrainResult(
         optimizer_steps=turbo.optimizer_steps,
         last_loss=last_loss,
+        skipped_steps=turbo.skipped_steps,
         resumed_from=resumed_from,
         saved=saved,
         micro_batch_split=turbo.microbatcher.split,
         micro_batch_size=turbo.microbatcher.micro_batch_size,
         events=tuple(turbo.microbatcher.events),
     )
+
+
+def _check_arguments(
+    steps: int, save_every: int, checkpoint_dir: str | Path | None, resume: bool
+) -> None:
+    """Refuse arguments no run can use, each error naming the argument and what is allowed."""
+    for name, value, low in (("steps", steps, 1), ("save_every", save_every, 0)):
+        is_int = isinstance(value, int) and not isinstance(value, bool)
+        if not is_int or not low <= value <= INT64_MAX:
+            raise ValueError(
+                f"{name} = {value!r} is invalid: expected an int >= {low}"
+                + (" and <= 2**63 - 1" if is_int and value > INT64_MAX else "")
+                + (" (0 = save at the end only)" if name == "save_every" else "")
+            )
+    if (resume or save_every) and checkpoint_dir is None:
+        raise ValueError("resume and save_every need a checkpoint directory (checkpoint_dir=)")
+    directory = Path(checkpoint_dir) if checkpoint_dir is not None else None
+    if directory is not None and directory.exists() and not directory.is_dir():
+        raise ValueError(f"checkpoint directory {str(directory)!r} is not a directory")
+
+
+def _check_accumulation(config: TurboConfig, recipe: Recipe, batches_per_epoch: int) -> None:
+    """A window closes at the end of an epoch (so that no gradient is lost): more micro-steps
+    than an epoch has batches would silently make every window one epoch."""
+    steps = config.accumulation.steps
+    if steps > batches_per_epoch:
+        raise ConfigError(
+            f"[accumulation] steps = {steps} is more than the {batches_per_epoch} batches of an "
+            f"epoch of recipe {recipe.name!r}: every window would close at the epoch's end "
+            f"after {batches_per_epoch}; use steps <= {batches_per_epoch}"
+        )

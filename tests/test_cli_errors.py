@@ -1,0 +1,437 @@
+"""Every bad input the CLI meets ends in one line on stderr, exit code 2 and no traceback.
+
+One table of cases, each a class of bad input a new user types: config values and files,
+arguments, recipe code and data that fail, non-finite training, incompatible or hand-edited
+checkpoints, paths that cannot be written. The cases run through ``main()`` in this process
+(a traceback would surface as the exception itself); the tests after the table run the real
+command in a subprocess where only a subprocess can: a file-size limit that makes a checkpoint
+write fail, and the exit code and stderr of the installed entry point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import signal
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import edit_checkpoint_json
+
+from torchturbo import Turbo, TurboConfig
+from torchturbo.checkpoint import MANIFEST
+from torchturbo.cli import error_line, main
+from torchturbo.config import DataConfig
+from torchturbo.data.loader import build_loader
+from torchturbo.recipe import UserCodeError
+from torchturbo.workloads import get_workload
+
+RECIPES = Path(__file__).parent / "recipes"
+TINY = f"{RECIPES / 'tiny.py'}:recipe"
+
+
+def broken(name: str) -> str:
+    return f"{RECIPES / 'broken.py'}:{name}"
+
+
+def train(recipe: str, *more: str) -> list[str]:
+    return ["train", recipe, "--device", "cpu", "--steps", "2", *more]
+
+
+def toml(tmp: Path, text: str) -> Path:
+    path = tmp / "turbo.toml"
+    path.write_text(text)
+    return path
+
+
+def file_at(tmp: Path, name: str, data: bytes = b"") -> Path:
+    path = tmp / name
+    path.write_bytes(data)
+    return path
+
+
+def checkpointed(tmp: Path, recipe: str = TINY, steps: int = 4) -> Path:
+    """A checkpoint directory holding a run of ``recipe`` to ``steps`` (made through the CLI)."""
+    ckpt = tmp / "ckpt"
+    argv = ["train", recipe, "--device", "cpu", "--steps", str(steps), "--checkpoint-dir", ckpt]
+    assert main([str(a) for a in argv]) == 0
+    return ckpt
+
+
+def edited(ckpt: Path, name: str, edit: Callable[[dict], None]) -> Path:
+    """``ckpt`` with a JSON file of its newest checkpoint edited by hand."""
+    edit_checkpoint_json(sorted(ckpt.glob("ckpt-*"))[-1], name, edit)
+    return ckpt
+
+
+def resume(ckpt: Path, recipe: str = TINY, steps: int = 6) -> list[str]:
+    return [
+        "train",
+        recipe,
+        "--device",
+        "cpu",
+        "--checkpoint-dir",
+        ckpt,
+        "--resume",
+        "--steps",
+        str(steps),
+    ]
+
+
+# Each case: tmp_path -> (argv, a part of the one line it must print).
+CASES: dict[str, Callable[[Path], tuple[list, str]]] = {
+    # --- config values ---------------------------------------------------------------------
+    "max_norm nan": lambda t: (
+        [*train(TINY), "--config", toml(t, "[clipping]\nmax_norm = nan")],
+        "[clipping] max_norm = nan is invalid: expected a finite number > 0",
+    ),
+    "max_norm inf": lambda t: (
+        [*train(TINY), "--config", toml(t, "[clipping]\nmax_norm = inf")],
+        "max_norm = inf is invalid",
+    ),
+    "norm_type negative": lambda t: (
+        [*train(TINY), "--config", toml(t, "[clipping]\nnorm_type = -3.0")],
+        "norm_type = -3.0 is invalid: expected a finite number >= 1, or inf",
+    ),
+    "bucket_cap_mb nan": lambda t: (
+        [*train(TINY), "--config", toml(t, "[distributed]\nbucket_cap_mb = nan")],
+        "bucket_cap_mb = nan is invalid",
+    ),
+    "accumulation beyond int64": lambda t: (
+        [*train(TINY), "--config", toml(t, "[accumulation]\nsteps = 99999999999999999999")],
+        "<= 2**63 - 1",
+    ),
+    "accumulation beyond an epoch": lambda t: (
+        [*train(TINY), "--config", toml(t, "[accumulation]\nsteps = 1000000000000")],
+        "is more than the 8 batches of an epoch",
+    ),
+    "num_workers huge": lambda t: (
+        [*train(TINY), "--config", toml(t, "[data]\nnum_workers = 1000000")],
+        "num_workers = 1000000 is invalid",
+    ),
+    "device cuda:banana in a file": lambda t: (
+        ["train", TINY, "--steps", "2", "--config", toml(t, 'device = "cuda:banana"')],
+        "device = 'cuda:banana' is invalid",
+    ),
+    "wrong type": lambda t: (
+        [*train(TINY), "--config", toml(t, '[accumulation]\nsteps = "4"')],
+        "steps = '4' is invalid: expected int",
+    ),
+    "typo in a key": lambda t: (
+        [*train(TINY), "--config", toml(t, '[precision]\ndtyp = "bf16"')],
+        "did you mean 'dtyp' -> 'dtype'?",
+    ),
+    "every problem of a file": lambda t: (
+        [
+            *train(TINY),
+            "--config",
+            toml(t, "[clipping]\nmax_norm = nan\n[data]\nnum_workers = -1\n[x]\ny = 1"),
+        ],
+        "3 problems: ",
+    ),
+    "contradictory config": lambda t: (
+        [
+            *train(TINY),
+            "--config",
+            toml(
+                t,
+                '[precision]\ndtype = "fp16"\n[compile]\nmode = "reduce-overhead"\n'
+                '[checkpointing]\nmode = "full"\n[distributed]\nstrategy = "fsdp"\n',
+            ),
+        ],
+        "3 problems: [compile] mode = 'reduce-overhead' with [checkpointing] mode = 'full'",
+    ),
+    # --- config files ----------------------------------------------------------------------
+    "binary config": lambda t: (
+        [*train(TINY), "--config", file_at(t, "x.toml", b"\xd0\xcf\x11\xe0\x00binary")],
+        "is not UTF-8 text (byte 0xd0 at offset 0)",
+    ),
+    "directory as config": lambda t: ([*train(TINY), "--config", t], "is a directory"),
+    "/dev/null as config": lambda t: (
+        [*train(TINY), "--config", "/dev/null"],
+        "'/dev/null' is a character device, not a file (--config)",
+    ),
+    "missing config": lambda t: ([*train(TINY), "--config", t / "no.toml"], "does not exist"),
+    "invalid TOML": lambda t: ([*train(TINY), "--config", toml(t, "[precision")], "valid TOML"),
+    "nested too deeply": lambda t: (
+        [*train(TINY), "--config", toml(t, "x = " + "[" * 3000 + "]" * 3000)],
+        "too deeply",
+    ),
+    # --- arguments -------------------------------------------------------------------------
+    "memory budget inf": lambda t: (
+        ["tune", TINY, "--memory-budget", "inf"],
+        "argument --memory-budget: 'inf' is not a size",
+    ),
+    "memory budget negative": lambda t: (
+        [*train(TINY), "--memory-budget=-1G"],
+        "'-1G': the size must be at least 1 byte",
+    ),
+    "memory budget overflow": lambda t: (
+        [*train(TINY), "--memory-budget", "99999999999999999999T"],
+        "too large",
+    ),
+    "time budget inf": lambda t: (
+        ["tune", TINY, "--time-budget", "inf"],
+        "'inf' is not a duration",
+    ),
+    "time budget negative": lambda t: (
+        ["tune", TINY, "--time-budget=-5m"],
+        "must be positive",
+    ),
+    "time budget nan": lambda t: (["tune", TINY, "--time-budget", "nan"], "not a duration"),
+    "device banana": lambda t: (
+        ["bench", TINY, "--device", "banana"],
+        "argument --device: 'banana' is invalid",
+    ),
+    "device cuda:banana": lambda t: (
+        ["doctor", TINY, "--device", "cuda:banana"],
+        "argument --device: 'cuda:banana' is invalid",
+    ),
+    "device absent": lambda t: (["bench", TINY, "--device", "cuda:7"], "no CUDA device"),
+    "steps zero": lambda t: ([*train(TINY)[:-1], "0"], "--steps 0 is invalid"),
+    "steps not a number": lambda t: ([*train(TINY)[:-1], "ten"], "invalid int value: 'ten'"),
+    "save-every negative": lambda t: ([*train(TINY), "--save-every", "-1"], "--save-every -1"),
+    "resume without a directory": lambda t: (
+        [*train(TINY), "--resume"],
+        "--resume needs --checkpoint-dir",
+    ),
+    "unknown option": lambda t: ([*train(TINY), "--fast"], "unrecognized arguments: --fast"),
+    "unknown method": lambda t: (
+        ["export", TINY, "--out", t / "m.pt2", "--method", "onnx"],
+        "argument --method: invalid choice: 'onnx'",
+    ),
+    "bench steps": lambda t: (["bench", TINY, "--steps", "1"], "--steps 1 is too few"),
+    # --- recipe code and data --------------------------------------------------------------
+    "missing recipe file": lambda t: (train("missing.py:recipe"), "does not exist"),
+    "missing recipe function": lambda t: (train(broken("nope")), "has no 'nope'"),
+    "recipe returns an int": lambda t: (
+        train(TINY.replace(":recipe", ":not_a_recipe")),
+        "returned int, expected torchturbo.Recipe",
+    ),
+    "recipe raises": lambda t: (
+        train(broken("raises")),
+        "the recipe function raises (broken.py:",
+    ),
+    "model factory raises": lambda t: (
+        train(broken("model_raises")),
+        "the model factory model_raises.<locals>.make_model (broken.py:",
+    ),
+    "model factory returns a str": lambda t: (
+        train(broken("model_not_a_module")),
+        "returned str, expected a torch.nn.Module",
+    ),
+    "optimizer factory raises": lambda t: (
+        train(broken("optimizer_raises")),
+        "raised ValueError: Invalid learning rate: -1.0",
+    ),
+    "optimizer factory returns a list": lambda t: (
+        train(broken("optimizer_not_an_optimizer")),
+        "returned list, expected a torch.optim.Optimizer",
+    ),
+    "dict sample missing a key": lambda t: (
+        train(broken("missing_key")),
+        "torch's default_collate raised KeyError: 'y'",
+    ),
+    "dict sample missing a key, in a worker": lambda t: (
+        [*train(broken("missing_key")), "--config", toml(t, "[data]\nnum_workers = 1")],
+        "torch's default_collate raised KeyError: 'y'",
+    ),
+    "None in samples": lambda t: (
+        train(broken("none_in_samples")),
+        "default_collate raised TypeError",
+    ),
+    "strings in samples": lambda t: (
+        train(broken("strings_in_samples")),
+        "loss_fn failed on a batch of structure list(Tensor[8, 4] float32, tuple(str",
+    ),
+    "loss count is a string": lambda t: (
+        train(broken("loss_count_is_a_string")),
+        "it returned tuple(Tensor[] float32, str)",
+    ),
+    "model forward fails": lambda t: (
+        train(broken("model_shape_mismatch")),
+        "raised RuntimeError: mat1 and mat2 shapes cannot be multiplied",
+    ),
+    "dataset item raises": lambda t: (
+        train(broken("dataset_raises")),
+        "the dataset's FlakyDataset.__getitem__ (broken.py:",
+    ),
+    "collate raises": lambda t: (
+        train(broken("collate_raises")),
+        "the collate function collate_raises.<locals>.collate (broken.py:",
+    ),
+    "empty dataset": lambda t: (train(broken("empty_dataset")), "the dataset is empty"),
+    # --- non-finite training ---------------------------------------------------------------
+    "NaN inputs, run shorter than the patience": lambda t: (
+        train(broken("nan_inputs")),
+        "the run ended with 2 non-finite optimizer step(s) in a row",
+    ),
+    "NaN inputs, patience exhausted": lambda t: (
+        [*train(broken("nan_inputs"))[:-1], "6"],
+        "non-finite for 3 consecutive optimizer steps",
+    ),
+    "weights blow up": lambda t: (
+        [*train(broken("infinite_learning_rate"))[:-1], "20"],
+        "non-finite for 3 consecutive optimizer steps (up to optimizer step 4)",
+    ),
+    "weights blow up, saved every step": lambda t: (
+        [*train(broken("infinite_learning_rate")), "--checkpoint-dir", t, "--save-every", "1"],
+        "refusing to save a checkpoint of non-finite weights: model['weight']",
+    ),
+    # --- resume ----------------------------------------------------------------------------
+    "steps below the checkpoint's": lambda t: (
+        resume(checkpointed(t, steps=4), steps=2),
+        "cannot train to optimizer step 2 (--steps)",
+    ),
+    "another architecture": lambda t: (
+        resume(checkpointed(t, broken("sgd")), broken("wider")),
+        "'0.weight' is [6, 4] in the checkpoint and [8, 4] in the model",
+    ),
+    "another optimizer type": lambda t: (
+        resume(checkpointed(t, broken("adam")), broken("sgd")),
+        "the checkpoint's optimizer is Adam, this run's is SGD",
+    ),
+    "manifest missing an entry": lambda t: (
+        resume(edited(checkpointed(t), MANIFEST, lambda m: m["files"].pop("state.json"))),
+        "its manifest lists no state.json",
+    ),
+    "counter is a string": lambda t: (
+        resume(edited(checkpointed(t), "state.json", lambda s: s.update(skipped_steps="0"))),
+        "skipped_steps = '0' is invalid",
+    ),
+    "loader position beyond the data": lambda t: (
+        resume(edited(checkpointed(t, steps=4), "state.json", lambda s: s.update(loader=[0, 99]))),
+        "epoch 0, batch 99 is out of range: this run's loader has 8 batches per epoch",
+    ),
+    "micro_batch_split zero": lambda t: (
+        resume(edited(checkpointed(t), "state.json", lambda s: s.update(micro_batch_split=0))),
+        "micro_batch_split = 0 is invalid",
+    ),
+    "no checkpoint to resume": lambda t: (resume(t), "holds no checkpoint"),
+    # --- paths -----------------------------------------------------------------------------
+    "checkpoint dir is a file": lambda t: (
+        [*train(TINY), "--checkpoint-dir", file_at(t, "file")],
+        "is not a directory (--checkpoint-dir)",
+    ),
+    "tune --out is a file": lambda t: (
+        ["tune", TINY, "--out", file_at(t, "file")],
+        "--out '",
+    ),
+    "export --out unwritable": lambda t: (
+        ["export", TINY, "--out", "/proc/torchturbo/model.pt2"],
+        "cannot be written",
+    ),
+    "export --out is a directory": lambda t: (["export", TINY, "--out", t], "is a directory"),
+    "bench --json under a file": lambda t: (
+        ["bench", TINY, "--json", file_at(t, "file") / "out.json"],
+        "is not a directory",
+    ),
+    "doctor --trace is a file": lambda t: (
+        ["doctor", TINY, "--trace", file_at(t, "file")],
+        "--trace '",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_input_prints_one_line_and_exits_2(case, tmp_path, capsys):
+    argv, expected = CASES[case](tmp_path)
+    capsys.readouterr()  # what a setup run printed
+    code = main([str(a) for a in argv])
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert code == 2, err
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith("torchturbo") and expected in lines[0], lines[0]
+
+
+def test_nothing_non_finite_is_saved(tmp_path, capsys):
+    """With the guard off, NaN reaches the weights; the save after that step is refused, and
+    the checkpoints saved before (of finite weights) are all that the directory holds."""
+    ckpt = tmp_path / "ckpt"
+    config = toml(tmp_path, "[reliability]\nnonfinite_patience = 0")
+    argv = [*train(broken("nan_inputs")), "--checkpoint-dir", ckpt, "--save-every", "1"]
+    assert main([str(a) for a in [*argv, "--config", config]]) == 2
+    assert "refusing to save a checkpoint" in capsys.readouterr().err
+    assert not ckpt.exists() or not any(ckpt.iterdir())
+
+
+def test_debug_shows_the_traceback_of_a_user_error():
+    with pytest.raises(UserCodeError, match="recipe exploded") as caught:
+        main(["--debug", *train(broken("raises"))])
+    assert isinstance(caught.value.__cause__, RuntimeError)
+
+
+def test_negative_control_an_error_of_torchturbo_itself_is_not_a_line():
+    """A ValueError that torch raised on a call torchturbo made (no ``raise`` of torchturbo's, no
+    user code) is torchturbo's bug, as is a RuntimeError a ``raise`` of torchturbo's threw:
+    both must show their traceback, not hide behind one line."""
+    args = argparse.Namespace(command="train")
+    dataset = torch.utils.data.TensorDataset(torch.zeros(4, 2))
+    overflow = _raised(
+        build_loader, dataset, batch_size=2, config=DataConfig(), device="cpu", seed=2**64
+    )
+    assert "Overflow" in str(overflow) and error_line(overflow, args) is None
+    not_set_up = _raised(Turbo(TurboConfig(device="cpu")).step, None, None)
+    assert "before Turbo.step" in str(not_set_up) and error_line(not_set_up, args) is None
+    # The control's control: a ValueError that a raise of torchturbo's threw is one line.
+    unknown = _raised(get_workload, "imagenet")
+    assert error_line(unknown, args) == str(unknown)
+
+
+def _raised(function: Callable, *args, **kwargs) -> Exception:
+    """What ``function`` raises, with the traceback main() would see (without this frame, of a
+    file outside torchturbo, which would count as the user's)."""
+    try:
+        function(*args, **kwargs)
+    except Exception as err:
+        return err.with_traceback(err.__traceback__.tb_next)
+    raise AssertionError(f"{function} did not raise")
+
+
+def _run(argv: list[str], **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "torchturbo", *argv],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=os.environ | {"OMP_NUM_THREADS": "1"},
+        **kwargs,
+    )
+
+
+@pytest.mark.slow
+def test_the_installed_command_prints_one_line_and_exits_2():
+    result = _run(train(broken("model_raises")))
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert "Traceback" not in result.stderr and "no weights here" in result.stderr
+
+
+def _file_size_limit(limit: int) -> Callable[[], None]:
+    def apply() -> None:
+        # Past the limit write() fails with EFBIG, as it fails with ENOSPC on a full disk;
+        # SIGXFSZ would kill the process instead of letting it report.
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    return apply
+
+
+@pytest.mark.slow
+def test_a_failed_checkpoint_write_names_the_path_and_keeps_the_earlier_ones(tmp_path):
+    ckpt = checkpointed(tmp_path, steps=2)
+    before = {p.name: (p / "model.pt").read_bytes() for p in ckpt.iterdir()}
+    # The tiny model's optimizer.pt (Adam: two moments per weight) is ~25 kB.
+    argv = [*resume(ckpt, steps=4), "--save-every", "1"]
+    result = _run(argv, preexec_fn=_file_size_limit(16_000))
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+    assert "File too large" in result.stderr and "(--checkpoint-dir)" in result.stderr
+    assert "checkpoints saved before are intact" in result.stderr
+    after = {p.name: (p / "model.pt").read_bytes() for p in ckpt.iterdir()}
+    assert after == before  # no temporary left, the earlier checkpoint untouched
