@@ -435,3 +435,14 @@ def test_a_failed_checkpoint_write_names_the_path_and_keeps_the_earlier_ones(tmp
     assert "checkpoints saved before are intact" in result.stderr
     after = {p.name: (p / "model.pt").read_bytes() for p in ckpt.iterdir()}
     assert after == before  # no temporary left, the earlier checkpoint untouched
+
+
+@pytest.mark.slow
+def test_an_export_that_cannot_be_written_names_the_file(tmp_path):
+    """torch's archive writer, given a path, aborts the process when a write fails; the artefact
+    is serialized in memory and written by torchturbo, so the failure is one line."""
+    out = tmp_path / "model.pt2"
+    result = _run(["export", TINY, "--out", str(out)], preexec_fn=_file_size_limit(4_000))
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr == f"torchturbo export: error: File too large: {str(out)!r} (--out)\n"
+    assert list(tmp_path.iterdir()) == []  # no partial file, no temporary

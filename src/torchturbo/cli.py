@@ -77,6 +77,12 @@ def error_line(err: Exception, args: argparse.Namespace) -> str | None:
     return _naming_the_option(" ".join(line.split()), args)
 
 
+def _describe(err: BaseException) -> str:
+    from torchturbo.recipe import describe_exception
+
+    return describe_exception(err)
+
+
 def _raised_by_torchturbo(err: BaseException) -> bool:
     """Whether a ``raise`` statement in torchturbo's source threw ``err`` (not torch, called by
     torchturbo with something it should have checked)."""
@@ -518,12 +524,18 @@ def _run_export(args: argparse.Namespace) -> int:
     from torchturbo.techniques.export import export_recipe
 
     check_output_file(args.out, "--out")
+    recipe = load_target(args)
     try:
-        report = export_recipe(load_target(args), args.out, method=args.method)
-    except RuntimeError as err:  # torch's zip writer reports a failed write (a full disk) so
-        if "PytorchStreamWriter" not in str(err):
+        report = export_recipe(recipe, args.out, method=args.method)
+    except Exception as err:  # torch.export/jit refusing the user's model is about the model
+        capturing = ("torch/export/", "torch/jit/")
+        frames = [f.f_code.co_filename for f, _ in traceback.walk_tb(err.__traceback__)]
+        if isinstance(err, OSError) or not any(c in f for f in frames for c in capturing):
             raise
-        raise ValueError(f"--out {str(args.out)!r}: writing failed: {err}") from err
+        raise ValueError(
+            f"{args.method} could not capture the model of recipe {recipe.name!r}: "
+            f"{_describe(err)}; --debug shows the traceback"
+        ) from err
     print(
         f"wrote {report.path} ({report.size_bytes:,} B in {report.export_s:.1f} s); reloaded and "
         f"checked at batch sizes {report.checked_batch_sizes}: max relative difference "

@@ -198,6 +198,8 @@ def _import_module(name: str) -> Any:
 _MAX_MESSAGE = 300
 _FETCH = str(Path("torch", "utils", "data", "_utils", "fetch.py"))
 _COLLATE = str(Path("torch", "utils", "data", "_utils", "collate.py"))
+#: What a user function is, by the torchturbo function that called it.
+_ROLES = {"call_loss_fn": "loss_fn"}
 _WORKER_FRAME = re.compile(r'File "(?P<file>.+?)", line (?P<line>\d+), in (?P<name>\S+)')
 
 
@@ -257,11 +259,13 @@ def user_code_failure(err: BaseException) -> str | None:
         return (
             f"the data loader could not build a batch: {_fetched(frames[fetch[-1] + 1 :], raised)}"
         )
-    user = [frame for frame in frames if _is_user_file(frame[0])]
-    if not user:
+    first = next((i for i, frame in enumerate(frames) if _is_user_file(frame[0])), None)
+    if first is None:
         return None
-    (_, _, entry), (file, line, name) = user[0], user[-1]
-    where = f"{Path(file).name}:{line}" + (f" in {name}" if name != entry else "")
+    caller = frames[first - 1][2] if first > 0 else ""
+    entry = f"{_ROLES[caller]} {frames[first][2]}" if caller in _ROLES else frames[first][2]
+    file, line, name = [frame for frame in frames if _is_user_file(frame[0])][-1]
+    where = f"{Path(file).name}:{line}" + (f" in {name}" if name != frames[first][2] else "")
     return f"{entry} raised {raised} ({where})"
 
 

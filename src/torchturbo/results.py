@@ -28,8 +28,10 @@ def write_atomic(path: Path, data: bytes) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(temporary, path)
-    except BaseException:
+    except BaseException as err:
         temporary.unlink(missing_ok=True)
+        if isinstance(err, OSError) and err.errno is not None:  # name the file, not the temporary
+            raise OSError(err.errno, err.strerror, str(path)) from err
         raise
 
 

@@ -16,6 +16,7 @@ being handed over.
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import time
 import warnings
@@ -28,6 +29,7 @@ import torch
 from torch import nn
 
 from torchturbo.recipe import Recipe
+from torchturbo.results import write_atomic
 
 _SUFFIXES = {"export": ".pt2", "torchscript": ".pt"}
 METHODS = tuple(_SUFFIXES)
@@ -184,7 +186,7 @@ def _export(
             for arg in example_inputs
         )
     program = torch.export.export(model, example_inputs, dynamic_shapes=dynamic_shapes)
-    torch.export.save(program, path)
+    _save(lambda buffer: torch.export.save(program, buffer), path)
     return lambda: torch.export.load(path).module()
 
 
@@ -198,13 +200,22 @@ def _torchscript(
     with _jit_deprecation_silenced():
         # check_trace reruns the model to compare; the reloaded file is checked instead, below.
         scripted = torch.jit.trace(model, example_inputs, check_trace=False)
-        torch.jit.save(scripted, str(path))
+        _save(lambda buffer: torch.jit.save(scripted, buffer), path)
 
     def load() -> Callable[..., Any]:
         with _jit_deprecation_silenced():
             return torch.jit.load(str(path))
 
     return load
+
+
+def _save(write: Callable[[io.BytesIO], None], path: Path) -> None:
+    """Serialize into memory, then write the file atomically. torch's archive writer, given a
+    path, aborts the process when a write fails (a full disk: std::ios error, then a throw in
+    its destructor); here a failed write is an OSError naming the path."""
+    buffer = io.BytesIO()
+    write(buffer)
+    write_atomic(path, buffer.getvalue())
 
 
 # method -> writer(model, example_inputs, path, dynamic_batch) returning a loader of the file.
