@@ -339,7 +339,7 @@ def test_a_checkpoint_without_the_optimizer_name_is_told_by_its_hyperparameters(
         (lambda s: s.update(optimizer_steps="3"), r"optimizer_steps = '3' is invalid"),
         (
             lambda s: s.update(optimizer_steps=5),
-            "says optimizer step 5, the checkpoint is named for step 0000000003",
+            "says optimizer step 5, the checkpoint is named for step 3",
         ),
         (
             lambda s: s.update(skipped_steps=4),

@@ -146,7 +146,19 @@ CASES: dict[str, Callable[[Path], tuple[list, str]]] = {
         ],
         "3 problems: [compile] mode = 'reduce-overhead' with [checkpointing] mode = 'full'",
     ),
+    "keep_last zero": lambda t: (
+        [*train(TINY), "--config", toml(t, "[reliability]\nkeep_last = 0")],
+        "[reliability] keep_last = 0 is invalid: expected an int >= 1",
+    ),
+    "prefetch without workers": lambda t: (
+        [*train(TINY), "--config", toml(t, "[data]\nprefetch_factor = 4")],
+        "prefetch_factor = 4 needs num_workers > 0",
+    ),
     # --- config files ----------------------------------------------------------------------
+    "config with a byte-order mark": lambda t: (
+        [*train(TINY), "--config", file_at(t, "x.toml", b"\xef\xbb\xbf[precision]\n")],
+        "is not valid TOML",
+    ),
     "binary config": lambda t: (
         [*train(TINY), "--config", file_at(t, "x.toml", b"\xd0\xcf\x11\xe0\x00binary")],
         "is not UTF-8 text (byte 0xd0 at offset 0)",
@@ -193,6 +205,20 @@ CASES: dict[str, Callable[[Path], tuple[list, str]]] = {
         "argument --device: 'cuda:banana' is invalid",
     ),
     "device absent": lambda t: (["bench", TINY, "--device", "cuda:7"], "no CUDA device"),
+    "device index beyond torch's": lambda t: (
+        [*train(TINY), "--device", "cuda:128"],
+        "with N from 0 to 127",
+    ),
+    "memory budget zero": lambda t: ([*train(TINY), "--memory-budget", "0"], "at least 1 byte"),
+    "time budget too long": lambda t: (
+        ["tune", TINY, "--time-budget", "400d"],
+        "too long: at most 31536000 s",
+    ),
+    "loss tolerance nan": lambda t: (
+        ["tune", TINY, "--loss-tolerance", "nan", "--out", t / "report"],
+        "loss_tolerance = nan",
+    ),
+    "doctor steps zero": lambda t: (["doctor", TINY, "--steps", "0"], "--steps 0 is too few"),
     "steps zero": lambda t: ([*train(TINY)[:-1], "0"], "--steps 0 is invalid"),
     "steps not a number": lambda t: ([*train(TINY)[:-1], "ten"], "invalid int value: 'ten'"),
     "save-every negative": lambda t: ([*train(TINY), "--save-every", "-1"], "--save-every -1"),
@@ -209,6 +235,11 @@ CASES: dict[str, Callable[[Path], tuple[list, str]]] = {
     # --- recipe code and data --------------------------------------------------------------
     "missing recipe file": lambda t: (train("missing.py:recipe"), "does not exist"),
     "missing recipe function": lambda t: (train(broken("nope")), "has no 'nope'"),
+    "recipe without a function": lambda t: (train(str(RECIPES / "tiny.py")), "expected 'path/to"),
+    "recipe that does not import": lambda t: (
+        train(f"{file_at(t, 'bad.py', b'def recipe(:')}:recipe"),
+        "failed to import: SyntaxError",
+    ),
     "recipe returns an int": lambda t: (
         train(TINY.replace(":recipe", ":not_a_recipe")),
         "returned int, expected torchturbo.Recipe",
@@ -317,6 +348,10 @@ CASES: dict[str, Callable[[Path], tuple[list, str]]] = {
     "checkpoint dir is a file": lambda t: (
         [*train(TINY), "--checkpoint-dir", file_at(t, "file")],
         "is not a directory (--checkpoint-dir)",
+    ),
+    "checkpoint dir is /dev/null": lambda t: (
+        [*train(TINY), "--checkpoint-dir", "/dev/null"],
+        "'/dev/null' is not a directory",
     ),
     "tune --out is a file": lambda t: (
         ["tune", TINY, "--out", file_at(t, "file")],

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import linecache
+import dis
 import re
 import sys
 import traceback
@@ -77,22 +77,19 @@ def error_line(err: Exception, args: argparse.Namespace) -> str | None:
     return _naming_the_option(" ".join(line.split()), args)
 
 
-def _describe(err: BaseException) -> str:
-    from torchturbo.recipe import describe_exception
-
-    return describe_exception(err)
-
-
 def _raised_by_torchturbo(err: BaseException) -> bool:
     """Whether a ``raise`` statement in torchturbo's source threw ``err`` (not torch, called by
-    torchturbo with something it should have checked)."""
-    frames = list(traceback.walk_tb(err.__traceback__))
-    if not frames:
+    torchturbo with something it should have checked): the instruction that raised it, in the
+    innermost frame, is a RAISE_VARARGS of torchturbo's code."""
+    last = err.__traceback__
+    while last is not None and last.tb_next is not None:
+        last = last.tb_next
+    if last is None:
         return False
-    frame, line = frames[-1]
-    source = linecache.getline(frame.f_code.co_filename, line).strip()
-    package = str(Path(__file__).resolve().parent)
-    return frame.f_code.co_filename.startswith(package) and source.startswith("raise ")
+    code = last.tb_frame.f_code
+    ours = Path(code.co_filename).resolve().is_relative_to(Path(__file__).resolve().parent)
+    instruction = code.co_code[last.tb_lasti] if 0 <= last.tb_lasti < len(code.co_code) else None
+    return ours and instruction == dis.opmap["RAISE_VARARGS"]
 
 
 def _naming_the_option(line: str, args: argparse.Namespace) -> str:
@@ -324,12 +321,12 @@ def checked_against_environment(config: Any, args: argparse.Namespace) -> Any:
     """
     from torchturbo.config import ConfigError, Environment, check_environment
 
-    errors, warnings = check_environment(config, Environment.current())
+    errors, cautions = check_environment(config, Environment.current())
     if errors:
         source = str(args.config) if getattr(args, "config", None) else "the config"
-        raise ConfigError(*errors, *warnings, where=source)
-    for warning in warnings:
-        print(f"torchturbo {args.command}: warning: {warning}", file=sys.stderr)
+        raise ConfigError(*errors, *cautions, where=source)
+    for caution in cautions:
+        print(f"torchturbo {args.command}: warning: {caution}", file=sys.stderr)
     return config
 
 
@@ -521,6 +518,7 @@ def _run_doctor(args: argparse.Namespace) -> int:
 
 
 def _run_export(args: argparse.Namespace) -> int:
+    from torchturbo.recipe import describe_exception
     from torchturbo.techniques.export import export_recipe
 
     check_output_file(args.out, "--out")
@@ -534,7 +532,7 @@ def _run_export(args: argparse.Namespace) -> int:
             raise
         raise ValueError(
             f"{args.method} could not capture the model of recipe {recipe.name!r}: "
-            f"{_describe(err)}; --debug shows the traceback"
+            f"{describe_exception(err)}; --debug shows the traceback"
         ) from err
     print(
         f"wrote {report.path} ({report.size_bytes:,} B in {report.export_s:.1f} s); reloaded and "

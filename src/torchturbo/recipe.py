@@ -302,18 +302,18 @@ def _fetched(inner: list[tuple[str, int, str]], raised: str) -> str:
 
 
 @functools.cache
-def _library_dirs() -> tuple[str, ...]:
+def _library_dirs() -> tuple[Path, ...]:
     """Where installed code lives: the standard library, site-packages, torchturbo itself."""
     paths = sysconfig.get_paths()
     dirs = {paths[key] for key in ("stdlib", "platstdlib", "purelib", "platlib") if key in paths}
     dirs.update(site.getsitepackages())
-    dirs.add(str(Path(__file__).resolve().parent))
-    dirs.add(str(Path(torch.__file__).resolve().parent))
-    return tuple(sorted(str(Path(d).resolve()) for d in dirs))
+    dirs.update((str(Path(__file__).parent), str(Path(torch.__file__).parent)))
+    return tuple(Path(d).resolve() for d in sorted(dirs))
 
 
 def _is_user_file(filename: str) -> bool:
     """A real file outside the standard library, installed packages and torchturbo."""
     if filename.startswith("<"):  # <frozen importlib._bootstrap>, <string>, ...
         return False
-    return not str(Path(filename).resolve()).startswith(_library_dirs())
+    path = Path(filename).resolve()
+    return not any(path.is_relative_to(directory) for directory in _library_dirs())
