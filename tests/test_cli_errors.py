@@ -266,15 +266,19 @@ CASES: dict[str, Callable[[Path], tuple[list, str]]] = {
     ),
     "dict sample missing a key": lambda t: (
         train(broken("missing_key")),
-        "torch's default_collate raised KeyError: 'y'",
+        "torchturbo's default collate pad_collate raised ValueError: pad_collate: sample",
     ),
     "dict sample missing a key, in a worker": lambda t: (
         [*train(broken("missing_key")), "--config", toml(t, "[data]\nnum_workers = 1")],
-        "torch's default_collate raised KeyError: 'y'",
+        "torchturbo's default collate pad_collate raised ValueError: pad_collate: sample",
     ),
     "None in samples": lambda t: (
         train(broken("none_in_samples")),
-        "default_collate raised TypeError",
+        "pad_collate raised TypeError: default_collate: batch must contain tensors",
+    ),
+    "None in samples, torch's collate": lambda t: (
+        train(broken("none_in_samples_torch_collate")),
+        "torch's default_collate raised TypeError: default_collate: batch must contain tensors",
     ),
     "strings in samples": lambda t: (
         train(broken("strings_in_samples")),

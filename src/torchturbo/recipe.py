@@ -298,6 +298,11 @@ def _fetched(inner: list[tuple[str, int, str]], raised: str) -> str:
             f"torch's default_collate raised {raised}; the samples must have one structure of "
             "tensors, numbers and dicts/lists of them, or the Recipe needs a collate function"
         )
+    if Path(file).resolve().is_relative_to(Path(__file__).resolve().parent):
+        return (
+            f"torchturbo's default collate {name} raised {raised}; for other samples give the "
+            "Recipe a collate function"
+        )
     return f"the collate function {name} ({Path(file).name}:{line}) raised {raised}"
 
 

@@ -61,6 +61,11 @@ def none_in_samples():
     return _recipe(dataset=[(torch.randn(4), None) for _ in range(16)])
 
 
+def none_in_samples_torch_collate():
+    dataset = [(torch.randn(4), None) for _ in range(16)]
+    return _recipe(dataset=dataset, collate=torch.utils.data.default_collate)
+
+
 def strings_in_samples():
     return _recipe(dataset=[(torch.randn(4), "cat") for _ in range(16)])
 
