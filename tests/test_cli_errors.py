@@ -238,7 +238,7 @@ CASES: dict[str, Callable[[Path], tuple[list, str]]] = {
     "recipe without a function": lambda t: (train(str(RECIPES / "tiny.py")), "expected 'path/to"),
     "recipe that does not import": lambda t: (
         train(f"{file_at(t, 'bad.py', b'def recipe(:')}:recipe"),
-        "failed to import: SyntaxError",
+        "failed to import: SyntaxError: invalid syntax (bad.py, line 1)",
     ),
     "recipe returns an int": lambda t: (
         train(TINY.replace(":recipe", ":not_a_recipe")),

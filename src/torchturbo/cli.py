@@ -323,7 +323,7 @@ def checked_against_environment(config: Any, args: argparse.Namespace) -> Any:
 
     errors, cautions = check_environment(config, Environment.current())
     if errors:
-        source = str(args.config) if getattr(args, "config", None) else "the config"
+        source = str(args.config) if getattr(args, "config", None) else ""
         raise ConfigError(*errors, *cautions, where=source)
     for caution in cautions:
         print(f"torchturbo {args.command}: warning: {caution}", file=sys.stderr)

@@ -256,6 +256,6 @@ def refuse_nonfinite_state(model: nn.Module, optimizer: torch.optim.Optimizer) -
     if bad:
         raise NonFiniteError(
             f"refusing to save a checkpoint of non-finite weights: {bad[0]}"
-            + (f" (and {len(bad) - 1} more tensors)" if len(bad) > 1 else "")
+            + (f" (and {len(bad) - 1} more tensor{'s' * (len(bad) > 2)})" if len(bad) > 1 else "")
             + "; the checkpoints already saved are kept"
         )

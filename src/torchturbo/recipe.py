@@ -181,7 +181,8 @@ def _import_file(path_str: str) -> Any:
     try:
         spec.loader.exec_module(module)
     except Exception as err:
-        raise RecipeError(f"recipe file {path_str!r} failed to import: {err!r}") from err
+        failure = user_code_failure(err) or describe_exception(err)
+        raise RecipeError(f"recipe file {path_str!r} failed to import: {failure}") from err
     return module
 
 
