@@ -222,6 +222,10 @@ CASES: dict[str, Callable[[Path], tuple[list, str]]] = {
     "steps zero": lambda t: ([*train(TINY)[:-1], "0"], "--steps 0 is invalid"),
     "steps not a number": lambda t: ([*train(TINY)[:-1], "ten"], "invalid int value: 'ten'"),
     "save-every negative": lambda t: ([*train(TINY), "--save-every", "-1"], "--save-every -1"),
+    "save-every without a directory": lambda t: (
+        [*train(TINY), "--save-every", "2"],
+        "--save-every needs --checkpoint-dir",
+    ),
     "resume without a directory": lambda t: (
         [*train(TINY), "--resume"],
         "--resume needs --checkpoint-dir",

@@ -554,6 +554,8 @@ def _run_train(args: argparse.Namespace) -> int:
         )
     if args.resume and args.checkpoint_dir is None:
         raise ValueError("--resume needs --checkpoint-dir to know where to resume from")
+    if args.save_every and args.checkpoint_dir is None:
+        raise ValueError("--save-every needs --checkpoint-dir to know where to save")
     config = chosen_config(args)
     if args.activation_budget:
         config = config.replace(reliability__memory_budget_bytes=args.activation_budget)
