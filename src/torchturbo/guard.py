@@ -228,6 +228,7 @@ def nonfinite_tensors(tree: Any, name: str, depth: int = 0) -> list[str]:
     """``"batch[0]: 12 of 32 values are NaN or inf"`` for each floating tensor of a nested
     structure (dicts, lists, tuples) that holds any; [] when all are finite."""
     if isinstance(tree, torch.Tensor):
+        tree = tree.to_local() if hasattr(tree, "to_local") else tree  # a DTensor: this shard
         if not tree.is_floating_point() or bool(torch.isfinite(tree).all()):
             return []
         bad = int((~torch.isfinite(tree)).sum())
