@@ -68,12 +68,12 @@ def train(
         lengths=recipe.lengths,
     )
     assert loader is not None
-    _check_accumulation(config, recipe, len(loader))
-    resumed_from = turbo.load(checkpoint_dir) if resume else None
-    if resumed_from is not None:
-        check_steps(steps, turbo.optimizer_steps, resumed_from)
-    saved, last_loss, seen_events, first_step = None, None, 0, turbo.optimizer_steps
-    try:
+    try:  # from here on turbo.close() restores what setup switched (TF32), whatever happens
+        _check_accumulation(config, recipe, len(loader))
+        resumed_from = turbo.load(checkpoint_dir) if resume else None
+        if resumed_from is not None:
+            check_steps(steps, turbo.optimizer_steps, resumed_from)
+        saved, last_loss, seen_events, first_step = None, None, 0, turbo.optimizer_steps
         while turbo.optimizer_steps < steps:
             if len(loader) == 0:
                 raise ValueError(f"recipe {recipe.name!r}: the data loader yields no batch")
