@@ -29,6 +29,8 @@ INVALID = [
     ('[accumulation]\nsteps = "4"', "steps = '4' is invalid: expected int"),
     ("[accumulation]\nsteps = 0", "steps = 0"),
     ("[clipping]\nmax_norm = -1.0", "max_norm = -1.0"),
+    ('[optimizer]\nimplementation = "apex"', "'as_built', 'foreach', 'fused'"),
+    ("[precision]\nfloat8 = 1", "float8 = 1 is invalid: expected bool"),
     ("[data]\nnum_workers = -1", "num_workers = -1"),
     ("[data]\npersistent_workers = true", "needs num_workers > 0"),
     ("[data]\nprefetch_factor = 2", "needs num_workers > 0"),
@@ -81,6 +83,7 @@ CONFIGS = [
         ),
         data=DataConfig(num_workers=2, prefetch_factor=4, persistent_workers=True),
     ).replace(clipping__max_norm=1.5, accumulation__steps=8, compile__mode="max-autotune"),
+    TurboConfig.preset("fast").replace(precision__float8=True, optimizer__implementation="fused"),
 ]
 
 
