@@ -32,7 +32,9 @@ from torchturbo.resume import load_training_state, save_training_state
 from torchturbo.techniques.accumulation import AccumulationWindow, scale_gradients
 from torchturbo.techniques.checkpointing import apply_activation_checkpointing
 from torchturbo.techniques.compile import apply_compile
+from torchturbo.techniques.float8 import apply_float8_training
 from torchturbo.techniques.memory_format import apply_channels_last
+from torchturbo.techniques.optimizer import rebuild_optimizer
 from torchturbo.techniques.precision import (
     autocast_context,
     float32_matmul_precision,
@@ -125,7 +127,8 @@ class Turbo:
 
         The returned loader marks its last batch so that a trailing partial accumulation window
         is applied rather than lost, and calls ``set_epoch`` on its sampler every epoch.
-        Parameter objects are preserved, so an optimizer built before ``setup`` stays valid.
+        Parameter objects are preserved, so an optimizer built before ``setup`` stays valid;
+        ``[optimizer] implementation`` rebuilds it, so use the optimizer returned.
         With ``[data] bucketing = true``, ``lengths`` (one per sample) feed a
         :class:`~torchturbo.data.bucketing.BucketBatchSampler`. Without ``collate_fn``,
         :func:`~torchturbo.data.collate.pad_collate` pads variable-length fields of dict samples
@@ -133,6 +136,11 @@ class Turbo:
         default collate does.
         """
         self.model = self._compose(model)
+        # After the model moved: a fused optimizer's support depends on the parameters' device.
+        if self.config.optimizer.implementation != "as_built":
+            optimizer, self.applied["optimizer"] = rebuild_optimizer(
+                optimizer, self.config.optimizer.implementation
+            )
         self.optimizer = optimizer
         reliability = self.config.reliability
         self.microbatcher = MicroBatcher(
@@ -177,6 +185,9 @@ class Turbo:
         torch.backends.cudnn.benchmark = cfg.backend.cudnn_benchmark
         # 1. Device first: every later transform must see the final parameter storage.
         model = model.to(self.device)
+        # float8 swaps Linear modules (keeping their parameters) before anything wraps them.
+        if cfg.precision.float8:
+            self.applied["float8"] = apply_float8_training(model, self.device)
         # 2. Layout before compile, so the compiled graph is traced with NHWC strides.
         if cfg.memory_format.channels_last:
             self.applied["channels_last"] = apply_channels_last(model)
