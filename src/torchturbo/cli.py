@@ -299,6 +299,7 @@ def _run_bench(args: argparse.Namespace) -> int:
     recipe = load_target(args)
     steps_per_repeat = 3 if args.steps >= 6 else 1
     with launched(chosen.device) as env:
+        say_emulated(chosen.device, [format_of(config) for config in configs.values()])
         rows = _with_status(
             f"bench {recipe.name}",
             lambda say: compare_configs(
@@ -424,6 +425,8 @@ def _run_doctor(args: argparse.Namespace) -> int:
     recipe = load_target(args)
     device = args.device or (config.device if config else "auto")
     with launched(device):
+        # bf16: the precision the doctor times against the config where it is native.
+        say_emulated(device, ["bf16", format_of(config)] if config else ["bf16"])
         diagnosis = _with_status(
             f"doctor {recipe.name}",
             lambda say: diagnose(
@@ -483,6 +486,24 @@ def _run_train(args: argparse.Namespace) -> int:
         f"resumed from {result.resumed_from}; last checkpoint {result.saved}"
     )
     return 0
+
+
+def format_of(config: Any) -> str:
+    """The number format a config's matmuls use: fp8 with float8, else its precision."""
+    return "fp8" if config.precision.float8 else config.precision.dtype
+
+
+def say_emulated(device: str, formats: Sequence[str], show: Callable[[str], None] = print) -> None:
+    """Say once, before a run, which of ``formats`` this hardware only emulates (rank 0)."""
+    from torchturbo.distributed import is_main_process
+    from torchturbo.engine import resolve_device
+    from torchturbo.measure.native import emulation_notice
+
+    if not is_main_process():
+        return
+    notice = emulation_notice(resolve_device(device), formats)
+    if notice is not None:
+        show(notice)
 
 
 def check_writable(directory: Path) -> None:
