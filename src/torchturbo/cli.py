@@ -298,8 +298,8 @@ def _run_bench(args: argparse.Namespace) -> int:
         configs[name] = chosen
     recipe = load_target(args)
     steps_per_repeat = 3 if args.steps >= 6 else 1
+    say_emulated(chosen.device, [format_of(config) for config in configs.values()])
     with launched(chosen.device) as env:
-        say_emulated(chosen.device, [format_of(config) for config in configs.values()])
         rows = _with_status(
             f"bench {recipe.name}",
             lambda say: compare_configs(
@@ -346,6 +346,7 @@ def _run_tune(args: argparse.Namespace) -> int:
     from torchturbo.report import wide_console
     from torchturbo.tune.report import incremental_table, read_previous, write_report
     from torchturbo.tune.search import TuneOptions, tune
+    from torchturbo.tune.stages import PRECISION_FORMATS
     from torchturbo.tune.summary import headline
 
     options = TuneOptions(
@@ -361,6 +362,11 @@ def _run_tune(args: argparse.Namespace) -> int:
     previous = read_previous(args.out)
     recipe = load_target(args)
     console = wide_console()
+    say_emulated(
+        args.device or "auto",
+        PRECISION_FORMATS,
+        lambda notice: console.print(notice, markup=False, highlight=False),
+    )
     progress = _tune_progress(console, f"tune {recipe.name}", options.time_budget_s)
     with launched(args.device or "auto"), progress as show:
         config, result = tune(
@@ -424,9 +430,9 @@ def _run_doctor(args: argparse.Namespace) -> int:
         check_writable(args.trace)
     recipe = load_target(args)
     device = args.device or (config.device if config else "auto")
+    # bf16: the precision the doctor times against the config where it is native.
+    say_emulated(device, ["bf16", format_of(config)] if config else ["bf16"])
     with launched(device):
-        # bf16: the precision the doctor times against the config where it is native.
-        say_emulated(device, ["bf16", format_of(config)] if config else ["bf16"])
         diagnosis = _with_status(
             f"doctor {recipe.name}",
             lambda say: diagnose(

@@ -127,8 +127,7 @@ class Turbo:
 
         The returned loader marks its last batch so that a trailing partial accumulation window
         is applied rather than lost, and calls ``set_epoch`` on its sampler every epoch.
-        Parameter objects are preserved, so an optimizer built before ``setup`` stays valid;
-        ``[optimizer] implementation`` rebuilds it, so use the optimizer returned.
+        Parameter objects are preserved, so an optimizer built before ``setup`` stays valid.
         With ``[data] bucketing = true``, ``lengths`` (one per sample) feed a
         :class:`~torchturbo.data.bucketing.BucketBatchSampler`. Without ``collate_fn``,
         :func:`~torchturbo.data.collate.pad_collate` pads variable-length fields of dict samples
@@ -137,6 +136,7 @@ class Turbo:
         """
         self.model = self._compose(model)
         # After the model moved: a fused optimizer's support depends on the parameters' device.
+        # A rebuilt optimizer is a new object: callers use the one setup returns.
         if self.config.optimizer.implementation != "as_built":
             optimizer, self.applied["optimizer"] = rebuild_optimizer(
                 optimizer, self.config.optimizer.implementation
