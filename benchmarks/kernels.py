@@ -105,7 +105,7 @@ def main() -> int:
     print(header)
     results = []
     for device in devices:
-        for dtype_name in DTYPES:
+        for dtype_name in ["fp32"] if args.quick else DTYPES:
             for backward in (False, True):
                 row = bench_case(device, dtype_name, (args.rows, args.cols), backward, args)
                 results.append(row)

@@ -147,10 +147,20 @@ def stated_peak(device: torch.device | str, fmt: str) -> Peak:
         gpu = known_gpu(name)
         if sheet is not None and gpu is not None:
             return Peak(sheet, fmt, unit, f"datasheet {gpu.name}", why)
-    if unit == "fp8":  # measuring it needs torch._scaled_mm, a private API: state none instead
+    measured = measured_format_peak(device, unit)
+    if measured is None:
         return Peak(None, fmt, unit, "fp8 is not measured and this GPU is not in the table", why)
-    with _matmul_precision("high" if unit == "tf32" else "highest"):
-        return Peak(measured_peak_flops(device, _DTYPES[unit]), fmt, unit, "measured", why)
+    return Peak(measured, fmt, unit, "measured", why)
+
+
+def measured_format_peak(device: torch.device | str, fmt: str) -> float | None:
+    """:func:`measured_peak_flops` of a format's unit, with TF32 on for tf32 and off for fp32
+    whatever a live session has set; None for fp8 (measuring it needs ``torch._scaled_mm``, a
+    private API)."""
+    if fmt == "fp8":
+        return None
+    with _matmul_precision("high" if fmt == "tf32" else "highest"):
+        return measured_peak_flops(device, dtype_for_precision(fmt))
 
 
 @contextlib.contextmanager
