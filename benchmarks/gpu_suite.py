@@ -30,6 +30,7 @@ import argparse
 import json
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -223,18 +224,21 @@ def extra_section(name: str, extra: Extra) -> Callable[[Run], dict[str, Any]]:
         gpus = torch.cuda.device_count() if run.device.startswith("cuda") else 0
         if name == "comm_hooks" and gpus < 2:
             return {"not_applicable": f"DDP comm hooks over NCCL need 2 GPUs or more; {gpus} here"}
-        path = run.out / f"{name}.json"
-        command = [sys.executable, str(HERE / f"{name}.py"), "--json", str(path)]
-        command += [a.format(device=run.device, gpus=min(gpus, 8)) for a in extra.arguments]
-        command += list(extra.quick) if run.quick else []
-        timeout = max(30.0, run.left()) if not run.quick else 300.0
-        try:
-            done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            raise RuntimeError(f"stopped after {timeout:.0f} s") from None
-        if done.returncode != 0:
-            raise RuntimeError(done.stderr[-2000:])
-        return json.loads(path.read_text())
+        # Its JSON goes into gpu_suite.json; the file itself would only add to what a device
+        # session has to bring back (at most 8 files there).
+        with tempfile.TemporaryDirectory() as scratch:
+            path = Path(scratch) / f"{name}.json"
+            command = [sys.executable, str(HERE / f"{name}.py"), "--json", str(path)]
+            command += [a.format(device=run.device, gpus=min(gpus, 8)) for a in extra.arguments]
+            command += list(extra.quick) if run.quick else []
+            timeout = max(30.0, run.left()) if not run.quick else 300.0
+            try:
+                done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+            except subprocess.TimeoutExpired:
+                raise RuntimeError(f"stopped after {timeout:.0f} s") from None
+            if done.returncode != 0:
+                raise RuntimeError(done.stderr[-2000:])
+            return json.loads(path.read_text())
 
     return section
 
