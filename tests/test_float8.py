@@ -8,7 +8,7 @@ import importlib
 
 import pytest
 import torch
-from conftest import classification_loss
+from conftest import classification_loss, cpu_stage_context
 from torch import nn
 
 from torchturbo.bench import Trial, fixed_batches
@@ -23,7 +23,7 @@ from torchturbo.techniques.float8 import (
 )
 from torchturbo.tune.decide import loss_parity
 from torchturbo.tune.search import PARITY_STEPS, TuneOptions, tune
-from torchturbo.tune.stages import StageContext, float8_stage
+from torchturbo.tune.stages import float8_stage
 
 float8_module = importlib.import_module("torchturbo.techniques.float8")
 needs_torchao = pytest.mark.skipif(
@@ -65,15 +65,10 @@ def test_on_a_cpu_float8_is_not_applicable_and_the_model_is_untouched() -> None:
 
 
 def test_the_tuner_stage_says_why_float8_does_not_apply_here() -> None:
-    context = StageContext(
-        recipe=mlp_recipe(),
-        best=TurboConfig(device="cpu"),
-        device=torch.device("cpu"),
-        has_convolutions=False,
-        best_memory_bytes=None,
-        memory_budget=None,
+    assert (
+        float8_stage(cpu_stage_context(mlp_recipe()))
+        == f"float8 not applicable: {float8_unavailable('cpu')}"
     )
-    assert float8_stage(context) == f"float8 not applicable: {float8_unavailable('cpu')}"
 
 
 def test_on_capable_hardware_without_torchao_the_reason_says_how_to_install(monkeypatch) -> None:

@@ -7,14 +7,14 @@ import copy
 
 import pytest
 import torch
-from conftest import MLP, classification_loss
+from conftest import MLP, classification_loss, cpu_stage_context
 from torch import nn
 
 from torchturbo.config import TurboConfig
 from torchturbo.engine import Turbo
 from torchturbo.recipe import Recipe
 from torchturbo.techniques.optimizer import implementation_unsupported, rebuild_optimizer
-from torchturbo.tune.stages import StageContext, optimizer_stage
+from torchturbo.tune.stages import optimizer_stage
 
 #: (class, hyper-parameters): the built-in workloads' AdamW, plus Adam, SGD and Adagrad.
 OPTIMIZERS = [
@@ -179,24 +179,13 @@ def test_the_engine_reports_an_optimizer_it_cannot_rebuild() -> None:
     assert returned is optimizer and turbo.applied["optimizer"] == "RMSprop has no fused= option"
 
 
-def _stage_context(recipe: Recipe) -> StageContext:
-    return StageContext(
-        recipe=recipe,
-        best=TurboConfig(device="cpu"),
-        device=torch.device("cpu"),
-        has_convolutions=False,
-        best_memory_bytes=None,
-        memory_budget=None,
-    )
-
-
 def test_the_tuner_stage_proposes_what_the_optimizer_class_supports() -> None:
-    adamw = optimizer_stage(_stage_context(_recipe(lambda ps: torch.optim.AdamW(ps))))
+    adamw = optimizer_stage(cpu_stage_context(_recipe(lambda ps: torch.optim.AdamW(ps))))
     assert [c.name for c in adamw] == ["optimizer:foreach", "optimizer:fused"]
     assert adamw[1].config.optimizer.implementation == "fused"
-    rmsprop = optimizer_stage(_stage_context(_recipe(lambda ps: torch.optim.RMSprop(ps))))
+    rmsprop = optimizer_stage(cpu_stage_context(_recipe(lambda ps: torch.optim.RMSprop(ps))))
     assert [c.name for c in rmsprop] == ["optimizer:foreach"]
-    lbfgs = optimizer_stage(_stage_context(_recipe(lambda ps: torch.optim.LBFGS(ps))))
+    lbfgs = optimizer_stage(cpu_stage_context(_recipe(lambda ps: torch.optim.LBFGS(ps))))
     assert lbfgs == "foreach: LBFGS has no foreach= option; fused: LBFGS has no fused= option"
 
 
