@@ -107,13 +107,14 @@ def main() -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated")
     parser.add_argument("--repeats", type=int, default=9, help="interleaved rounds (default 9)")
+    parser.add_argument("--steps", type=int, default=20, help="steps per timed block (default 20)")
     parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--quick", action="store_true", help="tiny run for smoke tests")
     args = parser.parse_args()
-    args.warmup, args.steps = (1, 1) if args.quick else (3, 5)
+    args.warmup = 1 if args.quick else 3
     if args.quick:
-        args.repeats = 2
+        args.repeats, args.steps = 2, 1
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     print(
