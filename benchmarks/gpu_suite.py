@@ -194,25 +194,19 @@ def workloads(run: Run) -> dict[str, Any]:
 def tune_section(workload: str) -> Callable[[Run], dict[str, Any]]:
     def section(run: Run) -> dict[str, Any]:
         options = TuneOptions(
-            time_budget_s=QUICK_TUNE_S if run.quick else TUNE_S,
-            device=run.device,
-            repeats=2 if run.quick else 5,
-            confirm_repeats=2 if run.quick else 9,
+            time_budget_s=QUICK_TUNE_S if run.quick else TUNE_S, device=run.device
         )
-        _, tuned = tune(get_workload(workload, **(QUICK_OVERRIDES if run.quick else {})), options)
-        # tune() returns a dict today; the tuner rewrite returns a result with to_dict().
-        tuned = tuned.to_dict() if hasattr(tuned, "to_dict") else tuned
+        recipe = get_workload(workload, **(QUICK_OVERRIDES if run.quick else {}))
+        tuned = tune(recipe, options)[1].to_dict()
         return {
             "confirmed_ratio": tuned["confirmed_ratio"],
+            "confirmation": tuned["confirmation"]["state"],
             "adopted": tuned["adopted"],
             "unit": tuned["unit"],
+            "elapsed_s": tuned["elapsed_s"],
             "candidates": [
                 {key: row.get(key) for key in ("stage", "name", "verdict", "reason", "ratio")}
                 for row in tuned["candidates"]
-            ],
-            "stages": [
-                {key: row.get(key) for key in ("stage", "chosen", "skipped_reason")}
-                for row in tuned["stages"]
             ],
         }
 
@@ -304,15 +298,15 @@ def markdown(results: dict[str, Any]) -> str:
             adopted = ", ".join(tuned["adopted"]) or "nothing"
             lines += [
                 "",
-                f"`tune` on {name[5:]}: confirmed {tuned['confirmed_ratio']:.2f}x over "
-                f"fp32 eager ({tuned['unit']}), adopting {adopted}.",
+                f"`tune` on {name[5:]}: {tuned['confirmation']} {tuned['confirmed_ratio']:.2f}x "
+                f"over fp32 eager ({tuned['unit']}) in {tuned['elapsed_s']:.0f} s, adopting "
+                f"{adopted}.",
             ]
-            for row in tuned["candidates"]:
-                if row["name"] == "float8" or row["stage"] == "float8":
-                    lines.append(f"float8: {row['verdict']}: {row['reason']}")
-            for row in tuned["stages"]:
-                if row["stage"] == "float8" and row.get("skipped_reason"):
-                    lines.append(f"float8: {row['skipped_reason']}")
+            lines += [
+                f"- {row['name']}: {row['verdict']}: {row['reason']}"
+                for row in tuned["candidates"]
+                if row["stage"] in ("float8", "optimizer")
+            ]
     return "\n".join(lines) + "\n"
 
 

@@ -22,8 +22,9 @@ from torchturbo.techniques.float8 import (
     float8_unavailable,
 )
 from torchturbo.tune.decide import loss_parity
-from torchturbo.tune.search import PARITY_STEPS, TuneOptions, tune
+from torchturbo.tune.search import TuneOptions, tune
 from torchturbo.tune.stages import float8_stage
+from torchturbo.tune.state import PARITY_STEPS
 
 float8_module = importlib.import_module("torchturbo.techniques.float8")
 needs_torchao = pytest.mark.skipif(
@@ -65,10 +66,8 @@ def test_on_a_cpu_float8_is_not_applicable_and_the_model_is_untouched() -> None:
 
 
 def test_the_tuner_stage_says_why_float8_does_not_apply_here() -> None:
-    assert (
-        float8_stage(cpu_stage_context(mlp_recipe()))
-        == f"float8 not applicable: {float8_unavailable('cpu')}"
-    )
+    # The stage's string is its "not applicable" fact: the tuner reports it and trains nothing.
+    assert float8_stage(cpu_stage_context(mlp_recipe())) == float8_unavailable("cpu")
 
 
 def test_on_capable_hardware_without_torchao_the_reason_says_how_to_install(monkeypatch) -> None:
@@ -161,9 +160,9 @@ def test_float8_training_keeps_loss_parity_with_fp32(monkeypatch) -> None:
 @needs_torchao
 def test_the_tuner_measures_a_float8_candidate_and_gives_a_verdict(monkeypatch) -> None:
     monkeypatch.setattr(float8_module, "emulated", lambda device, fmt: None)
-    options = TuneOptions(time_budget_s=60, device="cpu", warmup=1, repeats=2, confirm_repeats=2)
-    _, results = tune(mlp_recipe(), options, stages={"float8": float8_stage})
-    (row,) = [r for r in results["candidates"] if r["name"] == "float8"]
+    options = TuneOptions(time_budget_s=60, device="cpu", only=("float8",))
+    _, result = tune(mlp_recipe(), options)
+    (row,) = [r for r in result.to_dict()["candidates"] if r["name"] == "float8"]
     assert row["config"]["precision"]["float8"] is True
     # On a CPU, _scaled_mm has no fp8 units behind it: measured, far slower, and rejected.
     assert row["verdict"] == "rejected" and row["ratio"] < 1, row["reason"]

@@ -48,7 +48,7 @@ def test_gpu_suite_dry_run_on_cpu_writes_json_and_table(tmp_path):
         assert data[name]["confirmed_ratio"] > 0
     table = (tmp_path / "gpu_suite.md").read_text()
     assert "| vision | baseline | 1.00x |" in table
-    assert "float8: float8 not applicable: CPUs have no fp8" in table
+    assert "- float8: not applicable: CPUs have no fp8" in table
     assert "| fp32 | yes |" in table
     for name in ("kernels", "fused_optimizer", "bucketing", "augment", "inference"):
         assert f"| extra:{name} | ok |" in table

@@ -104,11 +104,12 @@ def precision_stage(ctx: StageContext) -> list[Candidate] | str:
 def float8_stage(ctx: StageContext) -> list[Candidate] | str:
     # On top of the best precision (bf16 where it won): Linear matmuls in fp8, judged by the
     # same speed and loss-parity rules as bf16.
+    # A returned string is the stage's "not applicable" fact, reported without training.
     unavailable = float8_unavailable(ctx.device)
     if unavailable:
-        return f"float8 not applicable: {unavailable}"
+        return unavailable
     if not convertible_linears(ctx.recipe.model()):
-        return f"float8 not applicable: no nn.Linear has both dimensions divisible by {ALIGNMENT}"
+        return f"no nn.Linear has both dimensions divisible by {ALIGNMENT}, as fp8 matmuls need"
     return [Candidate("float8", ctx.best.replace(precision__float8=True))]
 
 
