@@ -306,3 +306,23 @@ def test_tune_names_the_emulated_candidate_formats_before_measuring(monkeypatch,
     assert main(["tune", TINY, "--device", "cpu", "--out", str(tmp_path)]) == 2
     out = capsys.readouterr().out
     assert "note: this cpu emulates tf32, fp16: expect no speedup from them" in out
+
+
+def test_the_row_format_is_the_unit_doing_most_of_the_maths(monkeypatch) -> None:
+    from conftest import MLP, ConvNet
+
+    from torchturbo.bench import row_format
+
+    def trial(model, device="cuda", applied=None, **config):
+        turbo = SimpleNamespace(applied=applied or {}, device=torch.device(device))
+        return SimpleNamespace(turbo=turbo, config=TurboConfig().replace(**config), model=model)
+
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)  # torch's default
+    assert row_format(trial(ConvNet()))[0] == "tf32"  # cuDNN convolutions in TF32 on CUDA
+    assert row_format(trial(MLP()))[0] == "fp32"  # fp32 matmuls stay on CUDA cores
+    assert row_format(trial(ConvNet(), device="cpu")) == ("fp32", "")
+    assert row_format(trial(MLP(), applied={"float8": None}))[0] == "fp8"
+    assert row_format(trial(MLP(), applied={"float8": "no GPU"}))[0] == "fp32"
+    assert row_format(trial(ConvNet(), precision__dtype="bf16"))[0] == "bf16"
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    assert row_format(trial(ConvNet()))[0] == "fp32"

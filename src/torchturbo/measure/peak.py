@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from torchturbo.measure.datasheet import datasheet_peak_flops, known_gpu
+from torchturbo.measure.datasheet import known_gpu
 from torchturbo.measure.gemm import gemm_rate
 from torchturbo.measure.native import emulated
 
@@ -142,11 +142,10 @@ def stated_peak(device: torch.device | str, fmt: str) -> Peak:
     why = emulated(device, fmt)
     unit = "fp32" if why else fmt
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        sheet = datasheet_peak_flops(name, unit)
-        gpu = known_gpu(name)
-        if sheet is not None and gpu is not None:
-            return Peak(sheet, fmt, unit, f"datasheet {gpu.name}", why)
+        gpu = known_gpu(torch.cuda.get_device_name(device))
+        tflops = None if gpu is None else gpu.tflops(unit)
+        if tflops is not None:
+            return Peak(tflops * 1e12, fmt, unit, f"datasheet {gpu.name}", why)
     measured = measured_format_peak(device, unit)
     if measured is None:
         return Peak(None, fmt, unit, "fp8 is not measured and this GPU is not in the table", why)
