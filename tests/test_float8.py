@@ -164,5 +164,7 @@ def test_the_tuner_measures_a_float8_candidate_and_gives_a_verdict(monkeypatch) 
     _, result = tune(mlp_recipe(), options)
     (row,) = [r for r in result.to_dict()["candidates"] if r["name"] == "float8"]
     assert row["config"]["precision"]["float8"] is True
-    # On a CPU, _scaled_mm has no fp8 units behind it: measured, far slower, and rejected.
-    assert row["verdict"] == "rejected" and row["ratio"] < 1, row["reason"]
+    # On a CPU, _scaled_mm has no fp8 units behind it: far slower, and rejected (by the speed
+    # probe, which measures no ratio, or after paired rounds).
+    assert row["verdict"] == "rejected", row["reason"]
+    assert row["ratio"] is None or row["ratio"] < 1, row["reason"]
