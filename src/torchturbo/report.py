@@ -44,7 +44,7 @@ def peak_notes(rows: Sequence[Any]) -> list[str]:
             key = (row.mfu_peak, row.mfu_peak_flops is not None)
             variants_by_peak.setdefault(key, []).append(row.variant)
     lines = [
-        f"MFU of {', '.join(variants)}: {'against the' if known else 'n/a,'} {peak}"
+        f"MFU of {', '.join(variants)}: {'against' if known else 'n/a,'} {peak}"
         for (peak, known), variants in variants_by_peak.items()
     ]
     if any(row.mfu is not None and row.mfu > 1 for row in rows):

@@ -102,7 +102,7 @@ def _cpu_reason(fmt: str) -> str | None:
     if fmt == "tf32":
         return "CPUs have no TF32 units: tf32 matmuls run as fp32"
     if fmt == "fp8":
-        return "CPUs have no fp8 matmul units (float8 training needs compute capability >= 8.9)"
+        return "CPUs have no fp8 units (float8 needs CUDA compute capability >= 8.9)"
     flags = cpu_flags()
     instructions = CPU_INSTRUCTIONS[fmt]
     if flags and not flags & set(instructions):

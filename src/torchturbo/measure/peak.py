@@ -128,11 +128,11 @@ class Peak:
 
     def describe(self) -> str:
         """E.g. "bf16 peak 0.906 TFLOP/s, measured", or "fp32 peak 0.217 TFLOP/s, measured
-        (bf16 is emulated here)", or "no fp8 peak (why)"."""
+        (bf16 emulated)", or "no fp8 peak (why)"."""
         if self.flops is None:
             return f"no {self.fmt} peak ({self.source})"
         text = f"{self.unit} peak {self.flops / 1e12:.3g} TFLOP/s, {self.source}"
-        return text + (f" ({self.fmt} is emulated here)" if self.emulated else "")
+        return text + (f" ({self.fmt} emulated)" if self.emulated else "")
 
 
 def stated_peak(device: torch.device | str, fmt: str) -> Peak:
