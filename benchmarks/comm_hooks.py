@@ -1,4 +1,5 @@
-"""Bytes and time of DDP gradient communication per comm hook, on N processes (gloo on CPU).
+"""Bytes and time of DDP gradient communication per comm hook, on N processes (gloo on CPU;
+NCCL with ``--device cuda``, one GPU per process).
 
 Each hook (``none``, ``fp16``, ``powersgd`` rank 4; ``bf16`` too when the backend is NCCL) trains
 its own copy of a built-in workload (``--workload``, default text) as a ``bench.Trial`` under DDP:
@@ -53,15 +54,21 @@ NOTE = (
 )
 
 
-def hook_config(hook: str) -> TurboConfig:
-    return TurboConfig(device="cpu").replace(
+NCCL_NOTE = (
+    "GPUs of one machine talk over NVLink or PCIe: bytes are exact, time is that link's, not a "
+    "network's (compression pays more between machines)"
+)
+
+
+def hook_config(hook: str, device: str = "cpu") -> TurboConfig:
+    return TurboConfig(device=device).replace(
         distributed__comm_hook=hook, distributed__powersgd_rank=4, distributed__powersgd_warmup=2
     )
 
 
-def single_process_step(recipe: Any, batches: list[Any]) -> Any:
+def single_process_step(recipe: Any, batches: list[Any], device: str) -> Any:
     """One step of the plain engine (no DDP) on ``batches``: the 1-process reference."""
-    turbo = Turbo(TurboConfig(device="cpu"))
+    turbo = Turbo(TurboConfig(device=device))
     model, optimizer = recipe.build()
     model, optimizer, _ = turbo.setup(model, optimizer)
     next_batch = itertools.cycle(batches).__next__
@@ -70,16 +77,17 @@ def single_process_step(recipe: Any, batches: list[Any]) -> Any:
 
 def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)  # one core per process: the processes share the machine
-    env = init_distributed("cpu")
+    env = init_distributed(args.device)  # cuda: NCCL, one GPU per process
     hooks = HOOKS + (("bf16",) if env.backend == "nccl" else ())
     recipe = get_workload(args.workload)
     batches = fixed_batches(recipe, NUM_BATCHES)  # seeded by rank: each rank has its own data
-    trials = {hook: Trial(recipe, hook_config(hook), batches) for hook in hooks}
+    trials = {hook: Trial(recipe, hook_config(hook, args.device), batches) for hook in hooks}
     steps = {hook: trial.step for hook, trial in trials.items()}
     # Rank 0 alone trains without DDP; the other ranks skip it and wait in the next collective.
-    steps["single"] = single_process_step(recipe, batches) if env.rank == 0 else lambda: None
+    single = single_process_step(recipe, batches, args.device) if env.rank == 0 else None
+    steps["single"] = single or (lambda: None)
     timings = measure_interleaved(
-        steps, device="cpu", warmup=3, repeats=args.repeats, steps_per_repeat=args.steps
+        steps, device=args.device, warmup=3, repeats=args.repeats, steps_per_repeat=args.steps
     )
     results: dict[str, Any] = {}
     for hook, trial in trials.items():
@@ -126,7 +134,7 @@ def write_report(
         "repeats": args.repeats,
         "torch": torch.__version__,
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
-        "note": NOTE,
+        "note": NOTE if args.device == "cpu" else NCCL_NOTE,
     }
     print_table(report)
     if args.json:
@@ -177,6 +185,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--json", help="write the results here (rank 0)")
     parser.add_argument("--quick", action="store_true", help="few steps (a smoke test)")
     parser.add_argument("--nproc", type=int, default=2, help="processes (default 2)")
+    parser.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu", help="cuda: NCCL, a GPU per process"
+    )
     parser.add_argument(
         "--workload", choices=sorted(WORKLOADS), default="text", help="default: text"
     )

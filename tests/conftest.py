@@ -46,6 +46,34 @@ class ConvNet(nn.Module):
         return self.head(self.features(x).mean(dim=(2, 3)))
 
 
+def cpu_stage_context(recipe, *, facts=None, **overrides):
+    """A tuner ``StageContext`` on CPU with neutral facts (``facts`` overrides some of them), to
+    call one stage directly."""
+    from torchturbo.config import TurboConfig
+    from torchturbo.facts import Facts
+    from torchturbo.tune.stages import StageContext
+
+    neutral = dict(
+        device="cpu",
+        gemm_speedup={},
+        emulated={},
+        padding=None,
+        has_convolutions=False,
+        conv_share=0.0,
+        leaf_modules=0,
+        shapes_vary=False,
+    )
+    fields = dict(
+        recipe=recipe,
+        best=TurboConfig(device="cpu"),
+        device=torch.device("cpu"),
+        facts=Facts(**{**neutral, **(facts or {})}),
+        best_memory_bytes=None,
+        memory_budget=None,
+    )
+    return StageContext(**{**fields, **overrides})
+
+
 def classification_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]):
     inputs, targets = batch
     return nn.functional.cross_entropy(model(inputs), targets)

@@ -56,6 +56,8 @@ INVALID = [
     ("[clipping]\nnorm_type = 0.5", "norm_type = 0.5"),
     ("[clipping]\nnorm_type = nan", "norm_type = nan"),
     ("[clipping]\nnorm_type = -inf", "norm_type = -inf"),
+    ('[optimizer]\nimplementation = "apex"', "'as_built', 'foreach', 'fused'"),
+    ("[precision]\nfloat8 = 1", "float8 = 1 is invalid: expected bool"),
     ("[data]\nnum_workers = -1", "num_workers = -1"),
     ("[data]\nnum_workers = 100000", "<= 1024 (each worker is a process)"),
     ("[data]\npad_to_multiple = 1000000", "pad_to_multiple = 1000000"),
@@ -115,6 +117,7 @@ CONFIGS = [
         ),
         data=DataConfig(num_workers=2, prefetch_factor=4, persistent_workers=True),
     ).replace(clipping__max_norm=1.5, accumulation__steps=8, compile__mode="max-autotune"),
+    TurboConfig.preset("fast").replace(precision__float8=True, optimizer__implementation="fused"),
 ]
 
 

@@ -7,19 +7,18 @@ import time
 
 import pytest
 import torch
-from conftest import ConvNet, classification_loss
+from conftest import ConvNet, classification_loss, cpu_stage_context
 
 from torchturbo import bench
 from torchturbo.bench import fixed_batches, start_trial
 from torchturbo.config import TurboConfig
-from torchturbo.facts import Facts
 from torchturbo.recipe import Recipe
 from torchturbo.tune import candidate as candidate_module
 from torchturbo.tune.compare import compare
 from torchturbo.tune.decide import Verdict
 from torchturbo.tune.outcome import STATES
 from torchturbo.tune.search import TuneOptions, select_stages, tune
-from torchturbo.tune.stages import STAGES, Candidate, StageContext, bucket_stage, comm_hook_stage
+from torchturbo.tune.stages import STAGES, Candidate, bucket_stage, comm_hook_stage
 
 
 def tiny_recipe(**overrides) -> Recipe:
@@ -61,8 +60,8 @@ def test_every_candidate_ends_adopted_rejected_not_measured_or_not_applicable():
             and "error" not in outcome.reason
             and "not measured further" not in outcome.reason
         )
-    # TF32 is a CUDA mode: decided by the facts, never trained, on a CPU.
-    assert rows["tf32"].verdict == "not applicable" and "CUDA" in rows["tf32"].reason
+    # TF32 is a CUDA tensor-core mode: decided by the facts, never trained, on a CPU.
+    assert rows["tf32"].verdict == "not applicable" and "no TF32 units" in rows["tf32"].reason
     assert result.confirmation.state in (
         "not needed",
         "confirmed",
@@ -327,23 +326,9 @@ def test_a_config_against_itself_is_not_called_faster():
 
 
 def _context(recipe, world_size=2, comm_share=0.3):
-    facts = Facts(
-        device="cpu",
-        gemm_speedup={"bf16": 1.0, "fp16": 0.1, "tf32": 1.0},
-        padding=None,
-        has_convolutions=False,
-        conv_share=0.0,
-        leaf_modules=3,
-        shapes_vary=False,
-        comm_share=comm_share if world_size > 1 else None,
-    )
-    return StageContext(
-        recipe=recipe,
-        best=TurboConfig(device="cpu"),
-        device=torch.device("cpu"),
-        facts=facts,
-        best_memory_bytes=None,
-        memory_budget=None,
+    return cpu_stage_context(
+        recipe,
+        facts={"comm_share": comm_share if world_size > 1 else None},
         world_size=world_size,
         backend="gloo",
     )

@@ -42,9 +42,10 @@ from torchturbo.distributed.setup import apply_distributed
 from torchturbo.engine import Turbo
 from torchturbo.measure.flops import count_step_flops
 from torchturbo.measure.memory import activation_bytes, track_peak_memory
-from torchturbo.measure.peak import dtype_for_precision, measured_peak_flops, mfu
+from torchturbo.measure.peak import mfu, stated_peak
 from torchturbo.measure.timing import Timing, measure_interleaved, time_once
 from torchturbo.recipe import Recipe
+from torchturbo.techniques.memory_format import has_2d_convolutions
 
 
 def fixed_batches(recipe: Recipe, count: int, *, seed: int | None = None) -> list[Any]:
@@ -266,6 +267,10 @@ class VariantResult:
     comm_ms_per_step: float | None = None
     #: Share of the token positions computed that were padding (None: no mask in the batches).
     padding: float | None = None
+    #: The peak ``mfu`` is stated against (FLOP/s; None where none is known) and its
+    #: description: the unit doing the math, measured or datasheet, emulated or not.
+    mfu_peak_flops: float | None = None
+    mfu_peak: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -437,7 +442,8 @@ def _rows(
     rows = []
     for name, trial in trials.items():
         device = trial.turbo.device
-        peak = measured_peak_flops(device, dtype_for_precision(trial.config.precision.dtype))
+        fmt, why = row_format(trial)
+        peak = stated_peak(device, fmt)
         curve = trial.loss_curve()  # before the memory probe, so every row ends on one step
         memory_bytes, memory_kind = trial.memory_footprint()
         comm = trial.comm_per_step()
@@ -449,7 +455,9 @@ def _rows(
                 ratio=throughput[name] / throughput[baseline],
                 step_ms_median=timings[name].median * 1e3,
                 step_ms_spread=timings[name].spread,
-                mfu=mfu(flops[id(trial.batches)], timings[name].median, peak),
+                mfu=None
+                if peak.flops is None
+                else mfu(flops[id(trial.batches)], timings[name].median, peak.flops),
                 peak_memory_bytes=memory_bytes,
                 peak_memory_kind=memory_kind,
                 activation_bytes=trial.activation_bytes(),
@@ -461,6 +469,22 @@ def _rows(
                 processes=current_env().world_size,
                 comm_bytes_per_step=None if comm is None else comm[0],
                 comm_ms_per_step=None if comm is None or comm[1] is None else comm[1] * 1e3,
+                mfu_peak_flops=peak.flops,
+                mfu_peak=peak.describe() + (f" ({why})" if why else ""),
             )
         )
     return rows
+
+
+def row_format(trial: Trial) -> tuple[str, str]:
+    """The number format of the unit doing most of a trial's maths, and why where that is not
+    its precision: fp8 where float8 applied; tf32 for an fp32 model with convolutions on CUDA,
+    where cuDNN runs them as TF32 by default (against the fp32 CUDA-core peak such a row could
+    show far above 100%)."""
+    if trial.turbo.applied.get("float8", "not requested") is None:
+        return "fp8", "its Linear layers run in fp8"
+    dtype = trial.config.precision.dtype
+    tf32_convolutions = trial.turbo.device.type == "cuda" and torch.backends.cudnn.allow_tf32
+    if dtype == "fp32" and tf32_convolutions and has_2d_convolutions(trial.model):
+        return "tf32", "cuDNN runs fp32 convolutions as TF32: torch.backends.cudnn.allow_tf32"
+    return dtype, ""

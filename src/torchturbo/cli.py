@@ -366,6 +366,7 @@ def _run_bench(args: argparse.Namespace) -> int:
         configs[name] = chosen
     recipe = load_target(args)
     steps_per_repeat = 3 if args.steps >= 6 else 1
+    say_emulated(chosen.device, [format_of(config) for config in configs.values()])
     with launched(chosen.device) as env:
         rows = _with_status(
             f"bench {recipe.name}",
@@ -413,6 +414,7 @@ def _run_tune(args: argparse.Namespace) -> int:
     from torchturbo.report import wide_console
     from torchturbo.tune.report import incremental_table, read_previous, write_report
     from torchturbo.tune.search import TuneOptions, tune
+    from torchturbo.tune.stages import PRECISION_FORMATS
     from torchturbo.tune.summary import headline
 
     options = TuneOptions(
@@ -428,6 +430,11 @@ def _run_tune(args: argparse.Namespace) -> int:
     previous = read_previous(args.out)
     recipe = load_target(args)
     console = wide_console()
+    say_emulated(
+        args.device or "auto",
+        PRECISION_FORMATS,
+        lambda notice: console.print(notice, markup=False, highlight=False),
+    )
     progress = _tune_progress(console, f"tune {recipe.name}", options.time_budget_s)
     with launched(args.device or "auto"), progress as show:
         config, result = tune(
@@ -495,6 +502,8 @@ def _run_doctor(args: argparse.Namespace) -> int:
         check_output_file(args.json, "--json")
     recipe = load_target(args)
     device = args.device or (config.device if config else "auto")
+    # bf16: the precision the doctor times against the config where it is native.
+    say_emulated(device, ["bf16", format_of(config)] if config else ["bf16"])
     with launched(device):
         diagnosis = _with_status(
             f"doctor {recipe.name}",
@@ -577,6 +586,24 @@ def _run_train(args: argparse.Namespace) -> int:
         f"resumed from {result.resumed_from}; last checkpoint {result.saved}"
     )
     return 0
+
+
+def format_of(config: Any) -> str:
+    """The number format a config's matmuls use: fp8 with float8, else its precision."""
+    return "fp8" if config.precision.float8 else config.precision.dtype
+
+
+def say_emulated(device: str, formats: Sequence[str], show: Callable[[str], None] = print) -> None:
+    """Say once, before a run, which of ``formats`` this hardware only emulates (rank 0)."""
+    from torchturbo.distributed import is_main_process
+    from torchturbo.engine import resolve_device
+    from torchturbo.measure.native import emulation_notice
+
+    if not is_main_process():
+        return
+    notice = emulation_notice(resolve_device(device), formats)
+    if notice is not None:
+        show(notice)
 
 
 def check_writable(directory: Path, option: str = "--out") -> None:

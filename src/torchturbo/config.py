@@ -55,6 +55,7 @@ CheckpointMode = Literal["off", "full", "selective"]
 DistStrategy = Literal["ddp", "fsdp"]
 CommHookName = Literal["none", "fp16", "bf16", "powersgd", "powersgd_fp16", "powersgd_bf16"]
 ParamDtype = Literal["fp32", "bf16", "fp16"]
+OptimizerImplementation = Literal["as_built", "foreach", "fused"]
 PipelineSchedule = Literal["gpipe", "1f1b"]
 
 #: Every int field fits torch's int64 (counters and sizes become int64 tensors and C++ ints).
@@ -193,6 +194,10 @@ class PrecisionConfig:
     dtype: Precision = "fp32"
     #: GradScaler for fp16 (required there: fp16 gradients underflow without it). None = as needed.
     grad_scaler: bool | None = None
+    #: float8 training: nn.Linear layers become torchao Float8Linear (fp8 matmuls, dynamic
+    #: scaling), on top of ``dtype``. Needs CUDA compute capability >= 8.9 and torchao
+    #: (techniques/float8.py); elsewhere it is not applied and the reason is reported.
+    float8: bool = False
 
     def __post_init__(self) -> None:
         _validate(self, self._combinations)
@@ -313,6 +318,21 @@ class ClippingConfig:
     max_norm: float | None = _between(None, 0, low_exclusive=True, absent="no clipping")
     #: The p of the p-norm: p >= 1 (a norm), or inf for the largest absolute value.
     norm_type: float = _between(2.0, 1, inf_allowed=True)
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerConfig:
+    """How the optimizer step runs (techniques/optimizer.py)."""
+
+    SECTION: typing.ClassVar[str] = "optimizer"
+    #: as_built: the user's optimizer untouched. foreach: one multi-tensor kernel per operation
+    #: across all parameters. fused: the whole update in one kernel. The optimizer is rebuilt
+    #: with the flag (same state and hyper-parameters) where its class accepts it; where not,
+    #: it is left as built and the reason reported.
+    implementation: OptimizerImplementation = "as_built"
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -449,6 +469,7 @@ class TurboConfig:
     checkpointing: CheckpointConfig = field(default_factory=CheckpointConfig)
     accumulation: AccumulationConfig = field(default_factory=AccumulationConfig)
     clipping: ClippingConfig = field(default_factory=ClippingConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     data: DataConfig = field(default_factory=DataConfig)
     reliability: ReliabilityConfig = field(default_factory=ReliabilityConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
@@ -634,6 +655,7 @@ _SECTIONS: dict[str, type] = {
     "checkpointing": CheckpointConfig,
     "accumulation": AccumulationConfig,
     "clipping": ClippingConfig,
+    "optimizer": OptimizerConfig,
     "data": DataConfig,
     "reliability": ReliabilityConfig,
     "distributed": DistributedConfig,

@@ -32,7 +32,9 @@ from torchturbo.resume import load_training_state, save_training_state
 from torchturbo.techniques.accumulation import AccumulationWindow, scale_gradients
 from torchturbo.techniques.checkpointing import apply_activation_checkpointing
 from torchturbo.techniques.compile import apply_compile
+from torchturbo.techniques.float8 import apply_float8_training
 from torchturbo.techniques.memory_format import apply_channels_last
+from torchturbo.techniques.optimizer import rebuild_optimizer
 from torchturbo.techniques.precision import (
     autocast_context,
     float32_matmul_precision,
@@ -133,6 +135,12 @@ class Turbo:
         default collate does.
         """
         self.model = self._compose(model)
+        # After the model moved: a fused optimizer's support depends on the parameters' device.
+        # A rebuilt optimizer is a new object: callers use the one setup returns.
+        if self.config.optimizer.implementation != "as_built":
+            optimizer, self.applied["optimizer"] = rebuild_optimizer(
+                optimizer, self.config.optimizer.implementation
+            )
         self.optimizer = optimizer
         reliability = self.config.reliability
         self.microbatcher = MicroBatcher(
@@ -177,6 +185,9 @@ class Turbo:
         torch.backends.cudnn.benchmark = cfg.backend.cudnn_benchmark
         # 1. Device first: every later transform must see the final parameter storage.
         model = model.to(self.device)
+        # float8 swaps Linear modules (keeping their parameters) before anything wraps them.
+        if cfg.precision.float8:
+            self.applied["float8"] = apply_float8_training(model, self.device)
         # 2. Layout before compile, so the compiled graph is traced with NHWC strides.
         if cfg.memory_format.channels_last:
             self.applied["channels_last"] = apply_channels_last(model)

@@ -19,9 +19,6 @@ from torchturbo.facts import Facts
 #: speeds up; the rest (elementwise ops, norms, the optimizer) is assumed unchanged. A prior from
 #: the built-in workloads' profiles (55-75% on CPU), not a measurement of the user's model.
 DENSE_SHARE = 0.6
-#: Below this GEMM speed-up over fp32 a precision cannot pay off in training: the speed-up of the
-#: dense part is diluted by the rest of the step and by the casts autocast adds.
-NATIVE_MIN_SPEEDUP = 1.3
 #: Expected compile gains, from the built-in workloads on CPU (1.1-1.3x): less where shapes vary,
 #: since every new shape recompiles or runs a dynamic-shape graph.
 COMPILE_GAIN = 1.15
@@ -30,6 +27,12 @@ COMPILE_GAIN_VARYING_SHAPES = 1.05
 CHANNELS_LAST_GAIN = 0.25
 #: The gain assumed for a lever with no better prior (DDP bucket sizes).
 SMALL_GAIN = 1.03
+#: float8 Linear layers on top of bf16: fp8 GEMMs run ~2x bf16 on Hopper tensor cores, less end
+#: to end (casts, the layers left in bf16); torchao reports 1.2-1.5x on large Transformers.
+FLOAT8_GAIN = 1.2
+#: How many times faster the optimizer step itself runs rebuilt, from benchmarks/fused_optimizer.py
+#: on the 2-core CPU (Adam/AdamW: foreach 1.2-1.4x, fused 3.2-4.9x; SGD less).
+OPTIMIZER_STEP_SPEEDUP = {"foreach": 1.3, "fused": 3.0}
 
 
 @dataclass(frozen=True)
@@ -46,17 +49,15 @@ class Expectation:
 
 def precision(facts: Facts, dtype: str) -> Expectation:
     """bf16, fp16 or tf32: Amdahl's law over the measured GEMM speed-up of that precision."""
+    if dtype in facts.emulated:
+        return Expectation(None, f"{dtype} cannot pay off here: {facts.emulated[dtype]}")
     speedup = facts.gemm_speedup.get(dtype)
     if speedup is None:
         return Expectation(None, f"{dtype} matrix products were not measured on {facts.device}")
-    measured = f"a {dtype} matrix product runs at {speedup:.2f}x the fp32 rate on {facts.device}"
-    if dtype == "tf32" and not facts.device.startswith("cuda"):
-        return Expectation(None, "TF32 is a CUDA tensor-core mode: it changes nothing on a CPU")
-    if speedup < NATIVE_MIN_SPEEDUP:
-        kind = "emulated" if speedup < 1 else "no native units"
-        return Expectation(None, f"{measured} ({kind}): it cannot speed up training here")
-    gain = 1 / ((1 - DENSE_SHARE) + DENSE_SHARE / speedup)
-    return Expectation(gain, measured)
+    gain = 1 / ((1 - DENSE_SHARE) + DENSE_SHARE / max(speedup, 1e-9))
+    return Expectation(
+        gain, f"a {dtype} matrix product runs at {speedup:.2f}x the fp32 rate on {facts.device}"
+    )
 
 
 def channels_last(facts: Facts) -> Expectation:
@@ -104,6 +105,23 @@ def bucket_size(facts: Facts) -> Expectation:
     if facts.comm_share is None:
         return Expectation(None, "single process: no DDP buckets")
     return Expectation(SMALL_GAIN, f"communication is {facts.comm_share:.0%} of the step")
+
+
+def float8(facts: Facts) -> Expectation:
+    return Expectation(FLOAT8_GAIN, "fp8 matmuls in the Linear layers, on top of bf16")
+
+
+def optimizer(facts: Facts, implementation: str) -> Expectation:
+    """foreach or fused: Amdahl's law over the optimizer's share of the step."""
+    speedup = OPTIMIZER_STEP_SPEEDUP.get(implementation)
+    if speedup is None or facts.optimizer_share is None:
+        return Expectation(SMALL_GAIN, f"a {implementation} optimizer step")
+    gain = 1 / (1 - facts.optimizer_share * (1 - 1 / speedup))
+    return Expectation(
+        gain,
+        f"the optimizer step is {facts.optimizer_share:.0%} of a step; {implementation} runs it "
+        f"~{speedup:g}x faster",
+    )
 
 
 def priority(gain: float | None, cost_s: float) -> float:

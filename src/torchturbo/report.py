@@ -20,8 +20,36 @@ def format_bytes(n: int | None) -> str:
     raise AssertionError("unreachable")
 
 
+#: Marks an MFU above 100%, which only an under-measured peak can produce; explained once below
+#: a table by :data:`OVER_PEAK_NOTE`.
+OVER_PEAK_MARK = "*"
+OVER_PEAK_NOTE = (
+    f"{OVER_PEAK_MARK} MFU above 100%: the peak was under-measured (measured while the machine "
+    "was busy, or a FLOP count above the maths done)"
+)
+
+
 def format_mfu(value: float | None) -> str:
-    return "n/a" if value is None else f"{100 * value:.1f}%"
+    if value is None:
+        return "n/a"
+    return f"{100 * value:.1f}%" + (OVER_PEAK_MARK if value > 1 else "")
+
+
+def peak_notes(rows: Sequence[Any]) -> list[str]:
+    """One line per distinct peak that the rows' MFU is stated against, naming its rows, plus
+    the note for an MFU above 100% when a row has one."""
+    variants_by_peak: dict[tuple[str, bool], list[str]] = {}
+    for row in rows:
+        if row.mfu_peak:
+            key = (row.mfu_peak, row.mfu_peak_flops is not None)
+            variants_by_peak.setdefault(key, []).append(row.variant)
+    lines = [
+        f"MFU of {', '.join(variants)}: {'against' if known else 'n/a,'} {peak}"
+        for (peak, known), variants in variants_by_peak.items()
+    ]
+    if any(row.mfu is not None and row.mfu > 1 for row in rows):
+        lines.append(OVER_PEAK_NOTE)
+    return lines
 
 
 def wide_console() -> Console:
@@ -83,5 +111,7 @@ def print_rows(title: str, rows: Sequence[Any], console: Console | None = None) 
     for (technique, reason), variants in variants_by_note.items():
         who = "every variant" if len(variants) == len(rows) > 1 else ", ".join(variants)
         console.print(f"[dim]{who}: {technique} not applied: {reason}[/dim]")
+    for line in peak_notes(rows):
+        console.print(f"[dim]{line}[/dim]", highlight=False)
     kinds = sorted({row.peak_memory_kind for row in rows})
     console.print(f"[dim]step memory: {'; '.join(kinds)} (docs/measurement.md)[/dim]")

@@ -8,9 +8,9 @@ Registration goes through ``torch.library.custom_op`` so that the op is a first-
 callable from Python as ``torch.ops.torchturbo.bias_gelu``, differentiable (``register_autograd``,
 whose backward is itself a custom op), and traceable by ``torch.compile``/``torch.export``
 (``register_fake`` gives output shapes without running the kernel). The default implementation is
-the PyTorch composite, which runs on every device; on CPU the C++ kernel (``bias_gelu.cpp``,
-compiled on first use) replaces it. A Triton/CUDA kernel would be one more
-``register_kernel("cuda")``; until a GPU is available to test it, CUDA runs the composite.
+the PyTorch composite, which runs on every other device; on CPU the C++ kernel
+(``bias_gelu.cpp``, compiled on first use) replaces it, on CUDA the Triton kernel
+(``bias_gelu_triton.py``, where triton is installed; else the composite, with a warning).
 
 This is what the article's CUDA kernel lacked: a ``__global__`` function has no Python binding and
 cannot be launched with grid/block keywords from Python; an op registered with ``torch.library``
@@ -20,7 +20,9 @@ is dispatched by device, works with autograd and compile, and is checked by ``op
 from __future__ import annotations
 
 import functools
+import importlib
 import warnings
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -42,15 +44,33 @@ def _cpp_ready() -> bool:
     """True when the C++ kernels are loaded; otherwise warn (once) that CPU runs the composite."""
     error = cpu_kernel_error()
     if error is not None:
-        _warn_fallback(error)
+        _warn_fallback("CPU", f"the C++ kernel could not be built ({error})")
     return error is None
 
 
+def _triton_kernels() -> ModuleType | None:
+    """The Triton kernels, or None (warning once) where triton cannot be imported."""
+    kernels, error = _import_triton_kernels()
+    if kernels is None:
+        _warn_fallback(
+            "CUDA", f"triton is not installed ({error}): pip install 'torchturbo[triton]'"
+        )
+    return kernels
+
+
 @functools.cache
-def _warn_fallback(error: str) -> None:
+def _import_triton_kernels() -> tuple[ModuleType | None, str]:
+    # Cached: a failing import searches the whole path again on every call.
+    try:
+        return importlib.import_module("torchturbo.kernels.bias_gelu_triton"), ""
+    except ImportError as error:
+        return None, str(error)
+
+
+@functools.cache
+def _warn_fallback(device: str, why: str) -> None:
     warnings.warn(
-        f"torchturbo::bias_gelu runs the eager composite on CPU: the C++ kernel could not be "
-        f"built ({error})",
+        f"torchturbo::bias_gelu runs the eager composite on {device}: {why}",
         RuntimeWarning,
         stacklevel=2,
     )
@@ -85,6 +105,15 @@ def _bias_gelu_cpu(x: Tensor, bias: Tensor) -> Tensor:
     return torch.ops.torchturbo_cpu.bias_gelu_forward(x, bias)
 
 
+@bias_gelu.register_kernel("cuda")
+def _bias_gelu_cuda(x: Tensor, bias: Tensor) -> Tensor:
+    _check(x, bias)
+    kernels = _triton_kernels()
+    if kernels is None:
+        return bias_gelu_reference(x, bias).contiguous()
+    return kernels.forward(x, bias)
+
+
 @bias_gelu.register_fake
 def _bias_gelu_fake(x: Tensor, bias: Tensor) -> Tensor:
     _check(x, bias)
@@ -102,6 +131,14 @@ def _bias_gelu_backward_cpu(grad: Tensor, x: Tensor, bias: Tensor) -> Tensor:
     if not _cpp_ready():
         return _bias_gelu_backward_reference(grad, x, bias).contiguous()
     return torch.ops.torchturbo_cpu.bias_gelu_backward(grad, x, bias)
+
+
+@bias_gelu_backward.register_kernel("cuda")
+def _bias_gelu_backward_cuda(grad: Tensor, x: Tensor, bias: Tensor) -> Tensor:
+    kernels = _triton_kernels()
+    if kernels is None:
+        return _bias_gelu_backward_reference(grad, x, bias).contiguous()
+    return kernels.backward(grad, x, bias)
 
 
 @bias_gelu_backward.register_fake

@@ -5,6 +5,7 @@ docs/measurement.md for how each number is obtained and what it does and does no
 """
 
 from torchturbo.measure.breakdown import PHASES, NullRecorder, PhaseRecorder, Recorder
+from torchturbo.measure.datasheet import datasheet_peak_flops
 from torchturbo.measure.flops import count_forward_flops, count_step_flops
 from torchturbo.measure.memory import (
     CHECKPOINT_MARKER,
@@ -12,7 +13,8 @@ from torchturbo.measure.memory import (
     activation_bytes,
     track_peak_memory,
 )
-from torchturbo.measure.peak import dtype_for_precision, measured_peak_flops, mfu
+from torchturbo.measure.native import emulated, emulation_notice, native_dtypes
+from torchturbo.measure.peak import Peak, dtype_for_precision, measured_peak_flops, mfu, stated_peak
 from torchturbo.measure.timing import (
     Timing,
     measure_interleaved,
@@ -27,6 +29,7 @@ __all__ = [
     "CHECKPOINT_MARKER",
     "PHASES",
     "NullRecorder",
+    "Peak",
     "PeakMemory",
     "PhaseRecorder",
     "Recorder",
@@ -34,13 +37,18 @@ __all__ = [
     "activation_bytes",
     "count_forward_flops",
     "count_step_flops",
+    "datasheet_peak_flops",
     "dtype_for_precision",
+    "emulated",
+    "emulation_notice",
     "measure_interleaved",
     "measured_peak_flops",
     "mfu",
+    "native_dtypes",
     "noise_band",
     "paired_noise",
     "ratio",
+    "stated_peak",
     "sync",
     "time_once",
     "track_peak_memory",

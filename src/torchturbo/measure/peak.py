@@ -1,20 +1,28 @@
-"""The machine's achievable matmul rate, measured, and MFU against it.
+"""The peak FLOP/s an MFU is stated against, one per row, and MFU itself.
 
-A datasheet peak is wrong for CPUs (it depends on cores, clocks, ISA and threads) and optimistic
-for GPUs; a peak measured by a large matrix product in the training dtype is what the hardware
-really delivers to dense maths here, so MFU means "fraction of what a big matmul gets". The
-measurement takes about a second per dtype and is cached for the process.
+One stated peak per row: the dense peak of the unit that does the math. For a GPU in the
+datasheet table (``datasheet.py``) that is the datasheet figure, so that MFU compares with
+published ones; elsewhere it is measured here by a large matrix product in that format, because a
+datasheet peak is wrong for CPUs (it depends on cores, clocks, ISA and threads). A format the
+hardware only emulates (``native.py``: bf16 on a CPU without bf16 instructions) runs on the fp32
+units, so its MFU is stated against the fp32 peak and labelled emulated; a per-format measured
+peak there was the emulated GEMM's own rate and gave a 20x slower variant a 5x higher MFU.
+Measuring takes about a second per format and is cached for the process.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
-import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
-from torchturbo.measure.timing import sync
+from torchturbo.measure.datasheet import known_gpu
+from torchturbo.measure.gemm import gemm_rate
+from torchturbo.measure.native import emulated
 
 _DTYPES = {
     "fp32": torch.float32,
@@ -69,7 +77,7 @@ def _measure_peak(
     # re-plan from the better estimate until a block lasts at least half the target.
     for _ in range(3):
         n, iters = _plan(rate)
-        rate = max(rate, _best_rate(device, dtype, n, iters, _REPEATS))
+        rate = max(rate, gemm_rate(device, dtype, n, iters=iters, repeats=_REPEATS))
         if 2 * n**3 * iters / rate >= _TARGET_SECONDS / 2:
             break
     return rate
@@ -92,10 +100,10 @@ def _probe(device: torch.device, dtype: torch.dtype) -> float:
     and a small n would mistake that stall for the machine's speed.
     """
     n = _MIN_N
-    rate = best = _best_rate(device, dtype, n, iters=1, repeats=2)
+    rate = best = gemm_rate(device, dtype, n, repeats=2)
     # Double while the next size is predicted to take at most twice the target (8x the work).
     while n < _MAX_N and 16 * n**3 / rate <= 2 * _TARGET_SECONDS:
-        bigger = _best_rate(device, dtype, 2 * n, iters=1, repeats=2)
+        bigger = gemm_rate(device, dtype, 2 * n, repeats=2)
         best = max(best, bigger)
         if 2 * n**3 / rate >= 0.02 and bigger < 1.25 * rate:
             break
@@ -103,20 +111,66 @@ def _probe(device: torch.device, dtype: torch.dtype) -> float:
     return best
 
 
-def _best_rate(device: torch.device, dtype: torch.dtype, n: int, iters: int, repeats: int) -> float:
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    out = torch.empty(n, n, device=device, dtype=dtype)
-    torch.mm(a, b, out=out)  # warm-up: kernel selection, first-touch of `out`
-    best = math.inf
-    for _ in range(repeats):
-        sync(device)
-        begin = time.perf_counter()
-        for _ in range(iters):
-            torch.mm(a, b, out=out)
-        sync(device)
-        best = min(best, time.perf_counter() - begin)
-    return 2 * n**3 * iters / best
+@dataclass(frozen=True)
+class Peak:
+    """The peak one row's MFU is stated against, and where it comes from."""
+
+    #: FLOP/s; None where no peak is known (fp8 on a GPU outside the datasheet table).
+    flops: float | None
+    #: The row's number format: fp32, tf32, bf16, fp16 or fp8.
+    fmt: str
+    #: The format of the unit that does the math: ``fmt``, or fp32 where ``fmt`` is emulated.
+    unit: str
+    #: "measured", "datasheet <GPU>", or why there is no peak.
+    source: str
+    #: Why ``fmt`` is emulated on this device (``native.emulated``); None when it is native.
+    emulated: str | None = None
+
+    def describe(self) -> str:
+        """E.g. "bf16 peak 0.906 TFLOP/s, measured", or "fp32 peak 0.217 TFLOP/s, measured
+        (bf16 emulated)", or "no fp8 peak (why)"."""
+        if self.flops is None:
+            return f"no {self.fmt} peak ({self.source})"
+        text = f"{self.unit} peak {self.flops / 1e12:.3g} TFLOP/s, {self.source}"
+        return text + (f" ({self.fmt} emulated)" if self.emulated else "")
+
+
+def stated_peak(device: torch.device | str, fmt: str) -> Peak:
+    """The dense peak of the unit that does ``fmt``'s math on ``device``: the datasheet figure
+    for a GPU in the table, else measured; the fp32 peak where ``fmt`` is emulated."""
+    device = torch.device(device)
+    why = emulated(device, fmt)
+    unit = "fp32" if why else fmt
+    if device.type == "cuda":
+        gpu = known_gpu(torch.cuda.get_device_name(device))
+        tflops = None if gpu is None else gpu.tflops(unit)
+        if tflops is not None:
+            return Peak(tflops * 1e12, fmt, unit, f"datasheet {gpu.name}", why)
+    measured = measured_format_peak(device, unit)
+    if measured is None:
+        return Peak(None, fmt, unit, "fp8 is not measured and this GPU is not in the table", why)
+    return Peak(measured, fmt, unit, "measured", why)
+
+
+def measured_format_peak(device: torch.device | str, fmt: str) -> float | None:
+    """:func:`measured_peak_flops` of a format's unit, with TF32 on for tf32 and off for fp32
+    whatever a live session has set; None for fp8 (measuring it needs ``torch._scaled_mm``, a
+    private API)."""
+    if fmt == "fp8":
+        return None
+    with _matmul_precision("high" if fmt == "tf32" else "highest"):
+        return measured_peak_flops(device, dtype_for_precision(fmt))
+
+
+@contextlib.contextmanager
+def _matmul_precision(precision: str) -> Iterator[None]:
+    """Measure fp32 and tf32 under their own setting, whatever a live Turbo session has set."""
+    saved = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(precision)
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(saved)
 
 
 def mfu(flops_per_step: int, step_seconds: float, peak: float) -> float | None:

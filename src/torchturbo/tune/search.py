@@ -26,12 +26,13 @@ keep pairing up and all ranks end with rank 0's config.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import math
 import statistics
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -103,7 +104,9 @@ def tune(
     baseline = Incumbent("fp32 eager", base_config, trial, None)
     best = baseline
     try:
-        steps = [time_once(trial.step, device, clock) for _ in range(PARITY_STEPS - 1)]
+        phases = PhaseRecorder(device)
+        with _recording(trial, phases):
+            steps = [time_once(trial.step, device, clock) for _ in range(PARITY_STEPS - 1)]
         trial.step_seconds = agree(statistics.median(steps))
         baseline.memory_bytes = agree(trial.memory_footprint()[0])
         say("facts", "GEMM rates per precision, padding, FLOPs", budget.left())
@@ -114,7 +117,7 @@ def tune(
             budget=budget,
             batches=batches,
             say=say,
-            facts=_facts(recipe, trial, device),
+            facts=_facts(recipe, trial, device, phases),
             build_s=agree(build_s),
             baseline_step_s=trial.step_seconds,
             reference_losses=trial.loss_curve()[:PARITY_STEPS],
@@ -160,7 +163,7 @@ def _measured_apart(context: StageContext) -> str:
     return "the loader is measured apart from the trials (tune.loader_stage)"
 
 
-def _facts(recipe: Recipe, trial: Any, device: torch.device) -> Any:
+def _facts(recipe: Recipe, trial: Any, device: torch.device, phases: PhaseRecorder) -> Any:
     batch = trial.batches[0]
 
     def forward() -> Any:
@@ -169,7 +172,29 @@ def _facts(recipe: Recipe, trial: Any, device: torch.device) -> Any:
     comm = trial.comm_per_step()
     step = trial.step_seconds
     share = None if comm is None or comm[1] is None or not step else min(1.0, comm[1] / step)
-    return agree(gather(recipe, trial.model, trial.batches, device, forward, comm_share=share))
+    totals = phases.totals()
+    optimizer = totals.get("optimizer", 0.0) / sum(totals.values()) if totals else None
+    facts = gather(
+        recipe,
+        trial.model,
+        trial.batches,
+        device,
+        forward,
+        comm_share=share,
+        optimizer_share=optimizer,
+    )
+    return agree(facts)
+
+
+@contextlib.contextmanager
+def _recording(trial: Any, recorder: PhaseRecorder) -> Iterator[None]:
+    """Record the trial's step phases into ``recorder`` while the block runs."""
+    turbo = trial.turbo
+    previous, turbo.recorder = turbo.recorder, recorder
+    try:
+        yield
+    finally:
+        turbo.recorder = previous
 
 
 def _replay(run: Run, reuse: Previous | None, baseline: Incumbent) -> Incumbent:
@@ -360,15 +385,11 @@ def _breakdowns(run: Run, baseline: Incumbent, best: Incumbent) -> dict[str, dic
             break
         step_s = incumbent.trial.step_seconds or run.baseline_step_s
         recorder = PhaseRecorder(incumbent.trial.turbo.device)
-        turbo = incumbent.trial.turbo
-        previous, turbo.recorder = turbo.recorder, recorder
         steps = 0
-        try:
+        with _recording(incumbent.trial, recorder):
             while steps < 3 and agree(run.budget.left() - REPORT_S >= step_s):
                 incumbent.trial.step()
                 steps += 1
-        finally:
-            turbo.recorder = previous
         if steps:
             out[key] = {phase: seconds / steps for phase, seconds in recorder.totals().items()}
     return out

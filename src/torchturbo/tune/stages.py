@@ -20,6 +20,8 @@ from torchturbo import levers
 from torchturbo.config import TurboConfig
 from torchturbo.facts import Facts
 from torchturbo.recipe import Recipe
+from torchturbo.techniques.float8 import ALIGNMENT, convertible_linears, float8_unavailable
+from torchturbo.techniques.optimizer import IMPLEMENTATIONS, implementation_unsupported
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,10 @@ def _candidate(
     return Candidate(name, config, not_applicable=expectation.evidence, **kw)
 
 
+#: The formats the precision stage tries (the CLI says up front which of them are emulated).
+PRECISION_FORMATS = ("tf32", "bf16", "fp16")
+
+
 def precision_stage(ctx: StageContext) -> list[Candidate] | str:
     # A precision whose matrix products are no faster than fp32's here (TF32 on a CPU, bf16 or
     # fp16 without native units) is decided by that micro-benchmark, not by training.
@@ -92,6 +98,20 @@ def precision_stage(ctx: StageContext) -> list[Candidate] | str:
             ctx.best.replace(precision__dtype="tf32"),
             levers.precision(ctx.facts, "tf32"),
         ),
+    ]
+
+
+def float8_stage(ctx: StageContext) -> list[Candidate] | str:
+    # On top of the best precision (bf16 where it won): Linear matmuls in fp8, judged by the
+    # same speed and loss-parity rules as bf16.
+    # A returned string is the stage's "not applicable" fact, reported without training.
+    unavailable = float8_unavailable(ctx.device)
+    if unavailable:
+        return unavailable
+    if not convertible_linears(ctx.recipe.model()):
+        return f"no nn.Linear has both dimensions divisible by {ALIGNMENT}, as fp8 matmuls need"
+    return [
+        _candidate("float8", ctx.best.replace(precision__float8=True), levers.float8(ctx.facts))
     ]
 
 
@@ -127,6 +147,27 @@ def compile_stage(ctx: StageContext) -> list[Candidate] | str:
     return [
         _candidate(f"compile:{m}", ctx.best.replace(compile__mode=m), expectation) for m in modes
     ]
+
+
+def optimizer_stage(ctx: StageContext) -> list[Candidate] | str:
+    # The user's optimizer rebuilt with foreach/fused where its class and the device allow it.
+    _, optimizer = ctx.recipe.build()
+    current = ctx.best.optimizer.implementation
+    candidates, skipped = [], []
+    for implementation in IMPLEMENTATIONS:
+        if implementation == current:
+            continue
+        reason = implementation_unsupported(optimizer, implementation, ctx.device)
+        if implementation == "foreach" and ctx.device.type == "cuda" and current == "as_built":
+            # Left at foreach=None, torch already runs foreach when all parameters are on CUDA.
+            reason = "torch already uses foreach on CUDA"
+        if reason:
+            skipped.append(f"{implementation}: {reason}")
+        else:
+            config = ctx.best.replace(optimizer__implementation=implementation)
+            expectation = levers.optimizer(ctx.facts, implementation)
+            candidates.append(_candidate(f"optimizer:{implementation}", config, expectation))
+    return candidates or "; ".join(skipped)
 
 
 def memory_stage(ctx: StageContext) -> list[Candidate] | str:
@@ -246,8 +287,10 @@ def bucket_stage(ctx: StageContext) -> list[Candidate] | str:
 #: Stage name -> function, in the order the article applies them.
 STAGES: dict[str, Callable[[StageContext], list[Candidate] | str]] = {
     "precision": precision_stage,
+    "float8": float8_stage,
     "memory_format": memory_format_stage,
     "compile": compile_stage,
+    "optimizer": optimizer_stage,
     "memory": memory_stage,
     "dynamic_batching": dynamic_batching_stage,
     "comm_hook": comm_hook_stage,
