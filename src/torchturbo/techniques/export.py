@@ -4,13 +4,18 @@
 an ATen graph with its weights, and ``torch.export.save`` to write a ``.pt2`` file: the program
 ``torch.export.load`` reads back, and the input AOTInductor and ExecuTorch compile from.
 ``method="torchscript"`` (``torch.jit.trace`` + ``torch.jit.save``) is kept only for runtimes
-that still need it: TorchScript is in maintenance mode, and recent torch (2.13 here) deprecates
-its entry points.
+that still need it: TorchScript is in maintenance mode, and recent torch deprecates its entry
+points (a DeprecationWarning in 2.13, a FutureWarning in 2.14).
 
 Either way the written file is loaded back and run on the example inputs, and, when the batch
 dimension is exported as dynamic, on a batch of twice the size, and the outputs are compared with
 the eager model's; an artefact that disagrees raises :class:`ExportVerificationError` instead of
 being handed over.
+
+The example inputs are copied before export: ``torch.export.save`` stores them with the program,
+and a view (the first rows of a large tensor) would carry its whole storage into the file.
+:func:`export_recipe` exports the recipe's initial weights, or trained ones read from a
+``torchturbo train`` checkpoint, optionally with BatchNorm folded first.
 """
 
 from __future__ import annotations
@@ -54,6 +59,8 @@ class ExportReport:
     path: Path
     method: str
     size_bytes: int
+    #: Bytes of the model's parameters and buffers: the floor of the artefact's size.
+    weights_bytes: int
     export_s: float
     dynamic_batch: bool
     checked_batch_sizes: tuple[int, ...]
@@ -102,6 +109,8 @@ def export_model(
             f"export_model(dynamic_batch=True) needs example inputs with a batch of >= 2 in "
             f"their leading dimension, got {batch}; pass a larger example or dynamic_batch=False"
         )
+    # Copies own exactly their elements: a view would carry its whole storage into the file.
+    example_inputs = _map_tensors(example_inputs, lambda t: t.detach().clone())
     path.parent.mkdir(parents=True, exist_ok=True)
     begin = time.perf_counter()
     load = _WRITERS[method](model, example_inputs, path, dynamic_batch)
@@ -115,6 +124,7 @@ def export_model(
         path=path,
         method=method,
         size_bytes=path.stat().st_size,
+        weights_bytes=weights_bytes(model),
         export_s=export_s,
         dynamic_batch=dynamic_batch,
         checked_batch_sizes=tuple(_batch_size(inputs) or 0 for inputs in checks),
@@ -128,16 +138,62 @@ def export_recipe(
     *,
     method: str = "export",
     batch_size: int = 2,
+    checkpoint: str | os.PathLike[str] | None = None,
+    fuse: bool = False,
 ) -> ExportReport:
-    """Build ``recipe``'s model (initial weights fixed by its seed), and export it in eval mode.
+    """Build ``recipe``'s model, load its weights, and export it in eval mode.
 
+    The weights are the recipe's initial ones (fixed by its seed), or with ``checkpoint`` the
+    trained ones of a ``torchturbo train`` checkpoint: a ``--checkpoint-dir`` (its newest
+    checkpoint that verifies) or one ``ckpt-*`` directory in it. ``fuse`` folds BatchNorm into
+    the preceding convolutions (:func:`~torchturbo.techniques.fusion.fuse_for_inference`).
     The example inputs are whatever ``recipe.loss_fn`` passes to the model on the first
     ``batch_size`` samples of the dataset, so any recipe works without naming its input format.
     """
     torch.manual_seed(recipe.seed)
-    model = recipe.model().eval()
+    model = recipe.model()
+    if checkpoint is not None:
+        load_trained_weights(model, checkpoint, recipe.name)
+    model.eval()
     inputs = capture_model_inputs(model, recipe, batch_size)
+    if fuse:
+        from torchturbo.techniques.fusion import fuse_for_inference
+
+        model, _ = fuse_for_inference(model)
     return export_model(model, inputs, path, method=method)
+
+
+def load_trained_weights(
+    model: nn.Module, checkpoint: str | os.PathLike[str], recipe_name: str = "recipe"
+) -> Path:
+    """Load the model weights of a ``torchturbo train`` checkpoint into ``model``; its path.
+
+    Strict: a checkpoint of another model (missing or unexpected keys, other shapes) raises
+    ValueError naming the checkpoint, rather than exporting a half-loaded model.
+    """
+    from torchturbo.checkpoint import read_latest
+
+    path, files = read_latest(checkpoint)
+    state = files.get("model.pt")
+    if not isinstance(state, dict):
+        raise ValueError(f"checkpoint {str(path)!r} holds no model.pt: not a train checkpoint")
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as error:
+        detail = " ".join(str(error).split())
+        raise ValueError(
+            f"checkpoint {str(path)!r} does not fit {recipe_name!r}'s model: {detail[:300]}"
+        ) from None
+    return path
+
+
+def weights_bytes(model: nn.Module) -> int:
+    """Bytes of the parameters and buffers of ``model``, each storage counted once."""
+    storages = {}
+    for tensor in [*model.parameters(), *model.buffers()]:
+        storage = tensor.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
 
 
 class _Captured(Exception):
@@ -230,12 +286,16 @@ def _double_batch(t: torch.Tensor) -> torch.Tensor:
     return torch.cat([t, t.flip(0)]) if t.dim() else t
 
 
+# What torch says about its own TorchScript entry points: "`torch.jit.trace` is deprecated" (a
+# DeprecationWarning in 2.13, a FutureWarning in 2.14), "... is not supported in Python 3.14+".
+_JIT_NOTICE = r"`torch\.jit\.\w+` is "
+
+
 @contextlib.contextmanager
 def _jit_deprecation_silenced() -> Iterator[None]:
     with warnings.catch_warnings():
-        warnings.filterwarnings(
-            "ignore", message=r"`torch\.jit\.\w+` is deprecated", category=DeprecationWarning
-        )
+        for category in (DeprecationWarning, FutureWarning):
+            warnings.filterwarnings("ignore", message=_JIT_NOTICE, category=category)
         yield
 
 
