@@ -72,7 +72,7 @@ def test_export_writes_a_verified_artefact(tmp_path, capsys):
 
 
 def test_train_under_a_tiny_memory_budget_splits_and_reports_the_micro_batch(capsys):
-    argv = ["train", TINY, "--device", "cpu", "--steps", "2", "--memory-budget", "200KiB"]
+    argv = ["train", TINY, "--device", "cpu", "--steps", "2", "--activation-budget", "200KiB"]
     assert main(argv) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert "trained to optimizer step 2" in last and "micro-batch split 1 " not in last

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dis
+import functools
 import re
 import sys
 import traceback
@@ -121,15 +122,70 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+# The source article, named once here; help texts below say "the article".
+ARTICLE = "PyTorch深度学习性能优化10大实战技巧 (10 practical tips for PyTorch performance)"
+# Names from torchturbo.workloads.WORKLOADS and torchturbo.techniques.export.METHODS (a test
+# keeps them equal), listed here so that --help does not import torch.
+WORKLOADS = ("vision", "segmentation", "text")
+EXPORT_METHODS = ("export", "torchscript")
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends each option's default to its help, except where there is none to show."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _global_options(*, in_subcommand: bool) -> argparse.ArgumentParser:
+    """Options every command takes, before or after the command name.
+
+    In a subcommand the default is SUPPRESS, so that ``torchturbo --debug tune`` is not undone
+    by the subcommand's own default.
+    """
+    options = argparse.ArgumentParser(add_help=False)
+    options.add_argument(
+        "--debug",
+        action="store_true",
+        default=argparse.SUPPRESS if in_subcommand else False,
+        help="show the traceback of an error instead of one line",
+    )
+    return options
+
+
 def _parser() -> argparse.ArgumentParser:
+    from torchturbo import __version__
+
     parser = _Parser(
         prog="torchturbo",
-        description="Make PyTorch training faster and leaner, and prove it by measurement.",
+        description=(
+            "Make PyTorch training faster and leaner, and prove it by measurement: the "
+            f"techniques of the article {ARTICLE}, implemented correctly, measured side by side "
+            "on your model and kept only where they pay off."
+        ),
+        parents=[_global_options(in_subcommand=False)],
+        formatter_class=_HelpFormatter,
     )
-    parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    parser.add_argument("--version", action="version", version=f"torchturbo {__version__}")
+    # Every command shows its defaults and takes the global options after its name too.
+    command_parser = functools.partial(
+        _Parser,
+        parents=[_global_options(in_subcommand=True)],
+        formatter_class=_HelpFormatter,
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=command_parser)
 
-    version = commands.add_parser("version", help="versions, device and bf16 support")
+    version = commands.add_parser(
+        "version",
+        help="versions, device and bf16 support",
+        description=(
+            "Print the versions of torchturbo, torch and CUDA, the device torchturbo would use, "
+            "and which bf16 instructions the CPU has (bf16 autocast is only fast with them). "
+            "Quote this with any figure you report."
+        ),
+    )
     version.set_defaults(run=_run_version)
 
     bench = commands.add_parser(
@@ -147,8 +203,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     _add_target_arguments(bench)
     _add_config_arguments(bench, default_preset="fast")
-    bench.add_argument("--steps", type=int, default=15, help="timed steps per variant (default 15)")
-    bench.add_argument("--json", type=Path, help="also write the rows as JSON here")
+    bench.add_argument("--steps", type=int, default=15, metavar="N", help="timed steps per variant")
+    bench.add_argument("--json", type=Path, metavar="FILE", help="also write the rows as JSON here")
     bench.set_defaults(run=_run_bench)
 
     tune = commands.add_parser(
@@ -170,24 +226,35 @@ def _parser() -> argparse.ArgumentParser:
     )
     _add_target_arguments(tune)
     tune.add_argument(
-        "--time-budget", type=parse_duration, default="5m", help="e.g. 90s, 5m, 1h (default 5m)"
+        "--time-budget",
+        type=parse_duration,
+        default="5m",
+        metavar="DURATION",
+        help="wall time for the search, e.g. 90s, 5m, 1h",
     )
     tune.add_argument(
-        "--memory-budget", type=parse_size, help="e.g. 20GiB, 512MiB (default: no budget)"
+        "--memory-budget",
+        type=parse_size,
+        metavar="SIZE",
+        help="total memory a step may use, e.g. 20GiB, 512MiB (default: no budget)",
     )
     tune.add_argument(
         "--planned-steps",
         type=int,
         default=10_000,
-        help="length of your real run: one-time costs must pay back within it (default 10000)",
+        metavar="N",
+        help="length of your real run: one-time costs must pay back within it",
     )
     tune.add_argument(
         "--loss-tolerance",
         type=float,
         default=0.05,
-        help="largest relative loss difference from fp32 over the first steps (default 0.05)",
+        metavar="FRACTION",
+        help="largest relative loss difference from fp32 over the first steps",
     )
-    tune.add_argument("--out", type=Path, default=Path("turbo-report"), help="output directory")
+    tune.add_argument(
+        "--out", type=Path, default=Path("turbo-report"), metavar="DIR", help="output directory"
+    )
     tune.add_argument(
         "--only", type=_stage_list, default=(), metavar="STAGE,...", help="run only these stages"
     )
@@ -209,12 +276,16 @@ def _parser() -> argparse.ArgumentParser:
         ),
     )
     _add_target_arguments(doctor)
-    doctor.add_argument("--config", type=Path, help="TOML config to diagnose (default: fp32)")
+    doctor.add_argument(
+        "--config", type=Path, metavar="FILE", help="TOML config to diagnose (default: fp32)"
+    )
     doctor.add_argument(
         "--trace", type=Path, metavar="DIR", help="write a Perfetto/chrome://tracing trace here"
     )
-    doctor.add_argument("--steps", type=int, default=5, help="profiled steps (default 5)")
-    doctor.add_argument("--json", type=Path, help="also write the diagnosis as JSON here")
+    doctor.add_argument("--steps", type=int, default=5, metavar="N", help="profiled steps")
+    doctor.add_argument(
+        "--json", type=Path, metavar="FILE", help="also write the diagnosis as JSON here"
+    )
     doctor.set_defaults(run=_run_doctor)
 
     export = commands.add_parser(
@@ -222,13 +293,24 @@ def _parser() -> argparse.ArgumentParser:
         help="write a deployment artefact (torch.export .pt2), reloaded and verified",
         description=(
             "Export the recipe's model with torch.export (or legacy TorchScript, which is in "
-            "maintenance), reload the file and compare its outputs with the eager model."
+            "maintenance), reload the file and compare its outputs with the eager model's. The "
+            "weights are the trained ones of a `torchturbo train` checkpoint with --checkpoint, "
+            "else the recipe's initial ones."
         ),
     )
     _add_target_arguments(export)
-    export.add_argument("--out", type=Path, required=True, help="file to write (.pt2)")
     export.add_argument(
-        "--method", choices=("export", "torchscript"), default="export", help="default: export"
+        "--out", type=Path, required=True, metavar="FILE", help="file to write (.pt2, or .pt)"
+    )
+    export.add_argument("--method", choices=EXPORT_METHODS, default="export", help="how to export")
+    export.add_argument(
+        "--checkpoint",
+        type=Path,
+        metavar="DIR",
+        help="a `train --checkpoint-dir` (its newest valid checkpoint) or one ckpt-* in it",
+    )
+    export.add_argument(
+        "--fuse", action="store_true", help="fold BatchNorm into the preceding convolutions first"
     )
     export.set_defaults(run=_run_export)
 
@@ -244,15 +326,22 @@ def _parser() -> argparse.ArgumentParser:
     )
     _add_target_arguments(train)
     _add_config_arguments(train, default_preset="baseline")
-    train.add_argument("--steps", type=int, required=True, help="optimizer steps to train")
-    train.add_argument("--checkpoint-dir", type=Path, help="where checkpoints go")
-    train.add_argument("--save-every", type=int, default=0, help="steps between checkpoints")
+    train.add_argument(
+        "--steps", type=int, required=True, metavar="N", help="optimizer steps to train"
+    )
+    train.add_argument("--checkpoint-dir", type=Path, metavar="DIR", help="where checkpoints go")
+    train.add_argument(
+        "--save-every",
+        type=int,
+        default=0,
+        metavar="N",
+        help="steps between checkpoints; 0 saves at the end only",
+    )
     train.add_argument("--resume", action="store_true", help="continue from --checkpoint-dir")
     train.add_argument(
-        "--memory-budget",
         "--activation-budget",
-        dest="activation_budget",
         type=parse_size,
+        metavar="SIZE",
         help="bytes of activations one micro-batch may hold (e.g. 64MiB); above it the batch is "
         "split into smaller micro-batches with accumulation, and the split is reported",
     )
@@ -266,20 +355,26 @@ def _add_target_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="?",
         help="your recipe: path/to/file.py:function or package.module:function",
     )
+    # The choices are shown, not enforced by argparse: an unknown name is then reported by
+    # get_workload in one line with the choices, like every other user error.
     parser.add_argument(
         "--workload",
         default="vision",
-        help="built-in workload when no recipe is given: vision, segmentation, text",
+        metavar="{" + ",".join(WORKLOADS) + "}",
+        help="built-in workload when no recipe is given",
     )
     parser.add_argument(
         "--size",
         choices=("small", "large"),
         default="small",
         help="size of the built-in workload: small steps take 0.05-0.2 s on a 2-core CPU, "
-        "large ones 1-5 s, as real models do (default small)",
+        "large ones 1-5 s, as real models do",
     )
     parser.add_argument(
-        "--device", type=_device, help="cpu, cuda or cuda:N (default: cuda when available)"
+        "--device",
+        type=_device,
+        metavar="DEVICE",
+        help="cpu, cuda or cuda:N (default: cuda when available)",
     )
 
 
@@ -299,9 +394,11 @@ def _add_config_arguments(parser: argparse.ArgumentParser, *, default_preset: st
         "--preset",
         choices=("baseline", "fast"),
         default=default_preset,
-        help=f"a named config (default {default_preset})",
+        help="a named config",
     )
-    choice.add_argument("--config", type=Path, help="a TOML config file (e.g. a tuned turbo.toml)")
+    choice.add_argument(
+        "--config", type=Path, metavar="FILE", help="a TOML config file, e.g. a tuned turbo.toml"
+    )
 
 
 def chosen_config(args: argparse.Namespace) -> Any:
@@ -408,10 +505,12 @@ def _stage_list(text: str) -> tuple[str, ...]:
 
 
 def _run_tune(args: argparse.Namespace) -> int:
+    from rich.console import Console
     from rich.text import Text
 
     from torchturbo.distributed import is_main_process, launched
-    from torchturbo.report import wide_console
+    from torchturbo.live import TuneLine
+    from torchturbo.table_fit import print_table
     from torchturbo.tune.report import incremental_table, read_previous, write_report
     from torchturbo.tune.search import TuneOptions, tune
     from torchturbo.tune.stages import PRECISION_FORMATS
@@ -429,18 +528,18 @@ def _run_tune(args: argparse.Namespace) -> int:
     check_writable(args.out)
     previous = read_previous(args.out)
     recipe = load_target(args)
-    console = wide_console()
+    console = Console()  # the terminal's width; 80 columns when piped
     say_emulated(
         args.device or "auto",
         PRECISION_FORMATS,
         lambda notice: console.print(notice, markup=False, highlight=False),
     )
-    progress = _tune_progress(console, f"tune {recipe.name}", options.time_budget_s)
-    with launched(args.device or "auto"), progress as show:
+    line = TuneLine(f"tune {recipe.name}", options.time_budget_s)
+    with launched(args.device or "auto"), _live_on_rank_zero(line):
         config, result = tune(
             recipe,
             options,
-            on_progress=show,
+            on_progress=line.report,
             previous=previous,
             previous_source=str(args.out / "results.json"),
         )
@@ -452,38 +551,11 @@ def _run_tune(args: argparse.Namespace) -> int:
     paths = write_report(args.out, results, config.to_toml())
     if result.reuse_note:
         console.print(Text(result.reuse_note))
-    console.print(incremental_table(results))
+    print_table(console, incremental_table(results))
     console.print(Text(headline(results)))
-    console.print(f"report: {paths['html']}")
-    console.print(f"use it: torchturbo bench {results['recipe']} --config {paths['config']}")
+    console.print(Text(f"report: {paths['html']}"))
+    console.print(Text(f"use it: torchturbo bench {results['recipe']} --config {paths['config']}"))
     return 0
-
-
-@contextlib.contextmanager
-def _tune_progress(
-    console: Any, title: str, budget_s: float
-) -> Iterator[Callable[[str, str, float], None]]:
-    """A progress bar over the time budget, drawn by rank 0 only."""
-    from rich.progress import BarColumn, Progress, TextColumn
-
-    from torchturbo.distributed import is_main_process
-
-    if not is_main_process():
-        yield lambda stage, candidate, left: None
-        return
-    columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[left]}"))
-    with Progress(*columns, console=console, transient=True) as progress:
-        task = progress.add_task("starting", total=budget_s, left="")
-
-        def show(stage: str, candidate: str, left: float) -> None:
-            progress.update(
-                task,
-                description=f"{title} [{stage}] {candidate}",
-                completed=budget_s - max(0.0, left),
-                left=f"{max(0.0, left):.0f} s left",
-            )
-
-        yield show
 
 
 def _run_doctor(args: argparse.Namespace) -> int:
@@ -528,12 +600,15 @@ def _run_doctor(args: argparse.Namespace) -> int:
 
 def _run_export(args: argparse.Namespace) -> int:
     from torchturbo.recipe import describe_exception
+    from torchturbo.report import format_bytes
     from torchturbo.techniques.export import export_recipe
 
     check_output_file(args.out, "--out")
     recipe = load_target(args)
     try:
-        report = export_recipe(recipe, args.out, method=args.method)
+        report = export_recipe(
+            recipe, args.out, method=args.method, checkpoint=args.checkpoint, fuse=args.fuse
+        )
     except Exception as err:  # torch.export/jit refusing the user's model is about the model
         capturing = ("torch/export/", "torch/jit/")
         frames = [f.f_code.co_filename for f, _ in traceback.walk_tb(err.__traceback__)]
@@ -543,10 +618,14 @@ def _run_export(args: argparse.Namespace) -> int:
             f"{args.method} could not capture the model of recipe {recipe.name!r}: "
             f"{describe_exception(err)}; --debug shows the traceback"
         ) from err
+    weights = "trained weights" if args.checkpoint else "initial weights (no --checkpoint)"
     print(
-        f"wrote {report.path} ({report.size_bytes:,} B in {report.export_s:.1f} s); reloaded and "
-        f"checked at batch sizes {report.checked_batch_sizes}: max relative difference "
-        f"{report.max_rel_diff:.1e} (tolerance {report.tolerance:.0e})"
+        f"wrote {report.path}: {format_bytes(report.size_bytes)} "
+        f"({format_bytes(report.weights_bytes)} of them {weights}), in {report.export_s:.1f} s"
+    )
+    print(
+        f"reloaded and checked at batch sizes {report.checked_batch_sizes}: max relative "
+        f"difference {report.max_rel_diff:.1e} (tolerance {report.tolerance:.0e})"
     )
     return 0
 
@@ -637,15 +716,21 @@ def check_output_file(path: Path, option: str) -> None:
 
 def _with_status(title: str, work: Callable[[Callable[[str], None]], Any]) -> Any:
     """Run ``work(say)`` under a live status line that ``say`` updates (rank 0 only)."""
-    from rich.console import Console
+    from torchturbo.live import StatusLine
 
+    line = StatusLine(title)
+    with _live_on_rank_zero(line):
+        return work(line.report)
+
+
+@contextlib.contextmanager
+def _live_on_rank_zero(line: Any) -> Iterator[None]:
+    """The live line on rank 0; other ranks draw nothing."""
     from torchturbo.distributed import is_main_process
+    from torchturbo.live import live
 
-    if not is_main_process():
-        return work(lambda message: None)
-    console = Console(stderr=True)
-    with console.status(title) as status:
-        return work(lambda message: status.update(f"{title}: {message}"))
+    with live(line) if is_main_process() else contextlib.nullcontext():
+        yield
 
 
 if __name__ == "__main__":

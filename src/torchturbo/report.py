@@ -7,6 +7,9 @@ from typing import Any
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
+
+from torchturbo.table_fit import print_table
 
 
 def format_bytes(n: int | None) -> str:
@@ -52,39 +55,36 @@ def peak_notes(rows: Sequence[Any]) -> list[str]:
     return lines
 
 
-def wide_console() -> Console:
-    """A console that does not squeeze tables to 80 columns when output goes to a file or pipe."""
-    console = Console()
-    return console if console.is_terminal else Console(width=160)
-
-
 def rows_table(title: str, rows: Sequence[Any]) -> Table:
     """One row per variant: ratio first, because that is the number that holds across runs."""
     table = Table(title=title)
     communicates = any(r.comm_bytes_per_step is not None for r in rows)
+    # The unit goes into the header when every row shares it, so the column stays narrow.
+    units = {r.unit for r in rows}
+    shared_unit = units.pop() if len(units) == 1 else None
     headers = [
         "variant",
         "ratio",
-        "throughput",
-        "step ms (median ± IQR%)",
+        shared_unit or "throughput",
+        "step ms\n± IQR",
         "MFU",
         "step memory",
         "activations",
-        "loss first → last",
+        "loss\nfirst → last",
         "first step s",
     ]
     padded = any(r.padding is not None for r in rows)
     if padded:
         headers.append("padding")
     if communicates:
-        headers += ["comm/step", "comm ms/step"]
+        headers += ["comm per step", "comm ms per step"]
     for header in headers:
         table.add_column(header, justify="left" if header == "variant" else "right")
     for r in rows:
         cells = [
             r.variant,
             f"{r.ratio:.2f}x",
-            f"{r.throughput:,.0f} {r.unit}",
+            f"{r.throughput:,.0f}" + ("" if shared_unit else f" {r.unit}"),
             f"{r.step_ms_median:.1f} ± {100 * r.step_ms_spread:.0f}%",
             format_mfu(r.mfu),
             format_bytes(r.peak_memory_bytes),
@@ -97,21 +97,23 @@ def rows_table(title: str, rows: Sequence[Any]) -> Table:
         if communicates:
             ms = r.comm_ms_per_step
             cells += [format_bytes(r.comm_bytes_per_step), "n/a" if ms is None else f"{ms:.1f}"]
-        table.add_row(*cells)
+        # Text cells: a variant named after a file like "ddp[1].toml" is not rich markup.
+        table.add_row(*(Text(cell) for cell in cells))
     return table
 
 
 def print_rows(title: str, rows: Sequence[Any], console: Console | None = None) -> None:
-    console = console or wide_console()
-    console.print(rows_table(title, rows))
+    """The table, in parts that fit the console's width (80 columns when piped), then notes."""
+    console = console or Console()
+    print_table(console, rows_table(title, rows))
     variants_by_note: dict[tuple[str, str], list[str]] = {}
     for row in rows:
         for note in row.notes.items():
             variants_by_note.setdefault(note, []).append(row.variant)
     for (technique, reason), variants in variants_by_note.items():
         who = "every variant" if len(variants) == len(rows) > 1 else ", ".join(variants)
-        console.print(f"[dim]{who}: {technique} not applied: {reason}[/dim]")
+        console.print(Text(f"{who}: {technique} not applied: {reason}", style="dim"))
     for line in peak_notes(rows):
-        console.print(f"[dim]{line}[/dim]", highlight=False)
+        console.print(Text(line, style="dim"))
     kinds = sorted({row.peak_memory_kind for row in rows})
-    console.print(f"[dim]step memory: {'; '.join(kinds)} (docs/measurement.md)[/dim]")
+    console.print(Text(f"step memory: {'; '.join(kinds)} (docs/measurement.md)", style="dim"))

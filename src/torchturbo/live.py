@@ -1,0 +1,161 @@
+"""Live status lines for long commands: redrawn on their own clock, third-party output above them.
+
+The tuner reports progress only between candidates, and a candidate can train for minutes, so a
+line redrawn only on reports freezes ("90 s left" for a minute). These lines keep the time of
+the last report and redraw four times a second: the budget's countdown and the time spent on the
+current candidate move while it runs. Reported names are shown as plain text: ``[precision]``
+is not rich markup.
+
+While a line is live, output that other code writes to the terminal is printed above it, dimmed,
+instead of tearing it apart. rich's ``Live`` redirects ``sys.stdout``/``sys.stderr``, but C++
+libraries write to the file descriptors directly (torch's profiler prints ``USDT: ...
+profiler_start`` to descriptor 2), so the descriptors are pointed at a pipe whose lines the
+console prints. No library found does that part; it is the few lines of :func:`_captured`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+from rich.console import Console, RenderableType
+from rich.live import Live
+from rich.progress_bar import ProgressBar
+from rich.spinner import Spinner
+from rich.table import Table
+from rich.text import Text
+
+Clock = Callable[[], float]
+
+
+def fmt_clock(seconds: float) -> str:
+    """``75`` -> ``1:15``; ``3725`` -> ``1:02:05``."""
+    whole = max(0, int(seconds))
+    hours, rest = divmod(whole, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
+class TuneLine:
+    """``tune text [precision] bf16  ━━━━━━━━  3:10 left · 0:42 on it``, on its own clock.
+
+    ``report(stage, candidate, seconds_left)`` is the tuner's ``on_progress``; between reports
+    the countdown goes on from the last one, and the candidate's time counts up from it.
+    """
+
+    def __init__(self, title: str, budget_s: float, clock: Clock = time.monotonic) -> None:
+        self.title, self.budget_s, self.clock = title, budget_s, clock
+        self.stage, self.candidate = "starting", ""
+        self.left_at_report, self.reported_at = budget_s, clock()
+        self.spinner = Spinner("dots")
+
+    def report(self, stage: str, candidate: str, seconds_left: float) -> None:
+        self.stage, self.candidate = stage, candidate
+        self.left_at_report, self.reported_at = max(0.0, seconds_left), self.clock()
+
+    def seconds_left(self) -> float:
+        return max(0.0, self.left_at_report - (self.clock() - self.reported_at))
+
+    def __rich__(self) -> RenderableType:
+        on_it = fmt_clock(self.clock() - self.reported_at)
+        left = self.seconds_left()
+        # The budget can run out while a candidate (or the confirmation) is still measuring.
+        budget = f"{fmt_clock(left)} left" if left > 0 else "budget spent"
+        bar = ProgressBar(total=self.budget_s, completed=self.budget_s - left, width=10)
+        words = Text(f"{self.title} [{self.stage}] {self.candidate}")
+        return _line(self.spinner, words, bar, Text(f"{budget} · {on_it} on it"))
+
+
+class StatusLine:
+    """``bench vision: timing (interleaved)  0:42``, the time counting up from the last report."""
+
+    def __init__(self, title: str, clock: Clock = time.monotonic) -> None:
+        self.title, self.clock = title, clock
+        self.message, self.reported_at = "", clock()
+        self.spinner = Spinner("dots")
+
+    def report(self, message: str) -> None:
+        self.message, self.reported_at = message, self.clock()
+
+    def __rich__(self) -> RenderableType:
+        words = Text(f"{self.title}: {self.message}" if self.message else self.title)
+        return _line(self.spinner, words, Text(fmt_clock(self.clock() - self.reported_at)))
+
+
+def _line(spinner: Spinner, words: Text, *rest: RenderableType) -> Table:
+    """One row: the words take the room the rest leaves, cut with an ellipsis, never wrapped."""
+    grid = Table.grid(padding=(0, 1), expand=True)
+    grid.add_column(no_wrap=True)
+    grid.add_column(ratio=1, no_wrap=True, overflow="ellipsis")
+    for _ in rest:
+        grid.add_column(no_wrap=True)
+    grid.add_row(spinner, words, *rest)
+    return grid
+
+
+@contextlib.contextmanager
+def live(line: TuneLine | StatusLine) -> Iterator[None]:
+    """Draw ``line`` on stderr while the block runs, when stderr is a terminal; else nothing.
+
+    The line is transient: it disappears when the block ends, leaving what was printed above.
+    """
+    if not Console(stderr=True).is_terminal:
+        yield
+        return
+    # stdout is only taken over when it is the same terminal: `tune > log.txt` keeps its file.
+    same_terminal = os.isatty(1)
+    with (
+        _captured() as console,
+        Live(
+            line,
+            console=console,
+            refresh_per_second=4,
+            transient=True,
+            redirect_stdout=same_terminal,
+        ),
+    ):
+        yield
+
+
+@contextlib.contextmanager
+def _captured() -> Iterator[Console]:
+    """A console on the terminal, while descriptor 2 (and 1, if on the same terminal) feed a pipe.
+
+    A thread prints each line from the pipe through the console, dimmed, so that it lands above
+    a live display. On exit the descriptors are restored; lines written later by processes that
+    inherited the pipe (loader workers) are still printed.
+    """
+    targets = [2] + ([1] if os.isatty(1) else [])
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    saved = {fd: os.dup(fd) for fd in targets}
+    terminal = os.fdopen(os.dup(saved[2]), "w", encoding="utf-8", errors="replace")
+    console = Console(file=terminal)
+    read_end, write_end = os.pipe()
+    for fd in targets:
+        os.dup2(write_end, fd)
+    os.close(write_end)
+    forwarder = threading.Thread(target=_forward, args=(read_end, console), daemon=True)
+    forwarder.start()
+    try:
+        yield console
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        for fd, copy in saved.items():
+            os.dup2(copy, fd)
+            os.close(copy)
+        # The pipe ends when no process holds its write end; a worker process that inherited it
+        # may keep it open, and then the daemon thread simply keeps forwarding.
+        forwarder.join(timeout=1.0)
+
+
+def _forward(read_end: int, console: Console) -> None:
+    with os.fdopen(read_end, "rb") as pipe:
+        for raw in pipe:
+            line = Text(raw.decode("utf-8", "replace").rstrip("\r\n"), style="dim")
+            console.print(line, soft_wrap=True)  # the terminal wraps it: copied, it is one line

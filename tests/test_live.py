@@ -1,0 +1,115 @@
+"""Live status lines: a countdown that moves between reports, names shown literally, and
+third-party output printed above the line instead of through it."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+
+import pytest
+from rich.console import Console
+
+from torchturbo.live import StatusLine, TuneLine, fmt_clock
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _render(line: object, width: int = 80) -> str:
+    console = Console(width=width, record=True, file=io.StringIO())
+    console.print(line)
+    return console.export_text()
+
+
+def test_fmt_clock() -> None:
+    seconds = (0, 9.9, 75, 3725, -3)
+    assert [fmt_clock(s) for s in seconds] == ["0:00", "0:09", "1:15", "1:02:05", "0:00"]
+
+
+def test_the_countdown_and_the_candidate_time_move_between_reports() -> None:
+    clock = _Clock()
+    line = TuneLine("tune text", budget_s=300, clock=clock)
+    line.report("precision", "bf16", 90.0)
+    assert "1:30 left · 0:00 on it" in _render(line)
+    clock.now += 25  # no report for 25 s: the candidate is still training
+    assert "1:05 left · 0:25 on it" in _render(line)
+    clock.now += 100
+    assert "budget spent · 2:05 on it" in _render(line)
+    line.report("confirmation", "bf16", 0.0)
+    assert "budget spent · 0:00 on it" in _render(line)
+
+
+def test_stage_names_print_literally_and_the_line_fits_80_columns() -> None:
+    line = TuneLine("tune text", budget_s=300, clock=_Clock())
+    line.report("precision", "compile[bold] " + "x" * 100, 90.0)
+    text = _render(line)
+    assert "tune text [precision] compile[bold] xxx" in text
+    assert len(text.rstrip("\n").splitlines()) == 1 and len(text.rstrip("\n")) <= 80
+
+
+def test_a_status_line_counts_up_from_its_last_report() -> None:
+    clock = _Clock()
+    line = StatusLine("bench vision", clock=clock)
+    line.report("timing [interleaved]")
+    clock.now += 42
+    assert "bench vision: timing [interleaved]" in _render(line) and "0:42" in _render(line)
+
+
+_SCRIPT = r"""
+import contextlib, os, sys, time
+from rich.console import Console
+import torchturbo.live as live_module
+
+if sys.argv[1] == "uncaptured":  # the negative control: rich's Live alone
+    live_module._captured = contextlib.contextmanager(lambda: (yield Console(stderr=True)))
+line = live_module.StatusLine("bench tiny")
+with live_module.live(line):
+    line.report("timing")
+    time.sleep(0.5)
+    os.write(2, b"USDT: written by C++ to descriptor 2\n")
+    time.sleep(0.5)
+"""
+
+
+def _in_a_terminal(mode: str) -> bytes:
+    """Run the script with stdout and stderr on a pseudo-terminal; return what it drew."""
+    pty = pytest.importorskip("pty")
+    master, slave = pty.openpty()
+    env = os.environ | {"COLUMNS": "80", "LINES": "24", "TERM": "xterm"}
+    process = subprocess.Popen(
+        [sys.executable, "-c", _SCRIPT, mode], stdin=slave, stdout=slave, stderr=slave, env=env
+    )
+    os.close(slave)
+    drawn = b""
+    while True:
+        try:
+            chunk = os.read(master, 4096)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not chunk:
+            break
+        drawn += chunk
+    assert process.wait(timeout=60) == 0, drawn.decode(errors="replace")
+    os.close(master)
+    return drawn
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="pseudo-terminals are POSIX")
+def test_descriptor_level_output_is_printed_above_the_live_line() -> None:
+    erase_line, dim = b"\x1b[2K", b"\x1b[2m"
+    drawn = _in_a_terminal("captured")
+    # The live line is erased, the foreign line printed (dimmed) on its own, the line redrawn.
+    assert erase_line + dim + b"USDT: written by C++ to descriptor 2" in drawn
+    assert b"bench tiny: timing" in drawn.split(b"USDT")[1]
+    # Negative control: without the capture the bytes land wherever the cursor is, right
+    # after the live line's own text.
+    uncaptured = _in_a_terminal("uncaptured")
+    assert b"USDT: written by C++" in uncaptured
+    assert erase_line + dim + b"USDT" not in uncaptured
