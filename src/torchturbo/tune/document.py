@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import html
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -146,9 +147,10 @@ def render_markdown(blocks: list[_Block]) -> str:
             case _Para(text, strong):
                 parts.append(f"**{_md(text)}**" if strong else _md(text))
             case _Grid(headers, rows):
+                rule = (" ---: |" if numeric else " --- |" for numeric in _numeric_columns(rows))
                 lines = [
                     "| " + " | ".join(map(_md, headers)) + " |",
-                    "|" + " --- |" * len(headers),
+                    "|" + "".join(rule),
                     *("| " + " | ".join(map(_md, row)) + " |" for row in rows),
                 ]
                 parts.append("\n".join(lines))
@@ -159,31 +161,77 @@ def render_markdown(blocks: list[_Block]) -> str:
     return "\n\n".join(parts) + "\n"
 
 
+# A number, with an optional unit: what right-aligns a column ("1,500", "1.85x", "3.0%",
+# "400.0 MiB", "0.40"). Cells that say a value is missing do not decide either way.
+_NUMBER = re.compile(r"^[-+−]?[\d,]*\.?\d+(e[-+]?\d+)?\s*(x|%|ms|s|B|KiB|MiB|GiB|TiB)?$")
+_NO_VALUE = frozenset({"", "n/a", "non-finite", "-"})
+# A column whose cells run longer than this holds phrases (a reason): it gets room to wrap
+# inside the table's scrolling box rather than becoming a one-word-wide sliver.
+_PROSE_CHARS = 24
+
+
+def _numeric_columns(rows: list[tuple[str, ...]]) -> list[bool]:
+    """Per column: every cell a number (or a missing value), and at least one number."""
+    if not rows:
+        return []
+    columns = list(zip(*rows, strict=True))
+    return [
+        any(_NUMBER.match(c) for c in cells)
+        and all(c in _NO_VALUE or _NUMBER.match(c) for c in cells)
+        for cells in columns
+    ]
+
+
 _STYLE = """
 body { font-family: system-ui, sans-serif; max-width: 1200px; margin: 2em auto; padding: 0 1em;
        color: #212121; line-height: 1.45; }
+h1, h2, p, figcaption { overflow-wrap: anywhere; }
 .headline { font-size: 1.3em; }
-table { border-collapse: collapse; margin: 0.5em 0 1.5em; font-size: 0.9em; }
+.grid { overflow-x: auto; margin: 0.5em 0 1.5em; }
+table { border-collapse: collapse; font-size: 0.9em; }
 th, td { border: 1px solid #e0e0e0; padding: 0.3em 0.6em; text-align: left; vertical-align: top; }
 th { background: #f5f5f5; }
+.num { text-align: right; white-space: nowrap; font-variant-numeric: tabular-nums; }
+td.prose { min-width: 16em; }
 tr.adopted td { background: #e8f5e9; }
 tr.rejected td { background: #ffebee; }
-tr.not-measured td, tr.not-applicable td { color: #616161; }
+tr.not-measured td, tr.not-applicable td { color: #424242; }
+tr.not-measured td:first-child, tr.not-applicable td:first-child {
+  box-shadow: inset 3px 0 #bdbdbd; }
 pre { background: #f5f5f5; padding: 0.8em; overflow-x: auto; }
-figure { margin: 1em 0; }
-img { max-width: 100%; }
+figure { margin: 1.5em 0; }
+img { max-width: 100%; height: auto; }
+figcaption { color: #424242; font-size: 0.95em; max-width: 48em; }
+@media (max-width: 600px) {
+  body { margin: 1em auto; padding: 0 0.6em; }
+  h1 { font-size: 1.5em; }
+}
 """
 
 
 def _html_grid(grid: _Grid) -> str:
-    head = "".join(f"<th>{html.escape(h)}</th>" for h in grid.headers)
+    """A table in its own horizontally scrolling box: on a narrow screen the table scrolls, the
+    page does not. Numbers are right-aligned; columns of sentences get room to wrap."""
+    numeric = _numeric_columns(grid.rows) or [False] * len(grid.headers)
+    prose = [any(len(row[i]) > _PROSE_CHARS for row in grid.rows) for i in range(len(numeric))]
+    classes = [
+        ' class="num"' if num else ' class="prose"' if wide else ""
+        for num, wide in zip(numeric, prose, strict=True)
+    ]
+    head = "".join(
+        f"<th{cls if 'num' in cls else ''}>{html.escape(h)}</th>"
+        for h, cls in zip(grid.headers, classes, strict=True)
+    )
     body = []
     for row in grid.rows:
         verdict = row[grid.verdict_column] if grid.verdict_column is not None else ""
         attr = f' class="{verdict.replace(" ", "-")}"' if verdict in _VERDICTS else ""
-        cells = "".join(f"<td>{html.escape(cell)}</td>" for cell in row)
+        cells = "".join(
+            f"<td{cls}>{html.escape(cell)}</td>" for cell, cls in zip(row, classes, strict=True)
+        )
         body.append(f"<tr{attr}>{cells}</tr>")
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+    table = f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+    return f'<div class="grid">{table}</div>'
 
 
 def render_html(blocks: list[_Block], pngs: dict[str, bytes], title: str) -> str:

@@ -136,27 +136,79 @@ def _plot_loss(results: dict) -> Figure | None:
     curves = results.get("loss_curves")
     if not isinstance(curves, dict):
         return None
-    series = {}
-    for key, label in (("baseline", f"baseline ({BASELINE_LABEL})"), ("best", "chosen")):
-        points = [(i, v) for i, v in enumerate(curves.get(key) or [], 1) if num(v) is not None]
-        if points:
-            series[label] = points
-    if not series:
+    series = {key: _finite_points(curves.get(key)) for key in ("baseline", "best")}
+    if not any(series.values()):
         return None
     from matplotlib.ticker import MaxNLocator  # lazily, as in _figure
 
-    figure = _figure()
-    axes = figure.add_subplot()
-    for label, points in series.items():
-        steps, losses = zip(*points, strict=True)
-        axes.plot(steps, losses, label=label, marker="." if len(points) < 30 else None)
-    axes.xaxis.set_major_locator(MaxNLocator(integer=True))
-    axes.set_xlabel("step")
-    axes.set_ylabel("loss")
-    axes.grid(alpha=0.3)
-    axes.legend(fontsize=8)
-    axes.set_title("Training loss, baseline and chosen configuration", fontsize=10)
+    figure = _figure(height=4.4)
+    curves_axes, diff_axes = figure.subplots(
+        2, 1, sharex=True, gridspec_kw={"height_ratios": (3, 2)}
+    )
+    # Parity makes the two curves overlap: different line styles and markers, the chosen one
+    # drawn on top, keep both visible; the lower panel shows what the eye cannot.
+    for key, label, color, style, marker in (
+        ("baseline", f"baseline ({BASELINE_LABEL})", _BASELINE_COLOR, "-", "o"),
+        ("best", "chosen", _ADOPTED_COLOR, "--", "x"),
+    ):
+        if series[key]:
+            steps, losses = zip(*series[key], strict=True)
+            curves_axes.plot(
+                steps,
+                losses,
+                label=label,
+                color=color,
+                linestyle=style,
+                marker=marker,
+                markersize=5,
+                markevery=max(1, len(steps) // 30),
+            )
+    curves_axes.set_ylabel("loss")
+    curves_axes.grid(alpha=0.3)
+    curves_axes.legend(fontsize=8)
+    curves_axes.set_title("Training loss, baseline and chosen configuration", fontsize=10)
+    steps, differences = relative_loss_difference(curves)
+    if steps:
+        diff_axes.plot(steps, differences, color=_ADOPTED_COLOR, marker="x", markersize=4)
+    tolerance = num(results.get("loss_tolerance"))
+    if tolerance is not None:
+        diff_axes.axhspan(
+            -100 * tolerance,
+            100 * tolerance,
+            color=_BASELINE_COLOR,
+            alpha=0.15,
+            lw=0,
+            label=f"loss tolerance ±{100 * tolerance:g}%",
+        )
+        diff_axes.legend(fontsize=7, loc="upper left")
+    diff_axes.axhline(0.0, color=_BASELINE_COLOR, linewidth=0.8)
+    diff_axes.set_ylabel("chosen vs\nbaseline (%)", fontsize=8)
+    diff_axes.set_xlabel("optimizer step")
+    diff_axes.grid(alpha=0.3)
+    diff_axes.xaxis.set_major_locator(MaxNLocator(integer=True))
     return figure
+
+
+def relative_loss_difference(curves: dict) -> tuple[list[int], list[float]]:
+    """Steps where both curves have a loss, and (chosen - baseline) / |baseline| there, in %."""
+    baseline = dict(_finite_points(curves.get("baseline")))
+    steps, differences = [], []
+    for step, loss in _finite_points(curves.get("best")):
+        reference = baseline.get(step)
+        if reference:
+            steps.append(step)
+            differences.append(100 * (loss - reference) / abs(reference))
+    return steps, differences
+
+
+def _finite_points(values: Any) -> list[tuple[int, float]]:
+    """(1-based step, value) for each finite value of a curve."""
+    points = []
+    for step, value in enumerate(values or [], 1):
+        v = num(value)
+        if v is not None:
+            points.append((step, v))
+    return points
 
 
 @dataclass(frozen=True)
@@ -170,10 +222,41 @@ class Plot:
 
 
 PLOTS = (
-    Plot("throughput", "Throughput after each adoption", _plot_throughput, "no adoption"),
-    Plot("memory", "Peak memory after each adoption", _plot_memory, "no memory figures"),
-    Plot("breakdown", "Step time by phase", _plot_breakdown, "no step-time breakdown"),
-    Plot("loss", "Loss curves", _plot_loss, "no loss curves"),
+    Plot(
+        "throughput",
+        "One bar for the fp32 eager baseline (grey), then one per adopted technique, added in "
+        "the order it was adopted (green), at the throughput measured when it was adopted. "
+        "Labels give the ratio to the baseline's bar; the headline ratio comes from the "
+        "separate confirmation run.",
+        _plot_throughput,
+        "no adoption",
+    ),
+    Plot(
+        "memory",
+        "Peak step memory of the baseline and after each adopted technique, in MiB: what a step "
+        "adds over what was resident before it, plus parameters and optimizer state (on CPU "
+        "the process's resident-set high-water mark, on CUDA the allocator's peak). The dashed "
+        "line is the memory budget, when one was given.",
+        _plot_memory,
+        "no memory figures",
+    ),
+    Plot(
+        "breakdown",
+        "Milliseconds of a training step by phase, the fp32 eager baseline against the chosen "
+        "configuration; the number on each bar is the step's total.",
+        _plot_breakdown,
+        "no step-time breakdown",
+    ),
+    Plot(
+        "loss",
+        "Top: training loss per optimizer step from the same initial weights, the baseline "
+        "(grey circles) and the chosen configuration (green crosses, dashed). Bottom: their "
+        "difference in % of the baseline's loss, which stays readable where the curves "
+        "overlap; the shaded band is the loss tolerance, which the tuner applies to the mean "
+        "over the first steps.",
+        _plot_loss,
+        "no loss curves",
+    ),
 )
 
 
