@@ -96,5 +96,5 @@ def test_export_from_a_train_checkpoint_says_which_weights_and_the_size(
     out = tmp_path / "tiny.pt2"
     assert main(["export", TINY, "--checkpoint", str(ckpt), "--out", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert f"wrote {out}: " in printed and "trained weights" in printed
+    assert f"wrote {out}: " in printed and "of trained weights" in printed
     assert "KiB" in printed and "max relative difference" in printed

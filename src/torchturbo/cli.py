@@ -618,10 +618,10 @@ def _run_export(args: argparse.Namespace) -> int:
             f"{args.method} could not capture the model of recipe {recipe.name!r}: "
             f"{describe_exception(err)}; --debug shows the traceback"
         ) from err
-    weights = "trained weights" if args.checkpoint else "initial weights (no --checkpoint)"
+    which = "trained weights" if args.checkpoint else "initial weights: no --checkpoint"
     print(
         f"wrote {report.path}: {format_bytes(report.size_bytes)} "
-        f"({format_bytes(report.weights_bytes)} of them {weights}), in {report.export_s:.1f} s"
+        f"({format_bytes(report.weights_bytes)} of {which}) in {report.export_s:.1f} s"
     )
     print(
         f"reloaded and checked at batch sizes {report.checked_batch_sizes}: max relative "
