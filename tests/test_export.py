@@ -159,20 +159,13 @@ class _ConvBN(nn.Module):
 
 
 def _conv_bn_recipe():
-    from conftest import classification_loss
+    """tests/recipes/tiny.py's data and optimizer, with a model that has BatchNorm to fold."""
+    import dataclasses
 
-    from torchturbo.recipe import Recipe
+    from torchturbo.recipe import load_recipe
 
-    images = torch.randn(32, 3, 8, 8, generator=torch.Generator().manual_seed(0))
-    labels = (images[:, 0].mean(dim=(1, 2)) > 0).long()
-    return Recipe(
-        name="conv-bn",
-        model=_ConvBN,
-        optimizer=lambda params: torch.optim.Adam(params, lr=1e-2),
-        loss_fn=classification_loss,
-        dataset=torch.utils.data.TensorDataset(images, labels),
-        batch_size=8,
-    )
+    tiny = load_recipe(str(Path(__file__).parent / "recipes" / "tiny.py") + ":recipe")
+    return dataclasses.replace(tiny, name="conv-bn", model=_ConvBN)
 
 
 def _trained(recipe, checkpoint_dir: Path, steps: int = 3) -> nn.Module:
@@ -201,7 +194,7 @@ def test_export_from_a_train_checkpoint_computes_what_the_trained_model_computes
     trained = _trained(recipe, tmp_path / "ckpt")
     report = export_recipe(recipe, tmp_path / "trained.pt2", checkpoint=tmp_path / "ckpt")
     loaded = torch.export.load(report.path).module()
-    x = torch.randn(5, 3, 8, 8)
+    x = torch.randn(5, 3, 16, 16)
     with torch.no_grad():
         # The same ATen kernels on the same weights: equal up to reduction order (see RTOL).
         torch.testing.assert_close(loaded(x), trained(x), rtol=1e-5, atol=1e-6)
@@ -218,7 +211,7 @@ def test_fuse_folds_batch_norm_of_the_trained_model_before_export(tmp_path: Path
     path = tmp_path / "fused.pt2"
     export_recipe(recipe, path, checkpoint=tmp_path / "ckpt", fuse=True)
     assert _batch_norm_nodes(path) == 0
-    x = torch.randn(5, 3, 8, 8)
+    x = torch.randn(5, 3, 16, 16)
     with torch.no_grad():
         # Folding rescales the conv weights, so the sums round differently: fusion.md measured
         # ~3e-7 of the output's magnitude; 1e-5 relative leaves margin and still catches a
