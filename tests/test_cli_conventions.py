@@ -98,3 +98,18 @@ def test_export_from_a_train_checkpoint_says_which_weights_and_the_size(
     printed = capsys.readouterr().out
     assert f"wrote {out}: " in printed and "of trained weights" in printed
     assert "KiB" in printed and "max relative difference" in printed
+
+
+def test_help_does_not_import_torch() -> None:
+    """--help and --version answer at once: the choices they list are not read from torch code."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys; from torchturbo.cli import _parser; _parser().format_help(); "
+        "print(sorted(m for m in ('torch', 'rich', 'matplotlib') if m in sys.modules))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert result.stdout.strip() == "[]"
