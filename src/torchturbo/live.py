@@ -152,6 +152,8 @@ def _captured() -> Iterator[Console]:
         # The pipe ends when no process holds its write end; a worker process that inherited it
         # may keep it open, and then the daemon thread simply keeps forwarding.
         forwarder.join(timeout=1.0)
+        if not forwarder.is_alive():
+            terminal.close()
 
 
 def _forward(read_end: int, console: Console) -> None:
