@@ -37,7 +37,7 @@ window.addEventListener("load", () => {
     scroll: document.documentElement.scrollWidth,
     viewport: document.documentElement.clientWidth,
     numberAlign: style("td.num", "textAlign"),
-    secondary: style("tr.skipped td", "color"),
+    secondary: style("tr.not-measured td, tr.not-applicable td", "color"),
     caption: style("figcaption", "color"),
     figures: document.querySelectorAll("figure img").length,
   }), "*");
