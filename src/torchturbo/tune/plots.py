@@ -20,7 +20,6 @@ if TYPE_CHECKING:
 
 _BASELINE_COLOR = "#757575"
 _ADOPTED_COLOR = "#2e7d32"
-_UNCHANGED_COLOR = "#bdbdbd"
 
 
 def _figure(height: float = 3.6) -> Figure:
