@@ -179,12 +179,12 @@ CASES: dict[str, Callable[[Path], tuple[list, str]]] = {
         ["tune", TINY, "--memory-budget", "inf"],
         "argument --memory-budget: 'inf' is not a size",
     ),
-    "memory budget negative": lambda t: (
-        [*train(TINY), "--memory-budget=-1G"],
+    "activation budget negative": lambda t: (
+        [*train(TINY), "--activation-budget=-1G"],
         "'-1G': the size must be at least 1 byte",
     ),
-    "memory budget overflow": lambda t: (
-        [*train(TINY), "--memory-budget", "99999999999999999999T"],
+    "activation budget overflow": lambda t: (
+        [*train(TINY), "--activation-budget", "99999999999999999999T"],
         "too large",
     ),
     "time budget inf": lambda t: (
@@ -209,7 +209,10 @@ CASES: dict[str, Callable[[Path], tuple[list, str]]] = {
         [*train(TINY), "--device", "cuda:128"],
         "with N from 0 to 127",
     ),
-    "memory budget zero": lambda t: ([*train(TINY), "--memory-budget", "0"], "at least 1 byte"),
+    "activation budget zero": lambda t: (
+        [*train(TINY), "--activation-budget", "0"],
+        "at least 1 byte",
+    ),
     "time budget too long": lambda t: (
         ["tune", TINY, "--time-budget", "400d"],
         "too long: at most 31536000 s",
