@@ -226,3 +226,14 @@ def test_a_checkpoint_of_another_model_is_refused_by_name(tmp_path: Path) -> Non
     other = get_workload("text", num_samples=8)
     with pytest.raises(ValueError, match="does not fit 'text'"):
         export_recipe(other, tmp_path / "x.pt2", checkpoint=tmp_path / "ckpt")
+
+
+def test_a_missing_or_empty_checkpoint_directory_is_named(tmp_path: Path) -> None:
+    from torchturbo.checkpoint import CheckpointError
+
+    recipe = _conv_bn_recipe()
+    with pytest.raises(CheckpointError, match=r"no trained weights to export: .* does not exist"):
+        export_recipe(recipe, tmp_path / "x.pt2", checkpoint=tmp_path / "missing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="holds no checkpoint"):
+        export_recipe(recipe, tmp_path / "x.pt2", checkpoint=tmp_path / "empty")

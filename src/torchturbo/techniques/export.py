@@ -171,9 +171,14 @@ def load_trained_weights(
     Strict: a checkpoint of another model (missing or unexpected keys, other shapes) raises
     ValueError naming the checkpoint, rather than exporting a half-loaded model.
     """
-    from torchturbo.checkpoint import read_latest
+    from torchturbo.checkpoint import MANIFEST, CheckpointError, list_checkpoints, read_latest
 
-    path, files = read_latest(checkpoint)
+    root = Path(checkpoint)
+    # Said here rather than by read_latest, whose words are about resuming.
+    if not (root / MANIFEST).exists() and not list_checkpoints(root):
+        where = "does not exist" if not root.exists() else "holds no checkpoint (ckpt-*/)"
+        raise CheckpointError(f"no trained weights to export: {str(root)!r} {where}")
+    path, files = read_latest(root)
     state = files.get("model.pt")
     if not isinstance(state, dict):
         raise ValueError(f"checkpoint {str(path)!r} holds no model.pt: not a train checkpoint")
