@@ -71,8 +71,8 @@ def _ours(words: list[str]) -> bool:
     return program in ("python", "python3") and len(words) > 1
 
 
-def commands(text: str) -> list[tuple[list[str], bool]]:
-    """(words, shown in a code block) for each command on a page, in order.
+def commands(text: str) -> list[tuple[list[str], str | None]]:
+    """(words, the code block it is in, or None inline) for each command on a page, in order.
 
     Shell blocks (bash, sh, console) hold commands only; other code blocks and inline code
     count where they start with one of our programs (the rest is sample output or prose).
@@ -93,7 +93,7 @@ def commands(text: str) -> list[tuple[list[str], bool]]:
             # Inline, a lone program name is a mention ("run it under `torchrun`").
             runnable = _ours(words) and "..." not in line and (fenced or len(words) > 1)
             if words and (shell or runnable):
-                found.append((words, fenced))
+                found.append((words, block if fenced else None))
     return found
 
 
@@ -171,10 +171,15 @@ def test_every_command_names_what_exists(page: Path) -> None:
 @pytest.mark.parametrize("page", DOCUMENTS, ids=lambda p: str(p.relative_to(ROOT)))
 def test_bare_commands_come_with_the_venv_activation(page: Path) -> None:
     text = page.read_text()
+    # Not bare: pip (needs no torch), and a block that sets PYTHONPATH itself (docs/gpu.md's
+    # commands for a lent GPU machine, which has its own Python and torch).
     bare = [
         " ".join(words)
-        for words, fenced in commands(text)
-        if fenced and words[0] in ("python", "python3", "torchturbo", "torchrun")
+        for words, block in commands(text)
+        if block is not None
+        and words[0] in ("python", "python3", "torchturbo", "torchrun")
+        and words[1:3] != ["-m", "pip"]
+        and "PYTHONPATH=" not in block
     ]
     assert not bare or _ACTIVATE in text, f"{page.name} runs {bare[:3]} without saying {_ACTIVATE}"
 
