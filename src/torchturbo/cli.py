@@ -345,6 +345,13 @@ def _parser() -> argparse.ArgumentParser:
         help="bytes of activations one micro-batch may hold (e.g. 64MiB); above it the batch is "
         "split into smaller micro-batches with accumulation, and the split is reported",
     )
+    train.add_argument(
+        "--log-dir",
+        type=Path,
+        help="write each optimizer step's metrics (loss, throughput, MFU, memory, learning "
+        "rate, skipped steps, micro-batch split) here as TensorBoard event files and "
+        "metrics.csv; under torchrun only rank 0 writes",
+    )
     train.set_defaults(run=_run_train)
     return parser
 
@@ -647,15 +654,17 @@ def _run_train(args: argparse.Namespace) -> int:
     config = chosen_config(args)
     if args.activation_budget:
         config = config.replace(reliability__memory_budget_bytes=args.activation_budget)
-    result = train(
-        load_target(args),
-        config,
-        steps=args.steps,
-        checkpoint_dir=args.checkpoint_dir,
-        save_every=args.save_every,
-        resume=args.resume,
-        on_event=print,
-    )
+    with _train_loggers(args.log_dir) as logger:
+        result = train(
+            load_target(args),
+            config,
+            steps=args.steps,
+            checkpoint_dir=args.checkpoint_dir,
+            save_every=args.save_every,
+            resume=args.resume,
+            on_event=print,
+            logger=logger,
+        )
     loss = "n/a" if result.last_loss is None else f"{result.last_loss:.4f}"
     print(
         f"trained to optimizer step {result.optimizer_steps}, last loss {loss}"
@@ -683,6 +692,21 @@ def say_emulated(device: str, formats: Sequence[str], show: Callable[[str], None
     notice = emulation_notice(resolve_device(device), formats)
     if notice is not None:
         show(notice)
+
+
+@contextlib.contextmanager
+def _train_loggers(log_dir: Path | None) -> Iterator[Any]:
+    """``train --log-dir``'s loggers (rank 0 writes, other ranks log to nothing), closed at the
+    end; None without --log-dir."""
+    if log_dir is None:
+        yield None
+        return
+    from torchturbo.metrics_log import open_loggers
+
+    with open_loggers(log_dir) as loggers:
+        for note in loggers.notes:
+            print(f"--log-dir: {note}")
+        yield loggers
 
 
 def check_writable(directory: Path, option: str = "--out") -> None:

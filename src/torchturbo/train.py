@@ -4,7 +4,9 @@ It trains for a number of optimizer steps with the engine, saves a checkpoint ev
 ``save_every`` steps and at the end, resumes from the newest valid checkpoint when asked, and
 reports the micro-batch the run settled on when out-of-memory (or the activation budget) made
 the engine split batches. The loop is the one ``docs/reliability.md`` shows, so that a resumed
-run continues bit-identically.
+run continues bit-identically. With a ``logger`` (``metrics_log``), every optimizer step's loss,
+throughput, MFU, memory, learning rate, skipped steps and micro-batch split are logged
+(``step_meter``).
 """
 
 from __future__ import annotations
@@ -16,8 +18,10 @@ from pathlib import Path
 from torchturbo.checkpoint import checkpoint_name
 from torchturbo.config import INT64_MAX, ConfigError, TurboConfig
 from torchturbo.engine import Turbo
+from torchturbo.metrics_log import MetricsLogger
 from torchturbo.recipe import Recipe
 from torchturbo.resume_checks import check_steps
+from torchturbo.step_meter import recipe_meter
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,7 @@ def train(
     save_every: int = 0,
     resume: bool = False,
     on_event: Callable[[str], None] | None = None,
+    logger: MetricsLogger | None = None,
 ) -> TrainResult:
     """Train ``recipe`` for ``steps`` optimizer steps (counted across resumes).
 
@@ -54,6 +59,8 @@ def train(
     also saved at the end; ``resume`` continues from its newest valid checkpoint, whose step must
     not exceed ``steps``. A run that ends on skipped non-finite steps raises
     :class:`~torchturbo.guard.NonFiniteError` instead of returning, and saves nothing.
+    ``logger`` receives each optimizer step's metrics (under torchrun, pass it on every rank: the
+    meter all-reduces the counts; ``metrics_log.open_loggers`` gives rank 0 the only writers).
     """
     _check_arguments(steps, save_every, checkpoint_dir, resume)
     turbo = Turbo(config)
@@ -74,11 +81,14 @@ def train(
         if resumed_from is not None:
             check_steps(steps, turbo.optimizer_steps, resumed_from)
         saved, last_loss, seen_events, first_step = None, None, 0, turbo.optimizer_steps
+        meter = recipe_meter(turbo, recipe, logger) if logger is not None else None
         while turbo.optimizer_steps < steps:
             if len(loader) == 0:
                 raise ValueError(f"recipe {recipe.name!r}: the data loader yields no batch")
             for batch in loader:
                 metrics = turbo.step(recipe.loss_fn, batch)
+                if meter is not None:
+                    meter.update(metrics)
                 for event in turbo.microbatcher.events[seen_events:]:
                     if on_event is not None:
                         on_event(event)
