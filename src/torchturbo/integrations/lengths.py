@@ -1,0 +1,43 @@
+"""Per-sample lengths of a trainer's dataset, so that the tuner can measure dynamic batching.
+
+Hugging Face datasets carry token ids under ``input_ids`` and sometimes a precomputed length
+column (``TrainingArguments.length_column_name``, "length" by default); a ``datasets.Dataset``
+returns a whole column at once, any other dataset is read item by item (as transformers'
+``LengthGroupedSampler`` does).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+
+def sample_lengths(
+    dataset: Any, *, length_column: str = "length", input_name: str = "input_ids"
+) -> list[int] | None:
+    """One length per sample: the length column if there is one, else ``len(input_ids)``;
+    None when the dataset has neither (or no ``__len__``)."""
+    columns = getattr(dataset, "column_names", None)
+    if isinstance(columns, Sequence):
+        if length_column in columns:
+            return [int(length) for length in dataset[length_column]]
+        if input_name in columns:
+            return [len(ids) for ids in dataset[input_name]]
+        return None
+    try:
+        size = len(dataset)
+    except TypeError:  # an IterableDataset: no lengths to bucket by
+        return None
+    if size == 0 or not isinstance(dataset[0], Mapping):
+        return None
+    if length_column in dataset[0]:
+        return [int(dataset[i][length_column]) for i in range(size)]
+    if input_name in dataset[0]:
+        return [len(dataset[i][input_name]) for i in range(size)]
+    return None
+
+
+def token_budget(lengths: Sequence[int], batch_size: int) -> int:
+    """The padded-token budget that keeps the work per step of ``batch_size`` random samples:
+    batch size x mean length, and at least the longest sample (it must fit on its own)."""
+    return max(round(batch_size * sum(lengths) / len(lengths)), max(lengths))

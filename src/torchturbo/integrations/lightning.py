@@ -1,0 +1,219 @@
+"""Lightning integration: tune a LightningModule, then train it with Lightning's own Trainer.
+
+- :func:`recipe_from_lightning`: a LightningModule and its data (a LightningDataModule or the
+  module's own ``train_dataloader``) as a :class:`~torchturbo.recipe.Recipe` for ``tune``,
+  ``bench`` and ``doctor``: the loss is the module's ``training_step``, the optimizer the one
+  ``configure_optimizers`` builds.
+- :func:`trainer_kwargs`: the ``lightning.Trainer`` keywords that realise a turbo.toml (precision,
+  accumulation, clipping, cuDNN autotuning, the DDP strategy with its comm hook and buckets), with
+  notes for what Lightning has no keyword for (see ``translate.py``).
+- :class:`TurboLightningCallback`: the model transforms, applied in ``setup`` (before Lightning
+  wraps the model for DDP and calls ``configure_optimizers``) in the engine's order, by the very
+  functions the engine and so the tuner use: channels_last, activation checkpointing, compile.
+
+Needs ``pip install 'torchturbo[lightning]'`` (the ``lightning`` package; the standalone
+``pytorch_lightning`` package has its own, incompatible Callback class).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+try:
+    import lightning.pytorch as pl
+except ImportError as err:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "torchturbo.integrations.lightning needs Lightning: pip install 'torchturbo[lightning]'"
+    ) from err
+
+from torchturbo.config import DistributedConfig, TurboConfig
+from torchturbo.distributed.ddp import COMM_HOOKS, check_comm_hook
+from torchturbo.integrations.lengths import sample_lengths
+from torchturbo.integrations.optimizers import clone_optimizer, parameter_owner
+from torchturbo.integrations.translate import DDPSpec, Translation, lightning_arguments
+from torchturbo.recipe import Recipe, RecipeError
+from torchturbo.techniques.checkpointing import apply_activation_checkpointing
+from torchturbo.techniques.compile import apply_compile
+from torchturbo.techniques.memory_format import apply_channels_last
+from torchturbo.techniques.precision import float32_matmul_precision
+
+__all__ = ["TurboLightningCallback", "recipe_from_lightning", "trainer_kwargs"]
+
+
+def trainer_kwargs(config: TurboConfig) -> Translation:
+    """``lightning.Trainer`` keywords realising ``config`` (``.kwargs``), and ``.notes``.
+
+    >>> settings = trainer_kwargs(TurboConfig.load("turbo.toml"))
+    >>> trainer = L.Trainer(max_epochs=3, callbacks=[TurboLightningCallback(config)],
+    ...                     **settings.kwargs)
+    """
+    translation = lightning_arguments(config)
+    kwargs = dict(translation.kwargs)
+    if isinstance(kwargs.get("strategy"), DDPSpec):
+        kwargs["strategy"] = ddp_strategy(kwargs["strategy"])
+    return Translation(kwargs, translation.notes)
+
+
+def ddp_strategy(spec: DDPSpec) -> pl.strategies.DDPStrategy:
+    """Lightning's DDPStrategy with the spec's buckets and torch's comm hook of that name."""
+    options: dict[str, Any] = {
+        "bucket_cap_mb": spec.bucket_cap_mb,
+        "gradient_as_bucket_view": spec.gradient_as_bucket_view,
+        "static_graph": spec.static_graph,
+    }
+    if spec.comm_hook != "none":
+        make_state, hook = COMM_HOOKS[spec.comm_hook]
+        settings = DistributedConfig(
+            comm_hook=spec.comm_hook,
+            powersgd_rank=spec.powersgd_rank,
+            powersgd_warmup=spec.powersgd_warmup,
+        )
+        options |= {"ddp_comm_hook": hook, "ddp_comm_state": make_state(settings)}
+    return pl.strategies.DDPStrategy(**options)
+
+
+class TurboLightningCallback(pl.Callback):
+    """Apply a turbo.toml's model transforms to the LightningModule when ``fit`` sets up.
+
+    The order is the engine's (``Turbo._compose``): channels_last before compile, so the graph is
+    traced with NHWC strides; checkpointing before compile, so compile keeps its recompute
+    boundaries; compile before Lightning wraps the module for DDP. Compile is in place on the
+    module (``nn.Module.compile``), so ``self(x)`` in ``training_step`` runs compiled, as it does
+    in the tuner. TF32 on a CPU (float32 matmul precision "high") is held from setup to teardown.
+    Under DDP on a CPU it registers the comm hook, which Lightning itself registers on CUDA only.
+    Layers created in ``configure_model`` come after ``setup`` and are not transformed.
+    ``applied`` says, per technique, None when applied or why not.
+    """
+
+    def __init__(self, config: TurboConfig) -> None:
+        self.config = config
+        self.applied: dict[str, str | None] = {}
+        self._switches = contextlib.ExitStack()
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        config = self.config
+        if config.memory_format.channels_last:
+            self.applied["channels_last"] = apply_channels_last(pl_module)
+        if config.checkpointing.mode != "off":
+            blocks = apply_activation_checkpointing(pl_module, config.checkpointing)
+            self.applied["checkpointing"] = None if blocks else "the config selected no block"
+        if config.compile.mode != "off":
+            apply_compile(pl_module, config.compile)
+            self.applied["compile"] = None
+        if config.precision.dtype == "tf32" and not torch.cuda.is_available():
+            self._switches.enter_context(float32_matmul_precision(config.precision))
+            self.applied["tf32"] = None
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Lightning's DDPStrategy registers comm hooks on CUDA only (its comment dates from torch
+        # 1.8, when hooks needed NCCL); gloo runs them today, so register the config's here.
+        # TODO: remove once Lightning registers hooks on every device.
+        name = self.config.distributed.comm_hook
+        model = trainer.strategy.model
+        if name == "none" or not isinstance(model, DistributedDataParallel):
+            return
+        if trainer.strategy.root_device.type != "cuda":
+            check_comm_hook(name, torch.distributed.get_backend())
+            make_state, hook = COMM_HOOKS[name]
+            model.register_comm_hook(make_state(self.config.distributed), hook)
+        self.applied["comm_hook"] = None
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._switches.close()
+
+
+def recipe_from_lightning(
+    module: pl.LightningModule, datamodule: pl.LightningDataModule | None = None
+) -> Recipe:
+    """A Recipe of what ``Trainer.fit(module, datamodule)`` would train: call it before fit.
+
+    The model factory copies ``module`` as it is now (every trial starts from these weights);
+    the optimizer is a rebuild of the one ``configure_optimizers`` returns (one optimizer;
+    learning-rate schedulers are not part of a step and are left out); ``loss_fn`` calls
+    ``training_step(batch, 0)`` and takes its loss (``self.log`` calls are dropped: no Trainer
+    is attached). Data, batch size and collate come from the datamodule's (else the module's)
+    ``train_dataloader``, after ``prepare_data`` and ``setup("fit")`` as Lightning calls them;
+    lengths from the dataset's "length" or ``input_ids`` when its items have them.
+    """
+    if not module.automatic_optimization:
+        raise RecipeError(
+            f"{type(module).__name__} uses manual optimization: torchturbo needs training_step "
+            "to return the loss and the optimizer step to be its own"
+        )
+    source: Any = datamodule if datamodule is not None else module
+    if datamodule is not None:
+        datamodule.prepare_data()
+        datamodule.setup("fit")
+    loader = source.train_dataloader()
+    if loader.batch_size is None:
+        raise RecipeError(
+            "the train DataLoader has no batch_size (a custom batch_sampler?): torchturbo "
+            "draws its own batches and needs the number of samples per batch"
+        )
+    template = _single_optimizer(module.configure_optimizers())
+    initial = copy.deepcopy(module)
+    built: list[nn.Module] = []
+
+    def make_model() -> nn.Module:
+        built[:] = [copy.deepcopy(initial)]
+        return built[0]
+
+    def make_optimizer(params: Any) -> torch.optim.Optimizer:
+        model = parameter_owner(params, built[0] if built else None)
+        return clone_optimizer(template, module, model)
+
+    return Recipe(
+        name=type(module).__name__,
+        model=make_model,
+        optimizer=make_optimizer,
+        loss_fn=training_step_loss,
+        dataset=loader.dataset,
+        batch_size=loader.batch_size,
+        collate=loader.collate_fn,
+        lengths=sample_lengths(loader.dataset),
+    )
+
+
+def training_step_loss(model: pl.LightningModule, batch: Any) -> torch.Tensor:
+    """The loss ``training_step`` returns (a tensor, or the "loss" of a dict)."""
+    with warnings.catch_warnings():
+        # self.log() without an attached Trainer warns once per call and does nothing else.
+        warnings.filterwarnings("ignore", message=r"You are trying to `self.log\(\)`")
+        output = model.training_step(batch, 0)
+    loss = output.get("loss") if isinstance(output, dict) else output
+    if not isinstance(loss, torch.Tensor):
+        raise RecipeError(
+            f"{type(model).__name__}.training_step returned {type(output).__name__}: torchturbo "
+            "needs the loss (a tensor, or a dict with 'loss') from every step"
+        )
+    return loss
+
+
+def _single_optimizer(configured: Any) -> torch.optim.Optimizer:
+    """The one optimizer in any of the shapes ``configure_optimizers`` may return."""
+    found: list[Any] = []
+    pending = [configured]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, torch.optim.Optimizer):
+            found.append(item)
+        elif isinstance(item, dict):
+            pending.append(item.get("optimizer"))
+        elif isinstance(item, (list, tuple)):
+            # ([optimizers], [schedulers]): schedulers are not optimizers and are skipped.
+            pending.extend(item)
+    if len(found) != 1:
+        raise RecipeError(
+            f"configure_optimizers returned {len(found)} optimizers: torchturbo tunes one "
+            "optimizer stepping all parameters"
+        )
+    return found[0]

@@ -1,0 +1,324 @@
+"""Hugging Face ``Trainer`` integration: tune a Trainer setup, then train it with the result.
+
+- :func:`recipe_from_trainer`: the Trainer's model (or ``model_init``), optimizer settings, train
+  dataset, data collator and batch size as a :class:`~torchturbo.recipe.Recipe` that ``tune``,
+  ``bench`` and ``doctor`` accept, with per-sample lengths for dynamic batching and the Trainer's
+  own loss, weighted by label tokens.
+- :func:`training_arguments`: the ``TrainingArguments`` keywords that realise a turbo.toml, with a
+  note for every setting that has no Trainer argument (see ``translate.py``).
+- :class:`TurboCallback`: what the Trainer has no argument for and must touch the model or the
+  process: channels_last, cuDNN autotuning, TF32 on CPU, checkpointing by module type.
+- :class:`TurboTrainer`: a ``Trainer`` that also replaces the sampler by token-budget length
+  buckets and registers the DDP comm hook, both of which live below the Trainer's arguments.
+
+Needs ``pip install 'torchturbo[transformers]'`` (transformers and accelerate).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+try:
+    from transformers import Trainer, TrainerCallback
+except ImportError as err:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "torchturbo.integrations.transformers needs transformers and accelerate: "
+        "pip install 'torchturbo[transformers]'"
+    ) from err
+
+from torchturbo.config import DistributedConfig, TurboConfig
+from torchturbo.data.bucketing import BucketBatchSampler
+from torchturbo.data.collate import IGNORE_INDEX
+from torchturbo.integrations.lengths import sample_lengths, token_budget
+from torchturbo.integrations.optimizers import clone_optimizer, parameter_owner
+from torchturbo.integrations.translate import Translation, hf_arguments
+from torchturbo.recipe import Recipe, RecipeError
+from torchturbo.techniques.checkpointing import apply_activation_checkpointing
+from torchturbo.techniques.memory_format import apply_channels_last
+from torchturbo.techniques.precision import float32_matmul_precision
+
+__all__ = [
+    "TurboCallback",
+    "TurboTrainer",
+    "recipe_from_trainer",
+    "training_arguments",
+]
+
+
+def training_arguments(config: TurboConfig) -> Translation:
+    """``TrainingArguments`` keywords realising ``config`` (``.kwargs``), and ``.notes``.
+
+    >>> settings = training_arguments(TurboConfig.load("turbo.toml"))
+    >>> args = TrainingArguments(output_dir="out", per_device_train_batch_size=16,
+    ...                          **settings.kwargs)
+    """
+    return hf_arguments(config)
+
+
+# --- the Trainer's setup as a recipe --------------------------------------------------------
+
+
+def recipe_from_trainer(trainer: Trainer, *, name: str | None = None) -> Recipe:
+    """A Recipe of what ``trainer`` would train: call it before ``trainer.train()``.
+
+    The model factory calls ``model_init`` when the Trainer has one, else copies the model as it
+    is now (so every trial starts from these weights). The optimizer is the one the Trainer
+    would build from its arguments (AdamW variants, weight decay off for biases and norms), or a
+    rebuild of one passed through ``optimizers=``. ``loss_fn`` is the Trainer's own
+    ``compute_loss`` (the model's loss, label smoothing, ``compute_loss_func``), returned with
+    the number of labels that count (not -100; shifted for causal LMs as the Trainer shifts them),
+    so that accumulation weighs tokens. Lengths come from the dataset's length column or
+    ``input_ids``; the collator drops the columns the model does not take, as the Trainer does.
+    """
+    dataset = trainer.train_dataset
+    if dataset is None:
+        raise RecipeError("recipe_from_trainer: the Trainer has no train_dataset to tune on")
+    args = trainer.args
+    collate = model_input_collate(trainer.data_collator, trainer.model, args)
+    factories = _Factories(trainer)
+    probe = collate([dataset[i] for i in range(min(2, len(dataset)))])
+    labels = probe.get("labels")
+    per_token = isinstance(labels, torch.Tensor) and labels.dim() >= 2
+    return Recipe(
+        name=name or type(trainer.model).__name__,
+        model=factories.model,
+        optimizer=factories.optimizer,
+        loss_fn=functools.partial(_trainer_loss, trainer),
+        dataset=dataset,
+        batch_size=args.per_device_train_batch_size,
+        collate=collate,
+        lengths=sample_lengths(dataset, length_column=args.length_column_name),
+        count_unit="tokens" if per_token else "samples",
+        seed=args.seed,
+    )
+
+
+class _Factories:
+    """The recipe's model and optimizer factories; the optimizer is built over the model built
+    last, whose parameter names decide weight decay."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+        # Snapshot now: trainer.train() would move these weights before the tuner reads them.
+        self.initial = None if trainer.model_init is not None else copy.deepcopy(trainer.model)
+        self.template = trainer.optimizer  # one passed by optimizers=(...), else None
+        self.template_model = trainer.model
+        self.last: nn.Module | None = None
+
+    def model(self) -> nn.Module:
+        if self.initial is None:
+            self.last = self.trainer.call_model_init()
+        else:
+            self.last = copy.deepcopy(self.initial)
+        return self.last
+
+    def optimizer(self, params: Any) -> torch.optim.Optimizer:
+        model = parameter_owner(params, self.last)
+        if self.template is not None:
+            template = getattr(self.template, "optimizer", self.template)  # accelerate's wrapper
+            return clone_optimizer(template, self.template_model, model)
+        return trainer_optimizer(self.trainer, model)
+
+
+def trainer_optimizer(trainer: Trainer, model: nn.Module) -> torch.optim.Optimizer:
+    """The optimizer ``Trainer.create_optimizer`` builds by default, over ``model``: weight decay
+    on all but biases and norm weights, the class and settings from ``optim`` and friends."""
+    if getattr(trainer, "optimizer_cls_and_kwargs", None) is not None:
+        optimizer_cls, optimizer_kwargs = trainer.optimizer_cls_and_kwargs
+    else:
+        optimizer_cls, optimizer_kwargs = Trainer.get_optimizer_cls_and_kwargs(trainer.args, model)
+    decay = set(trainer.get_decay_parameter_names(model))
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    groups = [
+        {
+            "params": [p for n, p in trainable if n in decay],
+            "weight_decay": trainer.args.weight_decay,
+        },
+        {"params": [p for n, p in trainable if n not in decay], "weight_decay": 0.0},
+    ]
+    return optimizer_cls([g for g in groups if g["params"]], **optimizer_kwargs)
+
+
+def model_input_collate(
+    collate: Callable[[list[Any]], Any], model: nn.Module, args: Any
+) -> Callable[[list[Any]], dict[str, Any]]:
+    """``collate`` applied to samples stripped of the keys the model's ``forward`` does not take
+    (a "length" column, raw text), as the Trainer strips them with ``remove_unused_columns``;
+    the batch comes back as a plain dict."""
+    keep = None
+    if args.remove_unused_columns:
+        keep = frozenset(
+            [
+                *inspect.signature(model.forward).parameters,
+                "label",
+                "label_ids",
+                *(args.label_names or ["labels"]),
+            ]
+        )
+    return functools.partial(_collate_columns, collate, keep)
+
+
+def _collate_columns(
+    collate: Callable[[list[Any]], Any], keep: frozenset[str] | None, samples: list[Any]
+) -> dict[str, Any]:
+    if keep is not None:
+        samples = [
+            {k: v for k, v in s.items() if k in keep} if isinstance(s, Mapping) else s
+            for s in samples
+        ]
+    return dict(collate(samples))
+
+
+def _trainer_loss(trainer: Trainer, model: nn.Module, batch: dict[str, Any]) -> Any:
+    """The Trainer's ``compute_loss`` on ``batch``, and the count of labels it averages over."""
+    # compute_loss pops "labels" for label smoothing: give it a copy, the batch is reused.
+    loss = trainer.compute_loss(model, dict(batch))
+    labels = batch.get("shift_labels")
+    if labels is None and isinstance(batch.get("labels"), torch.Tensor):
+        labels = batch["labels"]
+        # Causal LMs predict token i+1 at position i: the first label of a row is never a target.
+        if getattr(trainer, "_loss_shifts_labels", False):
+            labels = labels[..., 1:]
+    if labels is None:
+        return loss
+    return loss, (labels != IGNORE_INDEX).sum()
+
+
+# --- training with the tuned settings -------------------------------------------------------
+
+
+class TurboCallback(TrainerCallback):
+    """Apply what ``TrainingArguments`` cannot express, once the Trainer holds the model.
+
+    channels_last and checkpointing by module type change the model, at the end of the Trainer's
+    ``__init__`` (before accelerate compiles or wraps it) and again at ``train()`` for a model
+    that ``model_init`` built there (both are idempotent). cuDNN autotuning and TF32 on a CPU are
+    process-wide switches: set at the start of training, restored at its end. ``applied`` says,
+    per technique, None when applied or why not.
+    """
+
+    def __init__(self, config: TurboConfig) -> None:
+        self.config = config
+        self.applied: dict[str, str | None] = {}
+        self._switches = contextlib.ExitStack()
+
+    def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._transform(kwargs.get("model"))
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._transform(kwargs.get("model"))
+        self._switches.close()
+        if self.config.precision.dtype == "tf32" and not torch.cuda.is_available():
+            self._switches.enter_context(float32_matmul_precision(self.config.precision))
+            self.applied["tf32"] = None
+        if self.config.backend.cudnn_benchmark:
+            self._switches.callback(
+                setattr, torch.backends.cudnn, "benchmark", torch.backends.cudnn.benchmark
+            )
+            torch.backends.cudnn.benchmark = True
+            self.applied["cudnn_benchmark"] = None
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._switches.close()
+
+    def _transform(self, model: nn.Module | None) -> None:
+        if model is None:
+            return
+        if self.config.memory_format.channels_last:
+            # Weights only: a convolution with NHWC weights runs NHWC and returns NHWC, so the
+            # layout reaches the rest of the network from the first convolution on.
+            self.applied["channels_last"] = apply_channels_last(model)
+        checkpointing = self.config.checkpointing
+        if checkpointing.module_types or checkpointing.name_pattern:
+            blocks = apply_activation_checkpointing(model, checkpointing)
+            self.applied["checkpointing"] = None if blocks else "the config selected no block"
+
+
+class TurboTrainer(Trainer):
+    """A ``Trainer`` that applies a whole turbo.toml: pass ``turbo_config=`` and
+    ``args=TrainingArguments(..., **training_arguments(config).kwargs)``.
+
+    On top of the plain Trainer it adds :class:`TurboCallback`, trains on token-budget length
+    buckets when ``[data] bucketing`` is on (``BucketBatchSampler``: similar lengths together,
+    each batch filled to ``max_tokens`` padded tokens, default batch size x mean length, so the
+    work per step stays that of the configured batch size), and registers ``[distributed]``'s
+    DDP comm hook and bucket view through accelerate.
+    """
+
+    def __init__(self, *args: Any, turbo_config: TurboConfig, **kwargs: Any) -> None:
+        # Set before Trainer.__init__, which creates the accelerator (see below).
+        self.turbo_config = turbo_config
+        self.turbo_callback = TurboCallback(turbo_config)
+        callbacks = [*(kwargs.pop("callbacks", None) or []), self.turbo_callback]
+        super().__init__(*args, callbacks=callbacks, **kwargs)
+
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        configure_ddp_handler(self.accelerator, self.turbo_config.distributed)
+
+    def get_train_dataloader(self) -> DataLoader:
+        if not self.turbo_config.data.bucketing or self.train_dataset is None:
+            return super().get_train_dataloader()
+        return self.accelerator.prepare(self._bucketed_loader())
+
+    def _bucketed_loader(self) -> DataLoader:
+        args, data = self.args, self.turbo_config.data
+        lengths = sample_lengths(self.train_dataset, length_column=args.length_column_name)
+        if lengths is None:
+            raise ValueError(
+                "[data] bucketing = true needs per-sample lengths: give the train dataset "
+                f"'input_ids' or a {args.length_column_name!r} column"
+            )
+        sampler = BucketBatchSampler(
+            lengths,
+            max_tokens=data.max_tokens or token_budget(lengths, args.train_batch_size),
+            pad_to_multiple=data.pad_to_multiple,
+            seed=args.data_seed if args.data_seed is not None else args.seed,
+            # One replica: accelerate shards whole batches across processes itself.
+            num_replicas=1,
+            rank=0,
+        )
+        workers = args.dataloader_num_workers
+        return DataLoader(
+            self.train_dataset,
+            batch_sampler=sampler,
+            collate_fn=model_input_collate(self.data_collator, self.model, args),
+            num_workers=workers,
+            pin_memory=args.dataloader_pin_memory,
+            persistent_workers=args.dataloader_persistent_workers and workers > 0,
+            prefetch_factor=args.dataloader_prefetch_factor if workers > 0 else None,
+        )
+
+
+def configure_ddp_handler(accelerator: Any, config: DistributedConfig) -> None:
+    """Put ``config``'s comm hook and gradient bucket view into accelerate's DDP settings,
+    which it applies when it wraps the model (the Trainer's arguments cannot set them)."""
+    from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKwargs
+
+    if accelerator.ddp_handler is None:
+        accelerator.ddp_handler = DistributedDataParallelKwargs()
+    handler = accelerator.ddp_handler
+    handler.gradient_as_bucket_view = config.gradient_as_bucket_view
+    hook, _, wrapper = config.comm_hook.partition("_")
+    hooks = {
+        "none": DDPCommunicationHookType.NO,
+        "fp16": DDPCommunicationHookType.FP16,
+        "bf16": DDPCommunicationHookType.BF16,
+        "powersgd": DDPCommunicationHookType.POWER_SGD,
+    }
+    handler.comm_hook = hooks[hook]
+    handler.comm_wrapper = hooks[wrapper] if wrapper else DDPCommunicationHookType.NO
+    if hook == "powersgd":
+        handler.comm_state_option = {
+            "matrix_approximation_rank": config.powersgd_rank,
+            "start_powerSGD_iter": config.powersgd_warmup,
+        }

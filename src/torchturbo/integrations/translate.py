@@ -1,0 +1,370 @@
+"""A TurboConfig as Hugging Face ``TrainingArguments`` keywords and Lightning ``Trainer`` keywords.
+
+Pure data, no third-party import: the tuner writes these settings into files next to turbo.toml on
+machines without either library, and the integration modules turn them into live objects.
+
+Every field of every section is accounted for, in one of three ways: carried as a keyword of the
+trainer; applied by torchturbo's callback (``TurboCallback``, ``TurboLightningCallback``) or
+``TurboTrainer`` where the trainer has no argument for it (channels_last, DDP comm hooks,
+token-budget bucketing); or listed in ``notes`` with why it does not carry over. A field at a
+value that changes nothing in a run (no clipping, no memory budget, one process's defaults) needs
+no note. ``tests/test_integrations_transformers.py`` checks the accounting field by field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Collection
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from torchturbo.config import DataConfig, DistributedConfig, TurboConfig
+
+#: Where each trainer's callbacks live, for the notes.
+HF_CALLBACK = "torchturbo.integrations.transformers.TurboCallback"
+HF_TRAINER = "torchturbo.integrations.transformers.TurboTrainer"
+LIGHTNING_CALLBACK = "torchturbo.integrations.lightning.TurboLightningCallback"
+
+_DEFAULT_DISTRIBUTED = DistributedConfig()
+
+
+@dataclass(frozen=True)
+class Translation:
+    """Keywords for another trainer, and what each setting that is not among them becomes.
+
+    ``notes`` maps ``"[section] field"`` to one sentence: applied by torchturbo's callback or
+    trainer class instead, or not carried over and why.
+    """
+
+    kwargs: dict[str, Any]
+    notes: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class DDPSpec:
+    """Lightning's DDP strategy as data: ``integrations.lightning`` builds the ``DDPStrategy``."""
+
+    bucket_cap_mb: float
+    gradient_as_bucket_view: bool
+    static_graph: bool
+    #: torchturbo's comm hook name (``distributed.ddp.COMM_HOOKS``), with PowerSGD's settings.
+    comm_hook: str
+    powersgd_rank: int
+    powersgd_warmup: int
+
+
+def _key(section: str, name: str) -> str:
+    return f"[{section}] {name}"
+
+
+def _uses_cuda(device: str) -> bool:
+    return device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+
+
+def _installed_hf_fields() -> frozenset[str] | None:
+    try:
+        from transformers import TrainingArguments
+    except ImportError:
+        return None
+    return frozenset(f.name for f in dataclasses.fields(TrainingArguments))
+
+
+def hf_arguments(config: TurboConfig, fields: Collection[str] | None = None) -> Translation:
+    """``TrainingArguments`` keywords realising ``config``, and notes for the rest.
+
+    ``fields`` are the names ``TrainingArguments`` accepts (default: the installed version's,
+    else transformers 5's): 5.x spells length grouping ``train_sampling_strategy`` and
+    checkpointing ``activation_checkpointing``, 4.x ``group_by_length`` and
+    ``gradient_checkpointing``.
+    """
+    fields = _installed_hf_fields() if fields is None else frozenset(fields)
+    v5 = fields is None or "train_sampling_strategy" in fields
+    kwargs: dict[str, Any] = {}
+    notes: dict[str, str] = {}
+    _hf_device(config, kwargs, notes)
+    _hf_precision(config, kwargs, notes)
+    if config.memory_format.channels_last:
+        notes[_key("memory_format", "channels_last")] = f"applied by {HF_CALLBACK}"
+    if config.backend.cudnn_benchmark:
+        notes[_key("backend", "cudnn_benchmark")] = f"applied by {HF_CALLBACK}"
+    _hf_compile(config, kwargs, notes)
+    _hf_checkpointing(config, kwargs, notes, v5)
+    kwargs["gradient_accumulation_steps"] = config.accumulation.steps
+    _clipping(config, kwargs, notes, "max_grad_norm", "Trainer clips at 1.0 unless told")
+    _hf_data(config, kwargs, notes, v5)
+    _reliability(config, notes, "save_total_limit")
+    _hf_distributed(config, kwargs, notes)
+    return Translation(kwargs, notes)
+
+
+def _hf_device(config: TurboConfig, kwargs: dict[str, Any], notes: dict[str, str]) -> None:
+    if config.device == "cpu":
+        kwargs["use_cpu"] = True
+    elif ":" in config.device:
+        notes["device"] = (
+            f"{config.device!r} is not carried: Trainer uses the GPU of LOCAL_RANK; select one "
+            "with CUDA_VISIBLE_DEVICES"
+        )
+
+
+def _hf_precision(config: TurboConfig, kwargs: dict[str, Any], notes: dict[str, str]) -> None:
+    dtype = config.precision.dtype
+    if dtype in ("bf16", "fp16"):
+        kwargs[dtype] = True  # fp16 brings Trainer's own GradScaler
+    elif dtype == "tf32":
+        if _uses_cuda(config.device):
+            kwargs["tf32"] = True
+        else:
+            notes[_key("precision", "dtype")] = (
+                f"'tf32' applied by {HF_CALLBACK} (float32 matmul precision 'high'): Trainer's "
+                "tf32 argument needs an Ampere or newer GPU"
+            )
+
+
+def _hf_compile(config: TurboConfig, kwargs: dict[str, Any], notes: dict[str, str]) -> None:
+    compile_ = config.compile
+    if compile_.mode == "off":
+        return
+    kwargs["torch_compile"] = True
+    if compile_.mode != "default":
+        kwargs["torch_compile_mode"] = compile_.mode
+    if compile_.fullgraph:
+        notes[_key("compile", "fullgraph")] = "not carried: Trainer compiles with fullgraph=False"
+    if compile_.dynamic is not None:
+        notes[_key("compile", "dynamic")] = (
+            f"{compile_.dynamic} not carried: Trainer lets torch decide dynamic shapes"
+        )
+
+
+def _hf_checkpointing(
+    config: TurboConfig, kwargs: dict[str, Any], notes: dict[str, str], v5: bool
+) -> None:
+    checkpointing = config.checkpointing
+    if checkpointing.mode == "off":
+        return
+    key = _key("checkpointing", "mode")
+    if checkpointing.module_types or checkpointing.name_pattern:
+        notes[key] = (
+            f"selective by module type or name: applied by {HF_CALLBACK} (Trainer checkpoints "
+            "every layer of the model's own choosing)"
+        )
+        return
+    name = "activation_checkpointing" if v5 else "gradient_checkpointing"
+    kwargs[name] = True
+    # Non-reentrant: the reentrant variant ignores inputs without grad and is being removed.
+    options: dict[str, Any] = {"use_reentrant": False}
+    if checkpointing.every_n > 1:
+        if v5:
+            options["every_n_layers"] = checkpointing.every_n
+        else:
+            notes[_key("checkpointing", "every_n")] = (
+                f"{checkpointing.every_n} not carried: transformers 4 checkpoints every layer"
+            )
+    kwargs[f"{name}_kwargs"] = options
+
+
+def _clipping(
+    config: TurboConfig, kwargs: dict[str, Any], notes: dict[str, str], name: str, default: str
+) -> None:
+    clipping = config.clipping
+    if clipping.max_norm is None:
+        notes[_key("clipping", "max_norm")] = (
+            f"unset: {name} is left to you ({default}; the tuner measured without clipping)"
+        )
+    else:
+        kwargs[name] = clipping.max_norm
+    if clipping.norm_type != 2.0:
+        notes[_key("clipping", "norm_type")] = (
+            f"{clipping.norm_type} not carried: the trainer clips the 2-norm"
+        )
+
+
+def _hf_data(config: TurboConfig, kwargs: dict[str, Any], notes: dict[str, str], v5: bool) -> None:
+    data = config.data
+    kwargs["dataloader_num_workers"] = data.num_workers
+    kwargs["dataloader_pin_memory"] = data.pin_memory
+    kwargs["dataloader_persistent_workers"] = data.persistent_workers
+    if data.prefetch_factor is not None:
+        kwargs["dataloader_prefetch_factor"] = data.prefetch_factor
+    if data.pin_memory and data.non_blocking:
+        kwargs["accelerator_config"] = {"non_blocking": True}
+    if data.bucketing:
+        if v5:
+            kwargs["train_sampling_strategy"] = "group_by_length"
+        else:
+            kwargs["group_by_length"] = True
+        notes[_key("data", "bucketing")] = (
+            f"length buckets under a token budget ({_budget(data)}) need {HF_TRAINER}, "
+            "which replaces the sampler; a plain Trainer gets length grouping (fixed rows per "
+            "batch), the nearest it has"
+        )
+    if data.pad_to_multiple > 1:
+        notes[_key("data", "pad_to_multiple")] = (
+            f"pass pad_to_multiple_of={data.pad_to_multiple} to your data collator"
+        )
+
+
+def _budget(data: DataConfig) -> str:
+    if data.max_tokens is None:
+        return "batch size x mean length padded tokens"
+    return f"{data.max_tokens} padded tokens"
+
+
+def _reliability(config: TurboConfig, notes: dict[str, str], keep_option: str) -> None:
+    reliability = config.reliability
+    if reliability.keep_last != 3:
+        notes[_key("reliability", "keep_last")] = (
+            f"{reliability.keep_last} not carried: set the trainer's {keep_option} yourself"
+        )
+    if reliability.auto_microbatch:
+        notes[_key("reliability", "auto_microbatch")] = (
+            "not carried: the trainer has no retry of a step in smaller pieces on out-of-memory"
+        )
+    if reliability.memory_budget_bytes is not None:
+        notes[_key("reliability", "memory_budget_bytes")] = (
+            "not carried: the trainer has no activation budget; lower the batch size or "
+            "accumulate instead"
+        )
+    if reliability.nonfinite_patience:
+        notes[_key("reliability", "nonfinite_patience")] = (
+            "not carried: the trainer does not stop on non-finite losses"
+        )
+
+
+def _hf_distributed(config: TurboConfig, kwargs: dict[str, Any], notes: dict[str, str]) -> None:
+    dist = config.distributed
+    if dist.strategy == "fsdp":
+        notes[_key("distributed", "strategy")] = (
+            "'fsdp' not carried: Trainer's FSDP (fsdp='full_shard', fsdp_config="
+            "{'fsdp_version': 2}) is configured through accelerate; torchturbo has not verified "
+            "it matches"
+        )
+    kwargs["ddp_bucket_cap_mb"] = max(1, round(dist.bucket_cap_mb))
+    if kwargs["ddp_bucket_cap_mb"] != dist.bucket_cap_mb:
+        notes[_key("distributed", "bucket_cap_mb")] = (
+            f"{dist.bucket_cap_mb} rounded to {kwargs['ddp_bucket_cap_mb']}: Trainer takes "
+            "whole MiB"
+        )
+    if dist.static_graph:
+        kwargs["ddp_static_graph"] = True
+    if dist.comm_hook != "none":
+        powersgd = (
+            f" (rank {dist.powersgd_rank} after {dist.powersgd_warmup} plain steps)"
+            if dist.comm_hook.startswith("powersgd")
+            else ""
+        )
+        notes[_key("distributed", "comm_hook")] = (
+            f"{dist.comm_hook!r}{powersgd} applied by {HF_TRAINER} (through accelerate)"
+        )
+    if dist.gradient_as_bucket_view:
+        notes[_key("distributed", "gradient_as_bucket_view")] = (
+            f"applied by {HF_TRAINER} (through accelerate)"
+        )
+    _distributed_leftovers(dist, notes)
+
+
+def _distributed_leftovers(dist: DistributedConfig, notes: dict[str, str]) -> None:
+    """Notes for the FSDP dtypes and pipeline settings, which neither trainer takes."""
+    for name in ("fsdp_param_dtype", "fsdp_reduce_dtype", "pipeline_schedule"):
+        if getattr(dist, name) != getattr(_DEFAULT_DISTRIBUTED, name):
+            notes[_key("distributed", name)] = f"{getattr(dist, name)!r} not carried"
+    if dist.pipeline_microbatches != _DEFAULT_DISTRIBUTED.pipeline_microbatches:
+        notes[_key("distributed", "pipeline_microbatches")] = "not carried"
+
+
+_LIGHTNING_PRECISION = {"fp32": "32-true", "tf32": "32-true", "bf16": "bf16-mixed"}
+
+
+def lightning_arguments(config: TurboConfig) -> Translation:
+    """Lightning ``Trainer`` keywords realising ``config``; ``strategy`` is a :class:`DDPSpec`
+    when the [distributed] section asks for anything but DDP's defaults."""
+    kwargs: dict[str, Any] = {}
+    notes: dict[str, str] = {}
+    if config.device == "cpu":
+        kwargs["accelerator"] = "cpu"
+    elif config.device.startswith("cuda"):
+        kwargs["accelerator"] = "gpu"
+        if ":" in config.device:
+            kwargs["devices"] = [int(config.device.split(":", 1)[1])]
+    kwargs["precision"] = _LIGHTNING_PRECISION.get(config.precision.dtype, "16-mixed")
+    if config.precision.dtype == "tf32":
+        notes[_key("precision", "dtype")] = (
+            f"'tf32' applied by {LIGHTNING_CALLBACK} (float32 matmul precision 'high')"
+        )
+    for section, name in (
+        ("memory_format", "channels_last"),
+        ("compile", "mode"),
+        ("checkpointing", "mode"),
+    ):
+        if getattr(getattr(config, section), name) not in (False, "off"):
+            notes[_key(section, name)] = f"applied by {LIGHTNING_CALLBACK} at setup"
+    if config.backend.cudnn_benchmark:
+        kwargs["benchmark"] = True
+    kwargs["accumulate_grad_batches"] = config.accumulation.steps
+    if config.accumulation.steps > 1:
+        notes[_key("accumulation", "steps")] = (
+            "Lightning averages the micro-batches' mean losses: exact for equal batches; for "
+            "batches of different token counts normalize by the window's count in training_step"
+        )
+    if config.clipping.max_norm is not None:
+        kwargs["gradient_clip_algorithm"] = "norm"
+    _clipping(config, kwargs, notes, "gradient_clip_val", "Lightning does not clip unless told")
+    _lightning_data(config, notes)
+    _reliability(config, notes, "ModelCheckpoint(save_top_k=...)")
+    _lightning_distributed(config, kwargs, notes)
+    return Translation(kwargs, notes)
+
+
+def _lightning_data(config: TurboConfig, notes: dict[str, str]) -> None:
+    """Lightning takes the user's DataLoaders as they are: loader settings become notes."""
+    data = config.data
+    loader = {
+        "num_workers": data.num_workers,
+        "pin_memory": data.pin_memory,
+        "persistent_workers": data.persistent_workers,
+        "prefetch_factor": data.prefetch_factor,
+    }
+    default = {f.name: f.default for f in dataclasses.fields(data) if f.name in loader}
+    for name, value in loader.items():
+        if value != default[name]:
+            notes[_key("data", name)] = f"build your DataLoader with {name}={value!r}"
+    if data.bucketing:
+        notes[_key("data", "bucketing")] = (
+            "build your DataLoader with batch_sampler=torchturbo.data.BucketBatchSampler("
+            f"lengths, max_tokens=...) for a budget of {_budget(data)}, and a padding collate "
+            "(docs/integrations.md)"
+        )
+    if data.pad_to_multiple > 1:
+        notes[_key("data", "pad_to_multiple")] = (
+            f"pad to a multiple of {data.pad_to_multiple} in your collate function"
+        )
+    if data.pin_memory and not data.non_blocking:
+        notes[_key("data", "non_blocking")] = "not carried: Lightning copies non-blocking"
+
+
+def _lightning_distributed(
+    config: TurboConfig, kwargs: dict[str, Any], notes: dict[str, str]
+) -> None:
+    dist = config.distributed
+    if dist.strategy == "fsdp":
+        notes[_key("distributed", "strategy")] = (
+            "'fsdp' not carried: Lightning's FSDPStrategy is FSDP1 and its ModelParallelStrategy "
+            "(FSDP2) needs your configure_model"
+        )
+    elif dist != _DEFAULT_DISTRIBUTED:
+        if dist.comm_hook != "none":
+            notes[_key("distributed", "comm_hook")] = (
+                f"{dist.comm_hook!r} carried by the DDPStrategy on CUDA; on CPU Lightning skips "
+                f"comm hooks and {LIGHTNING_CALLBACK} registers it"
+            )
+        kwargs["strategy"] = DDPSpec(
+            bucket_cap_mb=dist.bucket_cap_mb,
+            gradient_as_bucket_view=dist.gradient_as_bucket_view,
+            static_graph=dist.static_graph,
+            comm_hook=dist.comm_hook,
+            powersgd_rank=dist.powersgd_rank,
+            powersgd_warmup=dist.powersgd_warmup,
+        )
+    _distributed_leftovers(dist, notes)

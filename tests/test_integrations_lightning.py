@@ -1,0 +1,263 @@
+"""Lightning integration: the callback transforms the module as the engine does, the Trainer's
+keywords carry the config, and Lightning trains to the same losses as the Turbo loop."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+pl = pytest.importorskip("lightning.pytorch")
+
+from conftest import torchrun_two  # noqa: E402
+
+from torchturbo import Turbo, TurboConfig  # noqa: E402
+from torchturbo.bench import compare_configs  # noqa: E402
+from torchturbo.integrations.lightning import (  # noqa: E402
+    TurboLightningCallback,
+    recipe_from_lightning,
+    trainer_kwargs,
+)
+from torchturbo.recipe import RecipeError  # noqa: E402
+
+pytestmark = [
+    # Lightning suggests more loader workers and a logger; neither matters to these tests.
+    pytest.mark.filterwarnings("ignore::lightning.fabric.utilities.warnings.PossibleUserWarning"),
+    # Lightning 2.6 builds torch's LeafSpec, which torch 2.13 deprecates; not ours to fix.
+    pytest.mark.filterwarnings("ignore:`isinstance\\(treespec, LeafSpec\\)`:FutureWarning"),
+]
+
+CPU = TurboConfig(device="cpu")
+STEPS = 4
+
+
+class Classifier(pl.LightningModule):
+    """A user's module: conv blocks in Sequentials, a loss that it logs, Adam."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.features = nn.Sequential(
+            nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU()),
+            nn.Sequential(nn.Conv2d(8, 16, 3, padding=1), nn.ReLU()),
+        )
+        self.head = nn.Linear(16, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x).mean(dim=(2, 3)))
+
+    def training_step(self, batch, batch_idx):
+        images, labels = batch
+        loss = F.cross_entropy(self(images), labels)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+
+class Images(pl.LightningDataModule):
+    """Learnable synthetic images: the label is the sign of the red channel's mean."""
+
+    def setup(self, stage: str) -> None:
+        generator = torch.Generator().manual_seed(0)
+        images = torch.randn(64, 3, 12, 12, generator=generator)
+        self.data = TensorDataset(images, (images[:, 0].mean(dim=(1, 2)) > 0).long())
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.data, batch_size=8, shuffle=False)
+
+
+class LossRecorder(pl.Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.losses.append(float(outputs["loss"]))
+
+
+def fit(module: pl.LightningModule, config: TurboConfig | None, *callbacks) -> LossRecorder:
+    recorder = LossRecorder()
+    kwargs = {"accelerator": "cpu"} if config is None else trainer_kwargs(config).kwargs
+    extra = [] if config is None else [TurboLightningCallback(config)]
+    trainer = pl.Trainer(
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[*extra, *callbacks, recorder],
+        **kwargs,
+    )
+    trainer.fit(module, datamodule=Images())
+    return recorder
+
+
+def count_calls(module: nn.Module) -> list[int]:
+    calls = [0]
+    module.register_forward_hook(lambda *args: calls.__setitem__(0, calls[0] + 1))
+    return calls
+
+
+def test_lightning_with_the_callback_trains_like_the_turbo_loop():
+    config = CPU.replace(memory_format__channels_last=True, checkpointing__mode="full")
+    module = Classifier()
+    recipe = recipe_from_lightning(module, Images())  # before fit: trials start from these weights
+    conv = module.features[0][0]
+    calls = count_calls(conv)
+    lightning_losses = fit(module, config).losses
+
+    # channels_last weights, and checkpointed blocks: the first conv ran again in every backward.
+    assert conv.weight.is_contiguous(memory_format=torch.channels_last)
+    assert calls[0] == 2 * STEPS
+
+    turbo = Turbo(config)
+    model, optimizer = recipe.build()
+    turbo.setup(model, optimizer)
+    loader = DataLoader(recipe.dataset, batch_size=recipe.batch_size, collate_fn=recipe.collate)
+    batches = [batch for batch, _ in zip(loader, range(STEPS), strict=False)]
+    turbo_losses = [float(turbo.step(recipe.loss_fn, batch).loss) for batch in batches]
+    # Same fp32 operations on the same batches from the same weights: equal up to the order in
+    # which oneDNN sums a convolution (NCHW input converted inside vs converted beforehand).
+    assert lightning_losses == pytest.approx(turbo_losses, rel=1e-5)
+
+    # Negative control: the same module without the callback is neither NHWC nor checkpointed.
+    plain = Classifier()
+    plain_calls = count_calls(plain.features[0][0])
+    fit(plain, None)
+    assert not plain.features[0][0].weight.is_contiguous(memory_format=torch.channels_last)
+    assert plain_calls[0] == STEPS
+
+
+class DtypeProbe(pl.Callback):
+    """Output dtype of the head and the number of training batches per optimizer step."""
+
+    def __init__(self) -> None:
+        self.dtypes: list[torch.dtype] = []
+        self.batches = 0
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        pl_module.head.register_forward_hook(lambda m, a, out: self.dtypes.append(out.dtype))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.batches += 1
+
+
+def test_trainer_kwargs_carry_precision_accumulation_and_clipping():
+    config = CPU.replace(precision__dtype="bf16", accumulation__steps=2, clipping__max_norm=0.5)
+    settings = trainer_kwargs(config)
+    assert settings.kwargs["precision"] == "bf16-mixed"
+    assert settings.kwargs["gradient_clip_val"] == 0.5
+    probe = DtypeProbe()
+    module = Classifier()
+    fit(module, config, probe)
+    assert set(probe.dtypes) == {torch.bfloat16}  # autocast active in training
+    assert module.trainer.global_step == STEPS and probe.batches == 2 * STEPS
+    assert "[accumulation] steps" in settings.notes  # mean of means: said, not hidden
+    # Negative control: the defaults train in fp32, one batch per step.
+    plain_probe = DtypeProbe()
+    fit(Classifier(), CPU, plain_probe)
+    assert set(plain_probe.dtypes) == {torch.float32} and plain_probe.batches == STEPS
+
+
+def test_recipe_from_lightning_builds_the_modules_optimizer_and_benches():
+    module = Classifier()
+    recipe = recipe_from_lightning(module, Images())
+    model, optimizer = recipe.build()
+    assert type(optimizer) is torch.optim.Adam and optimizer.defaults["lr"] == 1e-2
+    assert {id(p) for p in optimizer.param_groups[0]["params"]} == {
+        id(p) for p in model.parameters()
+    }
+    pairs = zip(model.parameters(), module.parameters(), strict=True)
+    assert all(torch.equal(copied, original) for copied, original in pairs)
+    assert recipe.batch_size == 8 and recipe.lengths is None
+    rows = compare_configs(
+        recipe,
+        {"baseline": CPU, "channels_last": CPU.replace(memory_format__channels_last=True)},
+        baseline="baseline",
+        repeats=2,
+        steps_per_repeat=1,
+    )
+    assert rows[1].notes == {} and all(r.throughput > 0 for r in rows)
+
+
+def test_recipes_refuse_what_torchturbo_cannot_step():
+    class Manual(Classifier):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+
+    with pytest.raises(RecipeError, match="manual optimization"):
+        recipe_from_lightning(Manual(), Images())
+
+    class TwoOptimizers(Classifier):
+        def configure_optimizers(self):
+            return [torch.optim.SGD(self.head.parameters(), lr=0.1)], []
+
+    recipe_from_lightning(TwoOptimizers(), Images())  # ([one], [no scheduler]) is fine
+
+    class Gan(Classifier):
+        def configure_optimizers(self):
+            return (
+                {"optimizer": torch.optim.SGD(self.head.parameters(), lr=0.1)},
+                {"optimizer": torch.optim.SGD(self.features.parameters(), lr=0.1)},
+            )
+
+    with pytest.raises(RecipeError, match="2 optimizers"):
+        recipe_from_lightning(Gan(), Images())
+
+
+def test_a_copy_is_what_the_callback_transforms():
+    module = Classifier()
+    trained = copy.deepcopy(module)
+    fit(trained, CPU.replace(memory_format__channels_last=True))
+    assert not module.features[0][0].weight.is_contiguous(memory_format=torch.channels_last)
+    assert trained.features[0][0].weight.is_contiguous(memory_format=torch.channels_last)
+
+
+DDP_SCRIPT = """
+import json, os, sys
+sys.path.insert(0, {tests!r})
+import lightning.pytorch as pl
+from test_integrations_lightning import Classifier, Images
+from torchturbo import TurboConfig
+from torchturbo.integrations.lightning import TurboLightningCallback, trainer_kwargs
+
+config = TurboConfig(device="cpu").replace(distributed__comm_hook="fp16")
+seen = {{}}
+
+
+class Hook(pl.Callback):
+    def on_train_end(self, trainer, pl_module):
+        # Still inside fit: the strategy holds the DDP wrapper until teardown.
+        seen["hook"] = trainer.strategy.model._get_ddp_logging_data().get("comm_hook")
+
+
+module = Classifier()
+trainer = pl.Trainer(
+    devices=2, max_steps=3, logger=False, enable_checkpointing=False,
+    enable_progress_bar=False, enable_model_summary=False,
+    callbacks=[TurboLightningCallback(config), Hook()], **trainer_kwargs(config).kwargs,
+)
+trainer.fit(module, datamodule=Images())
+first = next(module.parameters()).detach().flatten()[:8].tolist()
+out = os.path.join(sys.argv[1], f"rank{{trainer.global_rank}}.json")
+with open(out, "w") as f:
+    json.dump({{"hook": seen["hook"], "world": trainer.world_size, "first": first}}, f)
+"""
+
+
+@pytest.mark.slow
+def test_the_ddp_strategy_carries_the_comm_hook_under_torchrun(tmp_path):
+    script = tmp_path / "pl_ddp.py"
+    script.write_text(DDP_SCRIPT.format(tests=os.path.dirname(__file__)))
+    torchrun_two([str(script), str(tmp_path)], timeout_s=240)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert all(r["world"] == 2 and "fp16_compress_hook" in r["hook"] for r in ranks)
+    assert ranks[0]["first"] == ranks[1]["first"]
