@@ -25,6 +25,7 @@ from torchturbo.integrations.lightning import (  # noqa: E402
     trainer_kwargs,
 )
 from torchturbo.recipe import RecipeError  # noqa: E402
+from torchturbo.tune.files import write_trainer_settings  # noqa: E402
 
 pytestmark = [
     # Lightning suggests more loader workers and a logger; neither matters to these tests.
@@ -261,3 +262,24 @@ def test_the_ddp_strategy_carries_the_comm_hook_under_torchrun(tmp_path):
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert all(r["world"] == 2 and "fp16_compress_hook" in r["hook"] for r in ranks)
     assert ranks[0]["first"] == ranks[1]["first"]
+
+
+def test_tune_writes_lightning_settings_a_user_can_paste(tmp_path):
+    config = CPU.replace(
+        precision__dtype="bf16",
+        accumulation__steps=2,
+        distributed__comm_hook="powersgd_fp16",
+        distributed__powersgd_rank=2,
+    )
+    path = write_trainer_settings(tmp_path, config)["lightning"]
+    namespace: dict = {}
+    exec(compile(path.read_text(), str(path), "exec"), namespace)
+    kwargs = namespace["TRAINER_KWARGS"]
+    strategy = kwargs["strategy"]
+    assert isinstance(strategy, pl.strategies.DDPStrategy)
+    assert strategy._ddp_comm_state.matrix_approximation_rank == 2
+    assert {k: v for k, v in kwargs.items() if k != "strategy"} == {
+        k: v for k, v in trainer_kwargs(config).kwargs.items() if k != "strategy"
+    }
+    trainer = pl.Trainer(logger=False, enable_progress_bar=False, **kwargs)
+    assert trainer.accumulate_grad_batches == 2 and trainer.precision == "bf16-mixed"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 
 import pytest
 import torch
@@ -40,6 +41,8 @@ from torchturbo.integrations.transformers import (  # noqa: E402
     training_arguments,
 )
 from torchturbo.integrations.translate import hf_arguments  # noqa: E402
+from torchturbo.tune.document import render_markdown, trainer_blocks  # noqa: E402
+from torchturbo.tune.files import write_trainer_settings  # noqa: E402
 from torchturbo.tune.search import TuneOptions, tune  # noqa: E402
 from torchturbo.tune.stages import dynamic_batching_stage  # noqa: E402
 
@@ -423,3 +426,30 @@ def test_importing_the_package_does_not_import_the_libraries():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_tune_writes_trainer_arguments_a_user_can_paste(tmp_path):
+    config = CPU.replace(
+        precision__dtype="bf16",
+        data__bucketing=True,
+        compile__mode="default",
+        distributed__comm_hook="fp16",
+    )
+    paths = write_trainer_settings(tmp_path, config)
+    source = paths["hf_trainer"].read_text()
+    namespace: dict = {}
+    exec(compile(source, str(paths["hf_trainer"]), "exec"), namespace)
+    assert namespace["TRAINING_ARGUMENTS"] == training_arguments(config).kwargs
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), **namespace["TRAINING_ARGUMENTS"])
+    assert args.bf16 and args.torch_compile and args.train_sampling_strategy == "group_by_length"
+    # What the arguments cannot carry is in the file, with where it goes instead.
+    assert "[data] bucketing" in source and "[distributed] comm_hook" in source
+    assert "import torchturbo" not in source.split('"""')[-1]  # the arguments need no torchturbo
+
+
+def test_the_report_shows_the_trainer_ways_in_valid_python():
+    markdown = render_markdown(trainer_blocks())
+    assert "### In a Hugging Face Trainer" in markdown
+    assert "### In Lightning" in markdown
+    for snippet in re.findall(r"```python\n(.*?)```", markdown, re.S):
+        compile(snippet, "report", "exec")

@@ -195,7 +195,8 @@ def _img_sources(page: str) -> list[str]:
 
 
 def test_every_file_is_written(written: dict[str, Path]) -> None:
-    assert set(written) == {"config", "results", "markdown", "html", *ALL_PLOTS}
+    files = {"config", "results", "markdown", "html", "hf_trainer", "lightning"}
+    assert set(written) == {*files, *ALL_PLOTS}
     for path in written.values():
         assert path.is_file() and path.stat().st_size > 0, path
     names = {p.name for p in written["html"].parent.iterdir()}
@@ -304,7 +305,8 @@ def test_missing_optional_data_still_writes_a_report(tmp_path: Path) -> None:
     first = write_report(tmp_path, full_results(), CONFIG_TOML)
     assert first["memory"].exists()
     paths = write_report(tmp_path, sparse_results(), CONFIG_TOML)
-    assert set(paths) == {"config", "results", "markdown", "html"}
+    files = {"config", "results", "markdown", "html", "hf_trainer", "lightning"}
+    assert set(paths) == files
     # The earlier run's plots are gone rather than contradicting the new report.
     assert not (tmp_path / "memory.png").exists() and not (tmp_path / "loss.png").exists()
     markdown = paths["markdown"].read_text()

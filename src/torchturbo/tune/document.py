@@ -110,6 +110,7 @@ def build_blocks(results: dict, drawn: Iterable[str]) -> list[_Block]:
         _Para("To measure it again, side by side with the baseline:"),
         _Code(f"torchturbo bench {recipe} --config turbo.toml", "bash"),
     ]
+    blocks += trainer_blocks()
     return blocks
 
 
@@ -130,6 +131,52 @@ def usage_snippet(results: dict) -> str:
         "for batch in loader:\n"
         "    metrics = turbo.step(loss_fn, batch)  # loss_fn(model, batch) -> loss or (loss, count)"
     )
+
+
+def trainer_blocks() -> list[_Block]:
+    """The tuned config in the Hugging Face Trainer and in Lightning: the other two ways in.
+
+    Both files named here are written beside turbo.toml (``tune.files.write_trainer_settings``);
+    their docstrings list what each trainer's keywords do not carry.
+    """
+    return [
+        _Heading("In a Hugging Face Trainer", 3),
+        _Para(
+            "hf_trainer.py, beside this report, holds the equivalent TrainingArguments keywords "
+            "(paste them, or compute them from turbo.toml as below). TurboTrainer applies what "
+            "the Trainer has no argument for: token-budget length buckets, channels_last, DDP "
+            "comm hooks. The file's docstring lists what a plain Trainer misses."
+        ),
+        _Code(
+            "from torchturbo import TurboConfig\n"
+            "from torchturbo.integrations.transformers import TurboTrainer, training_arguments\n"
+            "from transformers import TrainingArguments\n\n"
+            'config = TurboConfig.load("turbo.toml")\n'
+            'args = TrainingArguments(output_dir="out", per_device_train_batch_size=16,\n'
+            "                         **training_arguments(config).kwargs)\n"
+            "trainer = TurboTrainer(model=model, args=args, train_dataset=dataset,\n"
+            "                       data_collator=collator, turbo_config=config)\n"
+            "trainer.train()",
+            "python",
+        ),
+        _Heading("In Lightning", 3),
+        _Para(
+            "lightning_trainer.py holds the equivalent Trainer keywords; the callback applies "
+            "the model transforms (channels_last, checkpointing, compile) at setup, in the "
+            "engine's order."
+        ),
+        _Code(
+            "import lightning as L\n"
+            "from torchturbo import TurboConfig\n"
+            "from torchturbo.integrations.lightning import TurboLightningCallback, "
+            "trainer_kwargs\n\n"
+            'config = TurboConfig.load("turbo.toml")\n'
+            "trainer = L.Trainer(max_epochs=3, callbacks=[TurboLightningCallback(config)],\n"
+            "                    **trainer_kwargs(config).kwargs)\n"
+            "trainer.fit(module, datamodule=datamodule)",
+            "python",
+        ),
+    ]
 
 
 def _md(text: str) -> str:

@@ -19,9 +19,10 @@ from pathlib import Path
 from rich.table import Table
 from rich.text import Text
 
+from torchturbo.config import TurboConfig
 from torchturbo.results import write_atomic
 from torchturbo.tune.document import build_blocks, render_html, render_markdown
-from torchturbo.tune.files import prepare_dir
+from torchturbo.tune.files import prepare_dir, write_trainer_settings
 from torchturbo.tune.plots import PLOTS, png
 from torchturbo.tune.tables import INCREMENTAL_HEADERS, header_row, incremental_rows
 
@@ -60,7 +61,8 @@ def write_report(out_dir: Path, results: dict, config_toml: str) -> dict[str, Pa
     """Write turbo.toml, results.json, report.md, report.html and the PNG plots; return their paths.
 
     ``out_dir`` is created if missing. The returned keys are ``"config"`` (turbo.toml),
-    ``"results"`` (results.json), ``"markdown"`` (report.md), ``"html"`` (report.html) and one
+    ``"results"`` (results.json), ``"markdown"`` (report.md), ``"html"`` (report.html),
+    ``"hf_trainer"`` and ``"lightning"`` (the same settings for those trainers) and one
     per plot drawn, from ``"throughput"``, ``"memory"``, ``"breakdown"``, ``"loss"``
     (``<name>.png``); a plot whose data is missing is left out and the reports say why.
     Raises PermissionError / NotADirectoryError naming ``out_dir`` when it cannot be written, and
@@ -73,6 +75,7 @@ def write_report(out_dir: Path, results: dict, config_toml: str) -> dict[str, Pa
     # The record and the config first: if drawing fails later, the measurements are kept.
     write_atomic(paths["results"], record.encode())
     write_atomic(paths["config"], config_toml.encode())
+    paths.update(write_trainer_settings(out_dir, TurboConfig.from_toml(config_toml)))
 
     pngs: dict[str, bytes] = {}
     for plot in PLOTS:
