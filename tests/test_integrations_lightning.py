@@ -39,7 +39,7 @@ STEPS = 4
 
 
 class Classifier(pl.LightningModule):
-    """A user's module: conv blocks in Sequentials, a loss that it logs, Adam."""
+    """A user's module: conv blocks in Sequentials, a loss that it logs, AdamW."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -60,7 +60,7 @@ class Classifier(pl.LightningModule):
         return loss
 
     def configure_optimizers(self):
-        return torch.optim.Adam(self.parameters(), lr=1e-2)
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
 
 class Images(pl.LightningDataModule):
@@ -171,7 +171,7 @@ def test_recipe_from_lightning_builds_the_modules_optimizer_and_benches():
     module = Classifier()
     recipe = recipe_from_lightning(module, Images())
     model, optimizer = recipe.build()
-    assert type(optimizer) is torch.optim.Adam and optimizer.defaults["lr"] == 1e-2
+    assert type(optimizer) is torch.optim.AdamW and optimizer.defaults["lr"] == 1e-2
     assert {id(p) for p in optimizer.param_groups[0]["params"]} == {
         id(p) for p in model.parameters()
     }

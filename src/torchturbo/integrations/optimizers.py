@@ -8,6 +8,7 @@ lists its parameters in the same order as the original.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable
 
 import torch
@@ -39,7 +40,10 @@ def clone_optimizer(
             )
         settings = {k: v for k, v in group.items() if k != "params"}
         groups.append({**settings, "params": [params[position[id(p)]] for p in group["params"]]})
-    return type(template)(groups, **template.defaults)
+    # Every group carries every setting; the constructor gets those it takes (AdamW's defaults
+    # also hold "decoupled_weight_decay", which its constructor does not accept).
+    accepted = inspect.signature(type(template)).parameters
+    return type(template)(groups, **{k: v for k, v in template.defaults.items() if k in accepted})
 
 
 def parameter_owner(params: Iterable[nn.Parameter], model: nn.Module | None) -> nn.Module:

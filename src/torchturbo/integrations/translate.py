@@ -91,7 +91,9 @@ def hf_arguments(config: TurboConfig, fields: Collection[str] | None = None) -> 
         notes[_key("backend", "cudnn_benchmark")] = f"applied by {HF_CALLBACK}"
     _hf_compile(config, kwargs, notes)
     _hf_checkpointing(config, kwargs, notes, v5)
-    kwargs["gradient_accumulation_steps"] = config.accumulation.steps
+    if config.accumulation.steps > 1:
+        # One means "as the recipe's batches come": the user's own accumulation stays theirs.
+        kwargs["gradient_accumulation_steps"] = config.accumulation.steps
     _clipping(config, kwargs, notes, "max_grad_norm", "Trainer clips at 1.0 unless told")
     _hf_data(config, kwargs, notes, v5)
     _reliability(config, notes, "save_total_limit")
@@ -302,8 +304,8 @@ def lightning_arguments(config: TurboConfig) -> Translation:
             notes[_key(section, name)] = f"applied by {LIGHTNING_CALLBACK} at setup"
     if config.backend.cudnn_benchmark:
         kwargs["benchmark"] = True
-    kwargs["accumulate_grad_batches"] = config.accumulation.steps
     if config.accumulation.steps > 1:
+        kwargs["accumulate_grad_batches"] = config.accumulation.steps
         notes[_key("accumulation", "steps")] = (
             "Lightning averages the micro-batches' mean losses: exact for equal batches; for "
             "batches of different token counts normalize by the window's count in training_step"
