@@ -4,7 +4,6 @@ keywords carry the config, and Lightning trains to the same losses as the Turbo 
 from __future__ import annotations
 
 import copy
-import json
 import os
 
 import pytest
@@ -15,7 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 pl = pytest.importorskip("lightning.pytorch")
 
-from conftest import torchrun_two  # noqa: E402
+from conftest import run_two_ranks  # noqa: E402
 
 from torchturbo import Turbo, TurboConfig  # noqa: E402
 from torchturbo.bench import compare_configs  # noqa: E402
@@ -258,8 +257,7 @@ with open(out, "w") as f:
 def test_the_ddp_strategy_carries_the_comm_hook_under_torchrun(tmp_path):
     script = tmp_path / "pl_ddp.py"
     script.write_text(DDP_SCRIPT.format(tests=os.path.dirname(__file__)))
-    torchrun_two([str(script), str(tmp_path)], timeout_s=240)
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    ranks, _ = run_two_ranks(script, tmp_path, timeout_s=240)
     assert all(r["world"] == 2 and "fp16_compress_hook" in r["hook"] for r in ranks)
     assert ranks[0]["first"] == ranks[1]["first"]
 

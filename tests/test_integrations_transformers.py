@@ -16,7 +16,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from conftest import torchrun_two  # noqa: E402
+from conftest import run_two_ranks  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 from tokenizers.models import WordLevel  # noqa: E402
 from transformers import (  # noqa: E402
@@ -400,6 +400,7 @@ first = [p.detach().clone() for p in trainer.model.parameters()][0]
     "wrapper": type(ddp).__name__, "comm_hook": logging.get("comm_hook"),
     "first": first.flatten()[:8].tolist(),
 }}))
+torch.distributed.destroy_process_group()
 """
 
 
@@ -407,10 +408,7 @@ first = [p.detach().clone() for p in trainer.model.parameters()][0]
 def test_turbo_trainer_registers_the_comm_hook_under_torchrun(tmp_path):
     script = tmp_path / "hf_ddp.py"
     script.write_text(DDP_SCRIPT.format(tests=os.path.dirname(__file__)))
-    torchrun_two([str(script), str(tmp_path)], timeout_s=240)
-    import json
-
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    ranks, _ = run_two_ranks(script, tmp_path, timeout_s=240)
     assert all(r["wrapper"] == "DistributedDataParallel" for r in ranks)
     assert all("fp16_compress_hook" in r["comm_hook"] for r in ranks)
     assert ranks[0]["first"] == ranks[1]["first"]  # replicas stayed in step
@@ -453,3 +451,24 @@ def test_the_report_shows_the_trainer_ways_in_valid_python():
     assert "### In Lightning" in markdown
     for snippet in re.findall(r"```python\n(.*?)```", markdown, re.S):
         compile(snippet, "report", "exec")
+
+
+@pytest.mark.slow
+def test_peers_benchmark_runs_the_trainer_three_ways(tmp_path):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    config = tmp_path / "turbo.toml"
+    CPU.replace(precision__dtype="bf16", data__bucketing=True).save(config)
+    script = Path(__file__).parent.parent / "benchmarks" / "peers.py"
+    command = [sys.executable, str(script), "--quick", "--workloads", "text"]
+    command += ["--config", str(config), "--out", str(tmp_path / "out")]
+    command += ["--json", str(tmp_path / "peers.json")]
+    subprocess.run(command, check=True, capture_output=True, timeout=300)
+    ways = json.loads((tmp_path / "peers.json").read_text())["text"]["ways"]
+    assert set(ways) == {"defaults", "recommended", "torchturbo"}
+    assert all(way["throughput"] > 0 and way["held_out_loss"] > 0 for way in ways.values())
+    # Each way trained the same epoch; torchturbo's buckets pad least.
+    assert ways["torchturbo"]["padding_fraction"] < ways["defaults"]["padding_fraction"]
