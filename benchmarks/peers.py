@@ -272,17 +272,18 @@ def run_tuner(recipe: Any, args: argparse.Namespace) -> tuple[TurboConfig, dict[
         device=args.device,
     )
     started = time.perf_counter()
-    config, results = tune(recipe, options)
+    config, result = tune(recipe, options)
     tuning = {
         "source": "tune",
         "seconds": time.perf_counter() - started,
-        "adopted": results["adopted"],
-        "confirmed_ratio": results["confirmed_ratio"],
-        "verdicts": {row["name"]: [row["verdict"], row["reason"]] for row in results["candidates"]},
+        "adopted": list(result.adopted),
+        "confirmation": result.confirmation.state,
+        "confirmed_ratio": result.confirmation.ratio,
+        "verdicts": {row.name: [row.verdict, row.reason] for row in result.candidates},
     }
     print(
-        f"tuned {recipe.name} in {tuning['seconds']:.0f} s: adopted {results['adopted'] or 'none'}"
-        f", {results['confirmed_ratio']:.2f}x over fp32 eager"
+        f"tuned {recipe.name} in {tuning['seconds']:.0f} s: adopted {tuning['adopted'] or 'none'}"
+        f", {tuning['confirmed_ratio']:.2f}x over fp32 eager ({tuning['confirmation']})"
     )
     for name, (verdict, reason) in tuning["verdicts"].items():
         print(f"  {name}: {verdict}: {reason}")

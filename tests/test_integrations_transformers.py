@@ -44,7 +44,6 @@ from torchturbo.integrations.translate import hf_arguments  # noqa: E402
 from torchturbo.tune.document import render_markdown, trainer_blocks  # noqa: E402
 from torchturbo.tune.files import write_trainer_settings  # noqa: E402
 from torchturbo.tune.search import TuneOptions, tune  # noqa: E402
-from torchturbo.tune.stages import dynamic_batching_stage  # noqa: E402
 
 VOCAB = 64
 CLASSES = 4
@@ -333,12 +332,16 @@ def test_recipe_from_trainer_with_model_init_and_a_given_optimizer(tmp_path):
 @pytest.mark.slow
 def test_recipe_from_trainer_tunes_dynamic_batching_and_benches(tmp_path):
     recipe = recipe_from_trainer(make_trainer(tmp_path))
-    options = TuneOptions(time_budget_s=120, device="cpu", repeats=2, confirm_repeats=2)
-    _, results = tune(recipe, options, stages={"dynamic_batching": dynamic_batching_stage})
-    (row,) = [r for r in results["candidates"] if r["stage"] == "dynamic_batching"]
-    assert row["name"] == "length buckets" and row["verdict"] in ("adopted", "rejected")
-    assert row["parity"] is not None and row["throughput"] > 0  # measured, not skipped
-    assert results["unit"] == "tokens/s"
+    options = TuneOptions(time_budget_s=120, device="cpu", only=("dynamic_batching",))
+    config, result = tune(recipe, options)
+    buckets = next(o for o in result.candidates if o.name == "length buckets")
+    # Measured, not skipped for want of lengths: the Trainer's dataset gave them.
+    assert buckets.comparison is not None and buckets.parity is not None, buckets.reason
+    # Adopted or not is the machine's noise on a model this small (tests/test_hf_recipe.py holds
+    # the adoption on a larger encoder); what the tuner chose is what the config says.
+    assert buckets.verdict in ("adopted", "rejected")
+    assert config.data.bucketing == (buckets.verdict == "adopted")
+    assert result.unit == "tokens/s"
     rows = compare_configs(
         recipe,
         {"baseline": CPU, "bf16": CPU.replace(precision__dtype="bf16")},

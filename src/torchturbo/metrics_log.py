@@ -165,8 +165,9 @@ def metric_name(*parts: str) -> str:
 
 
 def log_tune_results(results: Mapping[str, Any], logger: MetricsLogger) -> int:
-    """Log a tuner's results (what ``results.json`` holds): each candidate's loss curve and step
-    times, and its throughput and ratio; returns the number of values logged.
+    """Log a tuner's results (what ``results.json`` holds, ``TuneResult.to_dict()``): each
+    candidate's loss curve and step times, and its throughput and ratio; returns the number of
+    values logged.
 
     Per candidate row ``name``: ``tune/<name>/loss`` at step i for its ``loss_curve`` (per-step
     losses), ``tune/<name>/step_ms`` at round i for its ``step_samples_ms`` (per-round step times),
