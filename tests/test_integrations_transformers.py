@@ -172,6 +172,8 @@ def test_every_config_field_is_carried_or_noted():
     changed = {
         ("precision", "dtype"): "tf32",
         ("precision", "grad_scaler"): None,  # the default: fp16 implies it (checked below)
+        ("precision", "float8"): True,
+        ("optimizer", "implementation"): "fused",
         ("memory_format", "channels_last"): True,
         ("backend", "cudnn_benchmark"): True,
         ("compile", "mode"): "max-autotune",
@@ -362,7 +364,7 @@ def test_turbo_callback_puts_a_conv_model_in_channels_last(tmp_path):
     samples = [{"pixel_values": x, "labels": int(x[0].mean() > 0)} for x in images]
     convs = [m for m in model.modules() if isinstance(m, torch.nn.Conv2d)]
     assert not convs[0].weight.is_contiguous(memory_format=torch.channels_last)
-    callback = TurboCallback(CPU.replace(memory_format__channels_last=True))
+    callback = TurboCallback(CPU.replace(memory_format__channels_last=True, precision__float8=True))
     trainer = Trainer(
         model=model,
         args=arguments(tmp_path, max_steps=2),
@@ -371,7 +373,10 @@ def test_turbo_callback_puts_a_conv_model_in_channels_last(tmp_path):
     )
     assert all(c.weight.is_contiguous(memory_format=torch.channels_last) for c in convs)
     trainer.train()
-    assert callback.applied == {"channels_last": None}
+    # float8 is reported, not applied, where there is no fp8 unit (the Linear stays a Linear).
+    assert callback.applied["channels_last"] is None
+    assert "CPUs have no fp8 units" in callback.applied["float8"]
+    assert type(model.classifier[-1]) is torch.nn.Linear
     assert all(c.weight.is_contiguous(memory_format=torch.channels_last) for c in convs)
 
 

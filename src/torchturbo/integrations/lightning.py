@@ -9,7 +9,8 @@
   notes for what Lightning has no keyword for (see ``translate.py``).
 - :class:`TurboLightningCallback`: the model transforms, applied in ``setup`` (before Lightning
   wraps the model for DDP and calls ``configure_optimizers``) in the engine's order, by the very
-  functions the engine and so the tuner use: channels_last, activation checkpointing, compile.
+  functions the engine and so the tuner use: float8, channels_last, activation checkpointing,
+  compile.
 
 Needs ``pip install 'torchturbo[lightning]'`` (the ``lightning`` package; the standalone
 ``pytorch_lightning`` package has its own, incompatible Callback class).
@@ -41,6 +42,7 @@ from torchturbo.integrations.translate import DDPSpec, Translation, lightning_ar
 from torchturbo.recipe import Recipe, RecipeError
 from torchturbo.techniques.checkpointing import apply_activation_checkpointing
 from torchturbo.techniques.compile import apply_compile
+from torchturbo.techniques.float8 import apply_float8_training
 from torchturbo.techniques.memory_format import apply_channels_last
 from torchturbo.techniques.precision import float32_matmul_precision
 
@@ -101,6 +103,9 @@ class TurboLightningCallback(pl.Callback):
         if stage != "fit":
             return
         config = self.config
+        if config.precision.float8:
+            device = trainer.strategy.root_device
+            self.applied["float8"] = apply_float8_training(pl_module, device)
         if config.memory_format.channels_last:
             self.applied["channels_last"] = apply_channels_last(pl_module)
         if config.checkpointing.mode != "off":

@@ -7,7 +7,8 @@
 - :func:`training_arguments`: the ``TrainingArguments`` keywords that realise a turbo.toml, with a
   note for every setting that has no Trainer argument (see ``translate.py``).
 - :class:`TurboCallback`: what the Trainer has no argument for and must touch the model or the
-  process: channels_last, cuDNN autotuning, TF32 on CPU, checkpointing by module type.
+  process: float8 Linears, channels_last, cuDNN autotuning, TF32 on CPU, checkpointing by module
+  type.
 - :class:`TurboTrainer`: a ``Trainer`` that also replaces the sampler by token-budget length
   buckets and registers the DDP comm hook, both of which live below the Trainer's arguments.
 
@@ -20,6 +21,7 @@ import contextlib
 import copy
 import functools
 import inspect
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -43,6 +45,7 @@ from torchturbo.integrations.optimizers import clone_optimizer, parameter_owner
 from torchturbo.integrations.translate import Translation, hf_arguments
 from torchturbo.recipe import Recipe, RecipeError
 from torchturbo.techniques.checkpointing import apply_activation_checkpointing
+from torchturbo.techniques.float8 import apply_float8_training
 from torchturbo.techniques.memory_format import apply_channels_last
 from torchturbo.techniques.precision import float32_matmul_precision
 
@@ -199,9 +202,9 @@ def _trainer_loss(trainer: Trainer, model: nn.Module, batch: dict[str, Any]) -> 
 class TurboCallback(TrainerCallback):
     """Apply what ``TrainingArguments`` cannot express, once the Trainer holds the model.
 
-    channels_last and checkpointing by module type change the model, at the end of the Trainer's
-    ``__init__`` (before accelerate compiles or wraps it) and again at ``train()`` for a model
-    that ``model_init`` built there (both are idempotent). cuDNN autotuning and TF32 on a CPU are
+    float8, channels_last and checkpointing by module type change the model, at the end of the
+    Trainer's ``__init__`` (before accelerate compiles or wraps it), and at ``train()`` a model
+    that ``model_init`` built there (each model once). cuDNN autotuning and TF32 on a CPU are
     process-wide switches: set at the start of training, restored at its end. ``applied`` says,
     per technique, None when applied or why not.
     """
@@ -210,6 +213,8 @@ class TurboCallback(TrainerCallback):
         self.config = config
         self.applied: dict[str, str | None] = {}
         self._switches = contextlib.ExitStack()
+        # Models already transformed: float8 would wrap its own Float8Linear (an nn.Linear) again.
+        self._transformed: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
     def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._transform(kwargs.get("model"))
@@ -231,8 +236,13 @@ class TurboCallback(TrainerCallback):
         self._switches.close()
 
     def _transform(self, model: nn.Module | None) -> None:
-        if model is None:
+        if model is None or model in self._transformed:
             return
+        self._transformed.add(model)
+        if self.config.precision.float8:
+            # The engine's order: float8 swaps Linear modules before anything wraps them.
+            device = next(model.parameters()).device
+            self.applied["float8"] = apply_float8_training(model, device)
         if self.config.memory_format.channels_last:
             # Weights only: a convolution with NHWC weights runs NHWC and returns NHWC, so the
             # layout reaches the rest of the network from the first convolution on.

@@ -85,6 +85,13 @@ def hf_arguments(config: TurboConfig, fields: Collection[str] | None = None) -> 
     notes: dict[str, str] = {}
     _hf_device(config, kwargs, notes)
     _hf_precision(config, kwargs, notes)
+    if config.precision.float8:
+        notes[_key("precision", "float8")] = (
+            f"applied by {HF_CALLBACK} (the Trainer has no argument for torchao's float8 Linears)"
+        )
+    _optimizer_note(
+        config, notes, "set optim: 'adamw_torch_fused' (the Trainer's default) is AdamW fused"
+    )
     if config.memory_format.channels_last:
         notes[_key("memory_format", "channels_last")] = f"applied by {HF_CALLBACK}"
     if config.backend.cudnn_benchmark:
@@ -165,6 +172,14 @@ def _hf_checkpointing(
                 f"{checkpointing.every_n} not carried: transformers 4 checkpoints every layer"
             )
     kwargs[f"{name}_kwargs"] = options
+
+
+def _optimizer_note(config: TurboConfig, notes: dict[str, str], how: str) -> None:
+    implementation = config.optimizer.implementation
+    if implementation != "as_built":
+        notes[_key("optimizer", "implementation")] = (
+            f"{implementation!r} not carried: the trainer builds the optimizer; {how}"
+        )
 
 
 def _clipping(
@@ -295,7 +310,11 @@ def lightning_arguments(config: TurboConfig) -> Translation:
         notes[_key("precision", "dtype")] = (
             f"'tf32' applied by {LIGHTNING_CALLBACK} (float32 matmul precision 'high')"
         )
+    _optimizer_note(
+        config, notes, "build it with fused=True or foreach=True in configure_optimizers"
+    )
     for section, name in (
+        ("precision", "float8"),
         ("memory_format", "channels_last"),
         ("compile", "mode"),
         ("checkpointing", "mode"),
