@@ -112,8 +112,7 @@ class TurboLightningCallback(pl.Callback):
             blocks = apply_activation_checkpointing(pl_module, config.checkpointing)
             self.applied["checkpointing"] = None if blocks else "the config selected no block"
         if config.compile.mode != "off":
-            apply_compile(pl_module, config.compile)
-            self.applied["compile"] = None
+            self.applied["compile"] = apply_compile(pl_module, config.compile)
         if config.precision.dtype == "tf32" and not torch.cuda.is_available():
             self._switches.enter_context(float32_matmul_precision(config.precision))
             self.applied["tf32"] = None
