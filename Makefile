@@ -15,6 +15,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX_URL ?=
+# The test extras, plus Triton (the CUDA kernel's tests run under its CPU interpreter) and
+# torchao (float8): neither pulls a torch of its own.
+EXTRAS ?= test,triton,float8
 STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint format bench dist clean
@@ -23,7 +26,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet $(if $(TORCH_INDEX_URL),--index-url "$(TORCH_INDEX_URL)") "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install --quiet -e ".[test]"
+	$(BIN)/python -m pip install --quiet -e ".[$(EXTRAS)]"
 	touch $(STAMP)
 
 demo: $(STAMP)
