@@ -553,6 +553,7 @@ def _run_export(args: argparse.Namespace) -> int:
 
 def _run_train(args: argparse.Namespace) -> int:
     from torchturbo.config import INT64_MAX
+    from torchturbo.distributed import is_main_process, launched, main_print
     from torchturbo.train import train
 
     if not 1 <= args.steps <= INT64_MAX:
@@ -568,15 +569,20 @@ def _run_train(args: argparse.Namespace) -> int:
     config = chosen_config(args)
     if args.activation_budget:
         config = config.replace(reliability__memory_budget_bytes=args.activation_budget)
-    result = train(
-        load_target(args),
-        config,
-        steps=args.steps,
-        checkpoint_dir=args.checkpoint_dir,
-        save_every=args.save_every,
-        resume=args.resume,
-        on_event=print,
-    )
+    # Under torchrun every rank trains its share of each batch (the engine wraps the model per
+    # [distributed]); rank 0 writes the checkpoints and prints.
+    with launched(config.device):
+        result = train(
+            load_target(args),
+            config,
+            steps=args.steps,
+            checkpoint_dir=args.checkpoint_dir,
+            save_every=args.save_every,
+            resume=args.resume,
+            on_event=main_print,
+        )
+        if not is_main_process():
+            return 0
     loss = "n/a" if result.last_loss is None else f"{result.last_loss:.4f}"
     print(
         f"trained to optimizer step {result.optimizer_steps}, last loss {loss}"

@@ -28,6 +28,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from torchturbo.config import CheckpointConfig
+from torchturbo.techniques.result import TechniqueResult, applied, not_applied
 
 #: Attribute set on every checkpointed module; measure/memory.py reads it to count the inputs
 #: that checkpoint keeps alive through a closure rather than through saved-tensor hooks.
@@ -137,9 +138,13 @@ def _restore_norm_statistics(module: nn.Module) -> Iterator[None]:
                     getattr(norm, name).copy_(value)
 
 
-def apply_activation_checkpointing(model: nn.Module, config: CheckpointConfig) -> list[str]:
-    """Checkpoint the blocks chosen by ``config``; returns their qualified names."""
+def apply_activation_checkpointing(model: nn.Module, config: CheckpointConfig) -> TechniqueResult:
+    """Checkpoint the blocks chosen by ``config``; the result's ``targets`` are their names."""
+    if config.mode == "off":
+        return not_applied("checkpointing", "[checkpointing] mode = 'off'")
     chosen = select_blocks(model, config)
+    if not chosen:
+        return not_applied("checkpointing", "the config selected no block of this model")
     for _, module in chosen:
         checkpoint_module(module)
-    return [name for name, _ in chosen]
+    return applied("checkpointing", tuple(name for name, _ in chosen))

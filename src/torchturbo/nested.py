@@ -1,0 +1,78 @@
+"""One walker over nested batches: the tensors inside dicts, lists, tuples, namedtuples and
+dataclass instances, with the containers rebuilt as the types they were.
+
+Every module that maps over a batch goes through here (device moves and channels_last inputs in
+``data/loader.py``, out-of-memory splitting in ``oom.py``, FSDP's output-gradient scaling, the
+memory and export probes), so that they all see into the same containers: before, three walkers
+each knew a different set, and a batch that one handled another silently passed through whole.
+
+Why hand-written: ``torch.utils._pytree`` is private and only sees dataclasses that are
+registered one by one; Lightning's ``apply_to_collection`` and accelerate's ``recursively_apply``
+would each bring a framework for these few lines.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, TypeVar
+
+import torch
+
+T = TypeVar("T")
+
+
+def map_tensors(fn: Callable[[torch.Tensor], Any], batch: T) -> T:
+    """``batch`` with every tensor ``t`` replaced by ``fn(t)``; anything else is kept as is.
+
+    Dicts keep their type and extras (``OrderedDict``, a ``defaultdict``'s factory), other
+    mappings, namedtuples, tuples, lists and dataclass instances are rebuilt as their own type.
+    """
+    obj: Any = batch
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, dict):
+        out = copy.copy(obj)
+        out.update((key, map_tensors(fn, value)) for key, value in obj.items())
+        return out
+    if isinstance(obj, Mapping):
+        return type(obj)({key: map_tensors(fn, value) for key, value in obj.items()})  # type: ignore[return-value]
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple: positional fields
+        return type(obj)(*(map_tensors(fn, value) for value in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(map_tensors(fn, value) for value in obj)  # type: ignore[return-value]
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        changes = {f.name: map_tensors(fn, getattr(obj, f.name)) for f in _init_fields(obj)}
+        return dataclasses.replace(obj, **changes)  # type: ignore[return-value]
+    return batch
+
+
+def named_tensors(batch: Any, name: str = "batch") -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of ``batch`` in order, with its access path, e.g. ``batch['tokens']``,
+    ``batch[0]`` or ``batch.image``."""
+    if isinstance(batch, torch.Tensor):
+        yield name, batch
+    elif isinstance(batch, Mapping):
+        for key, value in batch.items():
+            yield from named_tensors(value, f"{name}[{key!r}]")
+    elif isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        for field, value in zip(batch._fields, batch, strict=True):
+            yield from named_tensors(value, f"{name}.{field}")
+    elif isinstance(batch, (list, tuple)):
+        for index, value in enumerate(batch):
+            yield from named_tensors(value, f"{name}[{index}]")
+    elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        for f in _init_fields(batch):
+            yield from named_tensors(getattr(batch, f.name), f"{name}.{f.name}")
+
+
+def iter_tensors(batch: Any) -> Iterator[torch.Tensor]:
+    """Every tensor of ``batch``, in the order :func:`map_tensors` visits them."""
+    for _, tensor in named_tensors(batch):
+        yield tensor
+
+
+def _init_fields(obj: Any) -> list[dataclasses.Field[Any]]:
+    # Fields with init=False are derived in __post_init__: replace() recomputes them.
+    return [f for f in dataclasses.fields(obj) if f.init]
