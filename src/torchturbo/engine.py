@@ -24,10 +24,9 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from torchturbo.compose import compose
-from torchturbo.config import DataConfig, TurboConfig
-from torchturbo.data.bucketing import BucketBatchSampler
-from torchturbo.data.collate import pad_collate
-from torchturbo.data.loader import build_loader, to_device
+from torchturbo.config import TurboConfig
+from torchturbo.data.loader import to_device
+from torchturbo.data.training import training_loader
 from torchturbo.distributed.comm import CommStats
 from torchturbo.distributed.launch import init_distributed
 from torchturbo.distributed.select import select_strategy
@@ -175,14 +174,21 @@ class Turbo:
         self.microbatcher = self._microbatcher(self.model)
         if data is None:
             return self.model, optimizer, None
-        loader = (
-            data
-            if isinstance(data, DataLoader)
-            else self._build_loader(
-                data, batch_size, collate_fn, batch_sampler, shuffle, seed, lengths, pad_values
+        if not isinstance(data, DataLoader):
+            data = training_loader(
+                data,
+                config=self.config.data,
+                device=self.device,
+                strategy=self.strategy,
+                batch_size=batch_size,
+                collate_fn=collate_fn,
+                batch_sampler=batch_sampler,
+                shuffle=shuffle,
+                seed=seed,
+                lengths=lengths,
+                pad_values=pad_values,
             )
-        )
-        self.loader = EpochLoader(loader)
+        self.loader = EpochLoader(data)
         return self.model, optimizer, self.loader
 
     def _microbatcher(self, model: nn.Module) -> MicroBatcher:
@@ -196,44 +202,6 @@ class Turbo:
             budget_bytes=reliability.memory_budget_bytes,
             auto=reliability.auto_microbatch and refused is None,
             device=self.device,
-        )
-
-    def _build_loader(
-        self,
-        data: Dataset,
-        batch_size: int | None,
-        collate_fn: Callable[[list[Any]], Any] | None,
-        batch_sampler: Any,
-        shuffle: bool,
-        seed: int | None,
-        lengths: Sequence[int] | None,
-        pad_values: Mapping[str, int] | None,
-    ) -> DataLoader:
-        assert self.strategy is not None
-        # Pads variable-length fields of dict samples; otherwise collates as torch does.
-        collate_fn = collate_fn or functools.partial(
-            pad_collate, pad_to_multiple=self.config.data.pad_to_multiple, pad_values=pad_values
-        )
-        if self.config.data.bucketing:
-            # The bucketing sampler shards whole batches across ranks itself.
-            batch_sampler = _bucket_sampler(self.config.data, lengths, batch_size, seed)
-            batch_size = None
-        elif batch_sampler is None and batch_size is not None:
-            batch_sampler = self.strategy.batch_sampler(
-                data, batch_size, shuffle=shuffle, seed=seed or 0
-            )
-            batch_size = None if batch_sampler is not None else batch_size
-        if batch_size is None and batch_sampler is None:
-            raise ValueError("setup() got a dataset: pass batch_size= or batch_sampler=")
-        return build_loader(
-            data,
-            batch_size=batch_size,
-            config=self.config.data,
-            device=self.device,
-            shuffle=shuffle,
-            collate_fn=collate_fn,
-            batch_sampler=batch_sampler,
-            seed=seed,
         )
 
     # -- what was applied ---------------------------------------------------------------------
@@ -485,24 +453,3 @@ def _split_loss(
         raise ValueError(f"loss_fn must return a scalar tensor as the loss, got {loss!r}")
     count = torch.as_tensor(count, dtype=torch.float32, device=device)
     return loss, count
-
-
-def _bucket_sampler(
-    config: DataConfig, lengths: Sequence[int] | None, batch_size: int | None, seed: int | None
-) -> BucketBatchSampler:
-    """The length-bucketing batch sampler that ``[data] bucketing = true`` asks for."""
-    if lengths is None:
-        raise ValueError(
-            "[data] bucketing = true needs per-sample lengths: pass setup(..., lengths=[...])"
-        )
-    max_tokens = config.max_tokens
-    if max_tokens is None:
-        if batch_size is None:
-            raise ValueError(
-                "[data] bucketing = true without max_tokens needs batch_size= to derive the "
-                "token budget (batch_size x mean length)"
-            )
-        max_tokens = max(round(batch_size * sum(lengths) / len(lengths)), max(lengths))
-    return BucketBatchSampler(
-        lengths, max_tokens=max_tokens, pad_to_multiple=config.pad_to_multiple, seed=seed or 0
-    )
