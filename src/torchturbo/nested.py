@@ -53,24 +53,35 @@ def named_tensors(batch: Any, name: str = "batch") -> Iterator[tuple[str, torch.
     ``batch[0]`` or ``batch.image``."""
     if isinstance(batch, torch.Tensor):
         yield name, batch
-    elif isinstance(batch, Mapping):
-        for key, value in batch.items():
-            yield from named_tensors(value, f"{name}[{key!r}]")
-    elif isinstance(batch, tuple) and hasattr(batch, "_fields"):
-        for field, value in zip(batch._fields, batch, strict=True):
-            yield from named_tensors(value, f"{name}.{field}")
-    elif isinstance(batch, (list, tuple)):
-        for index, value in enumerate(batch):
-            yield from named_tensors(value, f"{name}[{index}]")
-    elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
-        for f in _init_fields(batch):
-            yield from named_tensors(getattr(batch, f.name), f"{name}.{f.name}")
+        return
+    for path, key, value in _children(batch):
+        yield from named_tensors(value, name + path.format(key))
 
 
 def iter_tensors(batch: Any) -> Iterator[torch.Tensor]:
     """Every tensor of ``batch``, in the order :func:`map_tensors` visits them."""
-    for _, tensor in named_tensors(batch):
-        yield tensor
+    if isinstance(batch, torch.Tensor):
+        yield batch
+        return
+    # The engine reads a batch's size every step: no access paths are formatted here.
+    for _, _, value in _children(batch):
+        yield from iter_tensors(value)
+
+
+_ITEM, _ATTRIBUTE = "[{!r}]", ".{}"
+
+
+def _children(obj: Any) -> list[tuple[str, Any, Any]]:
+    """(access path format, key, value) of each item of a container; [] for anything else."""
+    if isinstance(obj, Mapping):
+        return [(_ITEM, key, value) for key, value in obj.items()]
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return [(_ATTRIBUTE, f, value) for f, value in zip(obj._fields, obj, strict=True)]
+    if isinstance(obj, (list, tuple)):
+        return [(_ITEM, index, value) for index, value in enumerate(obj)]
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return [(_ATTRIBUTE, f.name, getattr(obj, f.name)) for f in _init_fields(obj)]
+    return []
 
 
 def _init_fields(obj: Any) -> list[dataclasses.Field[Any]]:
