@@ -18,7 +18,6 @@ and the other figures (step time, loss, memory) are rank 0's, which is the rank 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import itertools
@@ -30,7 +29,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
 from torchturbo.config import DataConfig, TurboConfig
@@ -66,7 +64,7 @@ def fixed_batches(recipe: Recipe, count: int, *, seed: int | None = None) -> lis
     batches = list(itertools.islice(loader, count))
     if not batches:
         raise ValueError(
-            f"recipe {recipe.name!r}: the dataset ({len(recipe.dataset)} samples) holds no full "
+            f"recipe {recipe.name!r}: the dataset ({len(recipe.dataset)} samples) holds no full "  # type: ignore[arg-type]
             f"batch of {recipe.batch_size}"
         )
     return batches
@@ -203,9 +201,10 @@ class Trial:
             return None
         if self._activation_bytes is None:
             batch = self.batches[0]
-            # A DDP forward outside no_sync() expects a backward with its all-reduce to follow.
-            quiet = isinstance(self.model, DistributedDataParallel)
-            with self.model.no_sync() if quiet else contextlib.nullcontext():
+            # As a micro-step that does not close its window: under DDP, no_sync(), since a
+            # forward outside it expects a backward with its all-reduce to follow.
+            assert self.turbo.strategy is not None
+            with self.turbo.strategy.backward_context(closing=False):
                 self._activation_bytes = activation_bytes(
                     lambda: self.turbo.forward(self.recipe.loss_fn, batch)[0], model=self.model
                 )

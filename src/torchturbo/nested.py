@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 
@@ -29,23 +29,27 @@ def map_tensors(fn: Callable[[torch.Tensor], Any], batch: T) -> T:
     Dicts keep their type and extras (``OrderedDict``, a ``defaultdict``'s factory), other
     mappings, namedtuples, tuples, lists and dataclass instances are rebuilt as their own type.
     """
-    obj: Any = batch
+    return cast(T, _map(fn, batch))
+
+
+def _map(fn: Callable[[torch.Tensor], Any], obj: Any) -> Any:
     if isinstance(obj, torch.Tensor):
         return fn(obj)
     if isinstance(obj, dict):
         out = copy.copy(obj)
-        out.update((key, map_tensors(fn, value)) for key, value in obj.items())
+        out.update((key, _map(fn, value)) for key, value in obj.items())
         return out
     if isinstance(obj, Mapping):
-        return type(obj)({key: map_tensors(fn, value) for key, value in obj.items()})  # type: ignore[return-value]
+        return type(obj)({key: _map(fn, value) for key, value in obj.items()})  # type: ignore[call-arg]
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple: positional fields
-        return type(obj)(*(map_tensors(fn, value) for value in obj))
+        return type(obj)(*(_map(fn, value) for value in obj))
     if isinstance(obj, (list, tuple)):
-        return type(obj)(map_tensors(fn, value) for value in obj)  # type: ignore[return-value]
+        return type(obj)(_map(fn, value) for value in obj)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        changes = {f.name: map_tensors(fn, getattr(obj, f.name)) for f in _init_fields(obj)}
-        return dataclasses.replace(obj, **changes)  # type: ignore[return-value]
-    return batch
+        return dataclasses.replace(
+            obj, **{f.name: _map(fn, getattr(obj, f.name)) for f in _init_fields(obj)}
+        )
+    return obj
 
 
 def named_tensors(batch: Any, name: str = "batch") -> Iterator[tuple[str, torch.Tensor]]:

@@ -17,12 +17,12 @@ import torch
 def capture_random_state() -> dict[str, Any]:
     """This process's random state, as tensors (``torch``, ``cuda``, ``numpy_keys``) and plain
     data (``numpy``: the rest of numpy's state, ``python``)."""
-    _, keys, *rest = np.random.get_state()
+    _, keys, *rest = np.random.get_state(legacy=True)
     version, internal, gauss_next = random.getstate()
     return {
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-        "numpy_keys": torch.from_numpy(keys.astype(np.int64)),
+        "numpy_keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
         "numpy": list(rest),
         "python": [version, list(internal), gauss_next],
     }

@@ -22,7 +22,7 @@ import math
 import os
 import statistics
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
@@ -339,10 +339,11 @@ def _validated_candidates(
     configs: list[DataConfig] = []
     for i, candidate in enumerate(candidates):
         if isinstance(candidate, Mapping):
+            settings = dict(candidate)
             try:
-                candidate = DataConfig(**candidate)
+                candidate = DataConfig(**settings)
             except TypeError as err:  # unknown keys
-                raise ConfigError(f"tune_loader: candidate #{i} {dict(candidate)}: {err}") from err
+                raise ConfigError(f"tune_loader: candidate #{i} {settings}: {err}") from err
             except ConfigError as err:
                 raise ConfigError(f"tune_loader: candidate #{i}: {err}") from err
         if not isinstance(candidate, DataConfig):
@@ -519,7 +520,7 @@ def _extrapolate(
     return now + int(min(max(0.0, growth_per_sample) * remaining, ceiling))
 
 
-def _endless(loader: DataLoader) -> Iterator[Any]:
+def _endless(loader: DataLoader) -> Generator[Any, None, None]:
     """Batches across epoch boundaries, as training sees them (persistent workers live on)."""
     while True:
         empty = True

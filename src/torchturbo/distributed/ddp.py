@@ -210,5 +210,5 @@ def parameter_digest(tensors: Iterable[torch.Tensor]) -> str:
     """SHA-256 of the tensors' bytes in order: equal exactly when they are bit-identical."""
     digest = hashlib.sha256()
     for tensor in tensors:
-        digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+        digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
     return digest.hexdigest()

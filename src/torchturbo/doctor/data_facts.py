@@ -67,8 +67,8 @@ def dataset_facts(dataset: Dataset) -> DatasetFacts:
         nbytes = sum(t.nbytes for t in dataset.tensors)
         return DatasetFacts(kind, count, nbytes, True, memmapped, transforms)
     sample_bytes = sum(t.nbytes for _, t in named_tensors(dataset[0])) if count else 0
-    nbytes = sample_bytes * count if sample_bytes else None
-    return DatasetFacts(kind, count, nbytes, False, memmapped, transforms)
+    estimate = sample_bytes * count if sample_bytes else None
+    return DatasetFacts(kind, count, estimate, False, memmapped, transforms)
 
 
 #: A batch's shapes: (access path, shape) of each tensor.

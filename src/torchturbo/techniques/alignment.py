@@ -141,6 +141,8 @@ class PaddedClassifier(nn.Module):
     ``padded`` logits with the padded ones at -inf (probability 0 under softmax).
     """
 
+    pad_mask: torch.Tensor
+
     def __init__(self, linear: nn.Linear, padded: int, output: Literal["slice", "masked"]):
         super().__init__()
         self.num_classes = linear.out_features

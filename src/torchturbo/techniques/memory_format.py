@@ -29,7 +29,8 @@ def apply_channels_last(model: nn.Module) -> TechniqueResult:
             "channels_last",
             "no Conv2d/ConvTranspose2d in the model: channels_last only changes 4-D tensors",
         )
-    model.to(memory_format=torch.channels_last)
+    # Module.to takes memory_format (see its docstring); torch's type stubs omit it.
+    model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
     return applied("channels_last")
 
 
