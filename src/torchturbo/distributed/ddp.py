@@ -22,7 +22,6 @@ import contextlib
 import functools
 import hashlib
 from collections.abc import Callable, Iterable
-from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -178,16 +177,7 @@ class DDPStrategy(DataParallel):
             )
         return super().reduce_count(total)
 
-    def save_checkpoint(
-        self,
-        root: str | Path,
-        step: int,
-        files: dict[str, Any],
-        *,
-        tensors: dict[str, Any],
-        per_rank: dict[str, Any],
-        keep_last: int,
-    ) -> Path:
+    def _verified_files(self, step: int) -> dict[str, Any]:
         if self._ddp is None:
             raise RuntimeError("the DDP strategy has no model yet: call Turbo.setup first")
         # Parameters only: each rank's BatchNorm statistics move with its own batches (DDP
@@ -200,10 +190,7 @@ class DDPStrategy(DataParallel):
                 "some rank stepped on gradients that were not all-reduced; not saving a "
                 "checkpoint that only rank 0's replica would be in"
             )
-        files = {**files, "replicas.json": {"parameter_sha256": digests}}
-        return super().save_checkpoint(
-            root, step, files, tensors=tensors, per_rank=per_rank, keep_last=keep_last
-        )
+        return {"replicas.json": {"parameter_sha256": digests}}
 
 
 def parameter_digest(tensors: Iterable[torch.Tensor]) -> str:

@@ -128,16 +128,9 @@ class FSDPStrategy(DataParallel):
             model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state
         )
 
-    def save_checkpoint(
-        self,
-        root: str | Path,
-        step: int,
-        files: dict[str, Any],
-        *,
-        tensors: dict[str, Any],
-        per_rank: dict[str, Any],
-        keep_last: int,
-    ) -> Path:
+    def _save_tensors(
+        self, root: str | Path, step: int, tensors: dict[str, Any], shared: dict[str, Any]
+    ) -> Path | None:
         # Named like write_checkpoint's temporaries, so that a crash mid-save leaves a directory
         # the next save prunes. Every rank writes into it: a filesystem all ranks share.
         staging = Path(root) / f".tmp-{checkpoint_name(step)}-shards"
@@ -146,8 +139,7 @@ class FSDPStrategy(DataParallel):
             staging.mkdir(parents=True)
         self._barrier()
         dcp.save(tensors, checkpoint_id=staging)
-        everything = {**files, **self._gather_rank_files(per_rank)}
-        return self._write(root, step, everything, keep_last, shards=staging)
+        return staging
 
     def load_tensors(
         self, path: Path, files: dict[str, Any], live: dict[str, Any]

@@ -126,9 +126,14 @@ class Strategy:
         """Write checkpoint ``step``: ``files`` (shared), ``tensors`` (``model``/``optimizer``
         state dicts) and ``per_rank`` (this rank's random state). Every rank calls it; rank 0
         writes, the others' ``per_rank`` files travel to it. Returns the checkpoint directory."""
-        everything = {**files, **{f"{name}.pt": state for name, state in tensors.items()}}
-        everything.update(self._gather_rank_files(per_rank))
-        return self._write(root, step, everything, keep_last)
+        shared = {**files, **self._verified_files(step), **self._gather_rank_files(per_rank)}
+        shards = self._save_tensors(root, step, tensors, shared)
+        if self.env.rank == 0:
+            path = write_checkpoint(root, step, shared, keep_last, shards=shards)
+        else:
+            path = Path(root) / checkpoint_name(step)
+        self._barrier()  # every rank returns once the checkpoint is complete
+        return path
 
     def read_checkpoint(self, root: str | Path) -> tuple[Path, dict[str, Any]]:
         """(path, files) of the newest checkpoint under ``root`` that verifies, with this rank's
@@ -149,21 +154,18 @@ class Strategy:
             )
         return {name: files.pop(f"{name}.pt") for name in live}
 
-    def _write(
-        self,
-        root: str | Path,
-        step: int,
-        files: dict[str, Any],
-        keep_last: int,
-        shards: Path | None = None,
-    ) -> Path:
-        """Rank 0 writes; every rank returns once the checkpoint is complete."""
-        if self.env.rank == 0:
-            path = write_checkpoint(root, step, files, keep_last, shards=shards)
-        else:
-            path = Path(root) / checkpoint_name(step)
-        self._barrier()
-        return path
+    def _verified_files(self, step: int) -> dict[str, Any]:
+        """Shared files recording a check that the ranks agree, made before anything is
+        written (it may refuse to save)."""
+        return {}
+
+    def _save_tensors(
+        self, root: str | Path, step: int, tensors: dict[str, Any], shared: dict[str, Any]
+    ) -> Path | None:
+        """Put the model and optimizer state where checkpoints keep them: here whole state dicts
+        among the shared files; returns a directory of shards to move in, if any."""
+        shared.update({f"{name}.pt": state for name, state in tensors.items()})
+        return None
 
     def _gather_rank_files(self, per_rank: dict[str, Any]) -> dict[str, Any]:
         """Every rank's ``per_rank`` files on rank 0, named by :func:`rank_file`."""
