@@ -239,7 +239,9 @@ def _parser() -> argparse.ArgumentParser:
             "Train for --steps optimizer steps with the given config, saving an atomic, "
             "checksummed checkpoint every --save-every steps to --checkpoint-dir. --resume "
             "continues from the newest valid checkpoint there (falling back to the previous one "
-            "if the newest is corrupt) and reproduces the uninterrupted run bit for bit."
+            "if the newest is corrupt) and reproduces the uninterrupted run bit for bit. Under "
+            "`torchrun --nproc-per-node N -m torchturbo train ...` every rank trains its share "
+            "of the data as DDP or FSDP per [distributed]; rank 0 writes and prints."
         ),
     )
     _add_target_arguments(train)

@@ -32,20 +32,23 @@ from torchturbo.distributed.comm import CommStats
 from torchturbo.distributed.normalize import Reference, scale_output_gradients
 from torchturbo.distributed.strategy import DataParallel
 from torchturbo.techniques.checkpointing import find_blocks
+from torchturbo.techniques.result import TechniqueResult, applied
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def apply_fsdp(model: nn.Module, config: DistributedConfig) -> nn.Module:
-    """Shard each block of ``model``, then the root, with the configured mixed precision."""
+def apply_fsdp(model: nn.Module, config: DistributedConfig) -> TechniqueResult:
+    """Shard each block of ``model``, then the root, in place, with the configured mixed
+    precision; the result's ``targets`` are the blocks sharded as units of their own."""
     policy = MixedPrecisionPolicy(
         param_dtype=DTYPES[config.fsdp_param_dtype],
         reduce_dtype=DTYPES[config.fsdp_reduce_dtype],
     )
-    for _name, block in find_blocks(model):
+    blocks = find_blocks(model)
+    for _name, block in blocks:
         fully_shard(block, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
-    return model
+    return applied("fsdp", tuple(name for name, _ in blocks))
 
 
 def shard_with_optimizer(
