@@ -201,3 +201,12 @@ def test_no_module_outside_the_engine_assigns_a_turbo_attribute():
     assert writes == []
     # The check sees the pattern it forbids (the pending writer has one).
     assert _turbo_attribute_writes(SRC / "tune" / "search.py")
+
+
+def test_counting_ddp_traffic_in_one_process_is_refused():
+    from torchturbo.distributed.comm import CommStats
+
+    turbo = Turbo(TurboConfig(device="cpu"))
+    model = MLP()
+    with pytest.raises(ValueError, match="this run has one process"):
+        turbo.setup(model, torch.optim.SGD(model.parameters(), lr=0.1), comm_stats=CommStats())
