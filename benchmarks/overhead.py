@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import os
 import statistics
 import sys
 import time
@@ -129,6 +130,7 @@ def main() -> int:
     turbo_fn, turbo_model = turbo_step(recipe, config, batches)
     plain_fn, plain_model = plain_step(recipe, config, batches)
     turbo, plain = CpuTimed(turbo_fn), CpuTimed(plain_fn)
+    load_before = os.getloadavg()[0]
     # Warm up here rather than in measure_interleaved, so that CPU time counts timed steps only.
     for _ in range(warmup):
         turbo.step()
@@ -160,6 +162,9 @@ def main() -> int:
         "device": str(device),
         "config": config.to_dict(),
         "rounds": repeats,
+        "threads": torch.get_num_threads(),
+        # The machine's 1-minute load average before and after: other work shares the cores.
+        "load_average": [load_before, os.getloadavg()[0]],
         "steps_per_round": args.steps,
         "torch": torch.__version__,
     }
