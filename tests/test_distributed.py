@@ -127,6 +127,10 @@ def test_ddp_accumulation_over_unequal_counts_equals_one_process(two_ranks, rank
     tolerance = 1e-5 * result["grad_scale"]
     assert result["err_exact"] <= tolerance
     assert result["err_fsdp"] <= tolerance  # FSDP2, same normalization, same parameters
+    # Clipping clips the global mean gradient, under DDP and over FSDP's shards alike (control:
+    # the clipped reference is far from the unclipped one, so clipping was active).
+    assert result["err_clipped_ddp"] <= tolerance and result["err_clipped_fsdp"] <= tolerance
+    assert result["clipping_changed_result"] is True
     # Negative control: DDP averaging locally normalized gradients is far off.
     assert result["err_local"] > 1000 * tolerance
     # no_sync: one reduction per window (2 windows), and the first micro-step's gradients stay

@@ -37,7 +37,11 @@ from torchturbo.measure.breakdown import NullRecorder, Recorder
 from torchturbo.oom import MicroBatcher, leading_size
 from torchturbo.random_state import capture_random_state, restore_random_state
 from torchturbo.resume import load_training_state, save_training_state
-from torchturbo.techniques.accumulation import AccumulationWindow, scale_gradients
+from torchturbo.techniques.accumulation import (
+    AccumulationWindow,
+    scale_and_clip_gradients,
+    scale_gradients,
+)
 from torchturbo.techniques.backend import cudnn_benchmark
 from torchturbo.techniques.compile import CompileError, compile_failure
 from torchturbo.techniques.optimizer import rebuild_optimizer
@@ -349,11 +353,14 @@ class Turbo:
         with self.recorder.phase("optimizer"):
             self.precision.unscale_gradients(self.optimizer)  # clipping must see true gradients
             total = self.strategy.reduce_count(self._window.total)  # type: ignore[arg-type]
-            scale_gradients(params, self._window.correction(total))
-            grad_norm = None
-            clip = self.config.clipping
+            correction = self._window.correction(total)
+            grad_norm, clip = None, self.config.clipping
             if clip.max_norm is not None:
-                grad_norm = torch.nn.utils.clip_grad_norm_(params, clip.max_norm, clip.norm_type)
+                grad_norm = scale_and_clip_gradients(
+                    params, correction, clip.max_norm, clip.norm_type
+                )
+            elif not self._unit_correction():
+                scale_gradients(params, correction)
             # Without a scaler the guard skips a non-finite step rather than write NaN weights.
             check = self.precision.scaler is None
             nonfinite = self.guard.window_nonfinite(params, grad_norm, check)
@@ -366,6 +373,13 @@ class Turbo:
         self.skipped_steps += int(skipped)
         self.guard.raise_if_exhausted(self.model, self.optimizer_steps)
         return skipped, grad_norm
+
+    def _unit_correction(self) -> bool:
+        """Whether the window's correction is exactly 1, known without reading it: one batch
+        per window, run whole, in one process (reference and total are the same count)."""
+        assert self.strategy is not None and self.microbatcher is not None
+        one_piece = self._window.micro_steps == 1 and self.microbatcher.split == 1
+        return one_piece and not self.strategy.env.is_distributed
 
     # -- state --------------------------------------------------------------------------------
 

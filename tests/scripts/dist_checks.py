@@ -75,8 +75,9 @@ def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch
     return ((model(x) - y) ** 2).sum(-1).mean()
 
 
-def reference_params(world_size: int) -> list[torch.Tensor]:
-    """One process, SGD on the union of all ranks' micro-batches of each window, global mean."""
+def reference_params(world_size: int, max_norm: float | None = None) -> list[torch.Tensor]:
+    """One process, SGD on the union of all ranks' micro-batches of each window, global mean
+    (gradients clipped to ``max_norm`` when given)."""
     model = tiny_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     per_rank = [micro_batches(r) for r in range(world_size)]
@@ -86,6 +87,8 @@ def reference_params(world_size: int) -> list[torch.Tensor]:
         y = torch.cat([b[1] for b in chosen])
         optimizer.zero_grad()
         ((model(x) - y) ** 2).sum(-1).mean().backward()
+        if max_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         optimizer.step()
     return [p.detach().clone() for p in model.parameters()]
 
@@ -161,7 +164,15 @@ def check_accumulation(world_size: int) -> dict:
     local = engine_run(base, strategy=_LocalMeans)
     every_step = engine_run(base, strategy=_EveryMicroStep)
     fsdp = engine_run(base.replace(distributed__strategy="fsdp"))
+    # Clipping at a norm far below the gradients' (~3): it must clip the global gradient.
+    clipped = reference_params(world_size, max_norm=0.05)
+    clip = base.replace(clipping__max_norm=0.05)
     return {
+        "err_clipped_ddp": max_error(engine_run(clip)["params"], clipped),
+        "err_clipped_fsdp": max_error(
+            engine_run(clip.replace(distributed__strategy="fsdp"))["params"], clipped
+        ),
+        "clipping_changed_result": max_error(clipped, reference_params(world_size)) > 1e-3,
         "grad_scale": max(float(p.abs().max()) for p in reference),
         "err_exact": max_error(exact["params"], reference),
         "err_local": max_error(local["params"], reference),
