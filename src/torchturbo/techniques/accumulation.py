@@ -68,6 +68,7 @@ def scale_gradients(params: Iterable[torch.nn.Parameter], factor: torch.Tensor) 
         torch._foreach_mul_(grads, factor.to(grads[0].device))
 
 
+@torch.no_grad()
 def scale_and_clip_gradients(
     params: Iterable[torch.nn.Parameter], factor: torch.Tensor, max_norm: float, norm_type: float
 ) -> torch.Tensor:
