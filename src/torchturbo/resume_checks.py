@@ -90,7 +90,7 @@ def state_problems(state: Any, batches_per_epoch: int | None, path: Path) -> lis
     steps = state.get("optimizer_steps")
     for name, low, high in (
         ("optimizer_steps", 0, _INT64_MAX),
-        ("skipped_steps", 0, steps if _is_int(steps) else _INT64_MAX),
+        ("skipped_steps", 0, steps if isinstance(steps, int) else _INT64_MAX),
         ("micro_batch_split", 1, 2**20),
     ):
         if not _in_range(state.get(name), low, high):

@@ -36,8 +36,7 @@ class AccumulationWindow:
         """The factor for this micro-batch's mean loss; records its count."""
         if self.reference is None:
             self.reference = count * self.micro_steps
-            self.total = torch.zeros_like(count)
-        self.total = self.total + count
+        self.total = count if self.total is None else self.total + count
         self.seen += 1
         return count / self.reference
 
