@@ -312,47 +312,16 @@ def test_the_engine_wraps_under_torchrun_without_being_asked(two_ranks):
         assert result["kept_in_step"]["distributed"] is None  # applied: DDP, from setup alone
 
 
-def _union_reference(recipe, steps: int, *, weigh_by_count: bool) -> nn.Module:
-    """One process training on the union of both ranks' batches of each step.
-
-    Each rank's batches are what ``Turbo.setup`` gives it under torchrun (a DistributedSampler
-    seeded by the recipe). Each half of the union runs its forward with that rank's random
-    stream, so dropout draws the masks the rank drew; the loss is the mean over all tokens of the
-    union (``weigh_by_count``), or, as the negative control, the mean of the two ranks' means.
-    """
-    from torch.utils.data import BatchSampler, DistributedSampler
-
-    model, optimizer = recipe.build()
-    streams = [torch.get_rng_state()] * 2  # every rank starts where the seeded build left it
-    per_rank = []
-    for rank in range(2):
-        sampler = DistributedSampler(recipe.dataset, 2, rank, shuffle=True, seed=recipe.seed)
-        sampler.set_epoch(0)
-        per_rank.append(list(BatchSampler(sampler, recipe.batch_size, drop_last=False)))
-    for step in range(steps):
-        terms = []
-        for rank in range(2):
-            torch.set_rng_state(streams[rank])
-            batch = recipe.collate([recipe.dataset[i] for i in per_rank[rank][step]])
-            terms.append(recipe.loss_fn(model, batch))
-            streams[rank] = torch.get_rng_state()
-        if weigh_by_count:
-            loss = sum(mean * count for mean, count in terms) / sum(c for _, c in terms)
-        else:
-            loss = sum(mean for mean, _ in terms) / 2
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    return model
-
-
 @pytest.mark.slow
 def test_torchrun_train_is_ddp_equal_to_one_process_on_the_union_of_batches(tmp_path):
     """`torchrun -m torchturbo train --workload text` with a DDP config: both ranks end with
-    identical parameters, equal to one process trained on the union of their batches."""
+    identical parameters, equal to one process trained on the union of their batches
+    (tests/scripts/union_reference.py)."""
+    import subprocess
+    import sys
+
     from torchturbo.checkpoint import read_checkpoint
     from torchturbo.distributed.ddp import parameter_digest
-    from torchturbo.workloads import get_workload
 
     config = tmp_path / "ddp.toml"
     config.write_text('[distributed]\nstrategy = "ddp"\n')
@@ -362,17 +331,17 @@ def test_torchrun_train_is_ddp_equal_to_one_process_on_the_union_of_batches(tmp_
     assert output.count("trained to optimizer step 20") == 1  # rank 0 reports
     files = read_checkpoint(tmp_path / "ckpt-0000000020")
     saved = files["model.pt"]
-    recipe = get_workload("text")
-    union = _union_reference(recipe, 20, weigh_by_count=True)
-    names = [name for name, _ in union.named_parameters()]
+    reference = tmp_path / "reference.pt"
+    script = Path(__file__).parent / "scripts" / "union_reference.py"
+    subprocess.run([sys.executable, str(script), str(reference), "20"], check=True, timeout=300)
+    references = torch.load(reference)
+    union, mean_of_means, names = (references[k] for k in ("union", "mean_of_means", "parameters"))
     # Both ranks' parameters: each rank hashed its own; both equal what rank 0 saved.
-    assert (
-        files["replicas.json"]["parameter_sha256"]
-        == [parameter_digest(saved[name] for name in names)] * 2
-    )
+    digests = files["replicas.json"]["parameter_sha256"]
+    assert digests == [parameter_digest(saved[name] for name in names)] * 2
 
-    def error(model: nn.Module) -> float:
-        return max(float((saved[n] - p.detach()).abs().max()) for n, p in model.named_parameters())
+    def error(reference: dict[str, torch.Tensor]) -> float:
+        return max(float((saved[name] - reference[name]).abs().max()) for name in names)
 
     # AdamW divides each gradient element by its running RMS, so the ~1e-7 relative
     # differences of summing in another order can move a parameter whose gradient is near zero
@@ -380,4 +349,4 @@ def test_torchrun_train_is_ddp_equal_to_one_process_on_the_union_of_batches(tmp_
     tolerance = 1e-3
     assert error(union) <= tolerance
     # Negative control: weighing each rank's mean equally (plain DDP) lands far outside it.
-    assert error(_union_reference(recipe, 20, weigh_by_count=False)) > 10 * tolerance
+    assert error(mean_of_means) > 10 * tolerance
