@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from torchturbo.bench import Trial, fixed_batches
 from torchturbo.config import TurboConfig
-from torchturbo.distributed import init_distributed, shutdown
+from torchturbo.distributed import DistEnv, Strategy, init_distributed, shutdown
 from torchturbo.engine import Turbo
 from torchturbo.measure.timing import measure_interleaved
 from torchturbo.results import write_results
@@ -70,7 +70,9 @@ def single_process_step(recipe: Any, batches: list[Any], device: str) -> Any:
     """One step of the plain engine (no DDP) on ``batches``: the 1-process reference."""
     turbo = Turbo(TurboConfig(device=device))
     model, optimizer = recipe.build()
-    model, optimizer, _ = turbo.setup(model, optimizer)
+    # This rank alone, inside the torchrun job: not the DDP strategy the launch would choose.
+    alone = Strategy(turbo.config, turbo.device, DistEnv())
+    model, optimizer, _ = turbo.setup(model, optimizer, strategy=alone)
     next_batch = itertools.cycle(batches).__next__
     return lambda: turbo.step(recipe.loss_fn, next_batch())
 

@@ -12,6 +12,7 @@ from torch import nn
 
 from torchturbo import Turbo, TurboConfig
 from torchturbo.data.collate import pad_collate
+from torchturbo.techniques.accumulation import scale_and_clip_gradients, scale_gradients
 
 SIZES = [7, 2, 13, 4]  # deliberately unequal micro-batches
 
@@ -172,3 +173,27 @@ def test_malformed_loss_output_is_a_clear_error(bad):
     turbo.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
     with pytest.raises(ValueError, match="loss_fn must return"):
         turbo.step(lambda m, b: bad, torch.randn(2, 16))
+
+
+@pytest.mark.parametrize("max_norm", [0.1, 1e6], ids=["clipping", "not clipping"])
+def test_correction_and_clipping_in_one_pass_equal_the_two_passes(max_norm):
+    generator = torch.Generator().manual_seed(0)
+    shapes = [(8, 4), (4,), (3, 3, 2)]
+    grads = [torch.randn(shape, generator=generator) for shape in shapes]
+
+    def params():
+        made = [torch.nn.Parameter(torch.zeros(shape)) for shape in shapes]
+        for p, g in zip(made, grads, strict=True):
+            p.grad = g.clone()
+        return made
+
+    factor = torch.tensor(0.37)
+    two_passes, one_pass = params(), params()
+    scale_gradients(two_passes, factor)
+    expected_norm = torch.nn.utils.clip_grad_norm_(two_passes, max_norm)
+    norm = scale_and_clip_gradients(one_pass, factor, max_norm, 2.0)
+    # The norm is factor x the unscaled norm rather than the norm of the scaled values: fp32
+    # rounding apart, the same numbers.
+    torch.testing.assert_close(norm, expected_norm, rtol=1e-6, atol=0)
+    for a, b in zip(one_pass, two_passes, strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=0)

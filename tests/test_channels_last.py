@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 
 import torch
-from conftest import MLP, ConvNet
+from conftest import MLP, ConvNet, classification_loss
 
 from torchturbo import Turbo, TurboConfig
 
@@ -27,16 +27,29 @@ def test_channels_last_converts_weights_and_inputs_and_matches_outputs():
         # NHWC convolutions accumulate in another order: agreement to float32 rounding.
         torch.testing.assert_close(model(x), reference(x), rtol=1e-4, atol=1e-5)
 
+    seen = _conv_tensors_in_a_step(turbo, model, x)
+    assert seen["input"].is_contiguous(memory_format=torch.channels_last)
+    assert seen["input"].dtype == torch.float32
+    # The effect that makes it fast: the convolution computes and returns NHWC activations.
+    assert seen["output"].is_contiguous(memory_format=torch.channels_last)
+
+
+def _conv_tensors_in_a_step(turbo: Turbo, model, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The first conv's input and output during one engine step on NCHW-contiguous ``x``."""
     seen = {}
-    conv.register_forward_pre_hook(lambda m, args: seen.update(x=args[0]))
-    y = torch.tensor([0, 1, 2, 3])
+    conv = model.features[0][0]
+    conv.register_forward_hook(lambda m, args, out: seen.update(input=args[0], output=out))
+    turbo.step(classification_loss, (x, torch.tensor([0, 1, 2, 3])))
+    return seen
 
-    def loss_fn(m, batch):
-        return torch.nn.functional.cross_entropy(m(batch[0]), batch[1])
 
-    turbo.step(loss_fn, (x, y))
-    assert seen["x"].is_contiguous(memory_format=torch.channels_last)
-    assert seen["x"].dtype == torch.float32
+def test_negative_control_without_channels_last_the_step_stays_nchw():
+    turbo = Turbo(TurboConfig(device="cpu"))
+    model = ConvNet()
+    turbo.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    seen = _conv_tensors_in_a_step(turbo, model, torch.randn(4, 3, 16, 16))
+    assert not seen["input"].is_contiguous(memory_format=torch.channels_last)
+    assert not seen["output"].is_contiguous(memory_format=torch.channels_last)
 
 
 def test_channels_last_on_a_model_without_convolutions_is_a_recorded_no_op():

@@ -351,14 +351,26 @@ def test_a_checkpoint_without_the_optimizer_name_is_told_by_its_hyperparameters(
             "batch 7 is out of range: this run's loader has 7 batches",
         ),
         (lambda s: s.update(loader=[0, "1"]), r"loader = \[0, '1'\] is invalid"),
-        (lambda s: s.update(version=2), "version = 2, expected 1"),
-        (lambda s: s.update(numpy=[9999, 0, 0.0]), "numpy is not the tail"),
-        (lambda s: s["python"][1].pop(), "python is not a random.getstate"),
+        (lambda s: s.update(version=3), r"version = 3, expected one of \(1, 2\)"),
     ],
 )
 def test_hand_edited_state_is_refused_with_the_field_and_its_range(tmp_path, edit, message):
     _train_and_save_two(tmp_path)
     edit_checkpoint_json(tmp_path / "ckpt-0000000003", "state.json", edit)
+    turbo, *_ = _workload("shuffled", init_seed=0)
+    _refused(turbo, tmp_path, message)
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda s: s.update(numpy=[9999, 0, 0.0]), "numpy state is not the tail"),
+        (lambda s: s["python"][1].pop(), "python state is not a random.getstate"),
+    ],
+)
+def test_a_hand_edited_random_state_is_refused(tmp_path, edit, message):
+    _train_and_save_two(tmp_path)
+    edit_checkpoint_json(tmp_path / "ckpt-0000000003", "random.json", edit)
     turbo, *_ = _workload("shuffled", init_seed=0)
     _refused(turbo, tmp_path, message)
 

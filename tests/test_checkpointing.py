@@ -8,10 +8,11 @@ import functools
 import pytest
 import torch
 import torch.utils.checkpoint
-from conftest import MLP
+from conftest import MLP, classification_loss
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from torchturbo import Turbo, TurboConfig
 from torchturbo.config import CheckpointConfig
 from torchturbo.techniques.checkpointing import (
     apply_activation_checkpointing,
@@ -39,7 +40,7 @@ def test_checkpointing_gives_identical_gradients_with_dropout(name):
     x = torch.randn(8, 16)
     reference = _grads(copy.deepcopy(model), x)
     checkpointed = copy.deepcopy(model)
-    assert apply_activation_checkpointing(checkpointed, CONFIGS[name])
+    assert apply_activation_checkpointing(checkpointed, CONFIGS[name]).applied
     for got, want in zip(_grads(checkpointed, x), reference, strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=0)  # same ops, same inputs, same RNG
 
@@ -73,9 +74,44 @@ def test_checkpointing_recomputes_the_forward_of_checkpointed_blocks():
     x = torch.randn(8, 32)
     plain = _step_flops(copy.deepcopy(model), x)
     checkpointed = copy.deepcopy(model)
-    names = apply_activation_checkpointing(checkpointed, CheckpointConfig(mode="full"))
+    names = apply_activation_checkpointing(checkpointed, CheckpointConfig(mode="full")).targets
     recompute = len(names) * 2 * 8 * 32 * 32
     assert _step_flops(checkpointed, x) == plain + recompute
+
+
+def _block_forwards(config: TurboConfig) -> dict[str, int]:
+    """How many times each block of an MLP runs its forward during one engine step, counted on
+    the block's Linear (the recompute calls the block's own forward directly, not through
+    ``__call__``, so a hook on the block itself sees only the first run)."""
+    model = MLP(width=16, depth=3)
+    calls = {name: 0 for name, _ in find_blocks(model)}
+
+    def count(name: str, module: nn.Module, args: object) -> None:
+        calls[name] += 1
+
+    for name, block in find_blocks(model):
+        block[0].register_forward_pre_hook(functools.partial(count, name))
+    turbo = Turbo(config)
+    turbo.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    turbo.step(classification_loss, (torch.randn(4, 16), torch.randint(0, 5, (4,))))
+    return calls
+
+
+def test_engine_checkpointed_blocks_run_their_forward_again_in_backward():
+    """Through the engine: each checkpointed block runs twice per step (forward, recompute)."""
+    every_2nd = TurboConfig(device="cpu").replace(
+        checkpointing__mode="selective", checkpointing__every_n=2
+    )
+    assert _block_forwards(every_2nd) == {"blocks.0": 2, "blocks.1": 1, "blocks.2": 2}
+    # Negative control: without checkpointing every block runs once.
+    assert set(_block_forwards(TurboConfig(device="cpu")).values()) == {1}
+
+
+def test_a_config_that_selects_no_block_is_reported_not_applied():
+    result = apply_activation_checkpointing(
+        MLP(), CheckpointConfig(mode="selective", name_pattern="nothing.*")
+    )
+    assert not result.applied and "selected no block" in result.reason
 
 
 def test_checkpointing_reduces_tensors_saved_for_backward():
@@ -164,3 +200,27 @@ def test_batchnorm_statistics_are_updated_once_not_twice():
     broken(x).sum().backward()
     assert int(broken[0][1].num_batches_tracked) == 2
     assert int(checkpointed[0][1].num_batches_tracked) == 1
+
+
+@pytest.mark.slow
+def test_compiled_checkpointed_blocks_match_compiled_blocks_and_count_statistics_once():
+    """torch.compile accepts torchturbo's checkpoint regions (it refuses their eager context_fn):
+    the same gradients and buffers as compiling without checkpointing, bit for bit."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        *[
+            nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU())
+            for _ in range(2)
+        ]
+    )
+    x = torch.randn(8, 4, 8, 8)
+    reference = copy.deepcopy(model)
+    torch.compile(reference)(x).sum().backward()
+    compiled = copy.deepcopy(model)
+    assert apply_activation_checkpointing(compiled, CheckpointConfig(mode="full")).applied
+    torch.compile(compiled)(x).sum().backward()
+    for want, got in zip(reference.parameters(), compiled.parameters(), strict=True):
+        torch.testing.assert_close(got.grad, want.grad, rtol=0, atol=0)
+    for want, got in zip(reference.buffers(), compiled.buffers(), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert int(compiled[0][1].num_batches_tracked) == 1

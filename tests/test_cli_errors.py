@@ -136,15 +136,15 @@ CASES: dict[str, Callable[[Path], tuple[list, str]]] = {
     ),
     "contradictory config": lambda t: (
         [
-            *train(TINY),
+            *["train", TINY, "--steps", "2"],
             "--config",
             toml(
                 t,
-                '[precision]\ndtype = "fp16"\n[compile]\nmode = "reduce-overhead"\n'
+                'device = "cuda"\n[compile]\nmode = "reduce-overhead"\n'
                 '[checkpointing]\nmode = "full"\n[distributed]\nstrategy = "fsdp"\n',
             ),
         ],
-        "3 problems: [compile] mode = 'reduce-overhead' with [checkpointing] mode = 'full'",
+        "2 problems: device = 'cuda' needs CUDA; this machine has no CUDA device; [distributed]",
     ),
     "keep_last zero": lambda t: (
         [*train(TINY), "--config", toml(t, "[reliability]\nkeep_last = 0")],

@@ -1,4 +1,9 @@
-"""torch.compile computes what eager computes (one small model: compiling costs seconds)."""
+"""torch.compile computes what eager computes, really compiles, and reports a failure.
+
+Compiling costs seconds, so the models are tiny and each compile is shared by several checks.
+"Really compiled" is read from dynamo's counters: frames it converted and graphs it captured
+(``torch._dynamo.utils.counters``, what torch's own tests read).
+"""
 
 from __future__ import annotations
 
@@ -7,26 +12,72 @@ import copy
 import pytest
 import torch
 from conftest import MLP
+from torch import nn
 
 from torchturbo import Turbo, TurboConfig
+from torchturbo.techniques.compile import CompileError
 
 
 def _loss(model, batch):
     return torch.nn.functional.cross_entropy(model(batch[0]), batch[1])
 
 
+def _train(model: nn.Module, mode: str, steps: int = 3) -> tuple[list[float], Turbo, dict]:
+    """Losses of ``steps`` engine steps, the engine, and dynamo's counters over them."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    turbo = Turbo(TurboConfig(device="cpu").replace(compile__mode=mode))
+    fresh = copy.deepcopy(model)
+    turbo.setup(fresh, torch.optim.SGD(fresh.parameters(), lr=0.1))
+    x, y = torch.randn(8, 32, generator=torch.Generator().manual_seed(0)), torch.arange(8) % 5
+    losses = [float(turbo.step(_loss, (x, y)).loss) for _ in range(steps)]
+    return losses, turbo, {k: dict(v) for k, v in counters.items()}
+
+
+def _sequential() -> nn.Module:
+    return nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 5))
+
+
 @pytest.mark.slow
-def test_compiled_training_step_matches_eager():
-    model = MLP(width=32)
-    x, y = torch.randn(8, 32), torch.randint(0, 5, (8,))
-    losses = {}
-    for mode in ("off", "default"):
-        turbo = Turbo(TurboConfig(device="cpu").replace(compile__mode=mode))
-        fresh = copy.deepcopy(model)
-        m, _, _ = turbo.setup(fresh, torch.optim.SGD(fresh.parameters(), lr=0.1))
-        losses[mode] = [float(turbo.step(_loss, (x, y)).loss) for _ in range(3)]
-        if mode == "default":
-            assert turbo.applied["compile"] is None
-            assert list(m.state_dict()) == list(model.state_dict())  # no _orig_mod. prefix
+@pytest.mark.parametrize("make", [MLP, _sequential], ids=["custom module", "nn.Sequential"])
+def test_compiled_training_step_matches_eager_and_really_compiled(make):
+    model = make() if make is _sequential else make(width=32)
+    eager, _, eager_counts = _train(model, "off")
+    compiled, turbo, counts = _train(model, "default")
+    assert turbo.applied["compile"] is None
+    assert list(turbo.model.state_dict()) == list(model.state_dict())  # no _orig_mod. prefix
+    # Dynamo converted the forward into a graph and compiled it (with its backward)...
+    assert counts["frames"]["ok"] >= 1 and counts["stats"]["unique_graphs"] >= 1
+    assert counts["aot_autograd"]["ok"] >= 1
+    # ...and only once: the next steps reused it. Negative control: eager converts nothing.
+    assert counts["frames"]["ok"] == counts["frames"]["total"] == 1
+    assert "frames" not in eager_counts
     # Inductor fuses and reorders fp32 reductions: agreement to ~1e-5 relative.
-    torch.testing.assert_close(losses["default"], losses["off"], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
+
+
+class _GraphBreak(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(32, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        torch._dynamo.graph_break()
+        return self.linear(x)
+
+
+@pytest.mark.slow
+def test_a_compile_failure_is_raised_and_reported():
+    """fullgraph = true on a model with a graph break: a CompileError naming the failure, and
+    the report says compile did not apply."""
+    import torch._dynamo
+
+    config = TurboConfig(device="cpu").replace(compile__mode="default", compile__fullgraph=True)
+    turbo = Turbo(config)
+    model = _GraphBreak()
+    turbo.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert turbo.applied["compile"] is None  # compiling is lazy: nothing has failed yet
+    with pytest.raises(CompileError, match="failed while compiling: Unsupported"):
+        turbo.step(_loss, (torch.randn(4, 32), torch.arange(4)))
+    assert turbo.applied["compile"].startswith("failed while compiling: Unsupported")

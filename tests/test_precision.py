@@ -1,13 +1,18 @@
-"""Mixed precision, loss scaling and clipping against fp32 references."""
+"""Mixed precision, loss scaling and clipping against fp32 references; the forward really runs
+in the requested dtype."""
 
 from __future__ import annotations
 
 import copy
+import functools
 
+import pytest
 import torch
 from conftest import ConvNet, classification_loss
 
 from torchturbo import Turbo, TurboConfig
+from torchturbo.config import PrecisionConfig
+from torchturbo.techniques.precision import Precision, float32_matmul_precision
 
 
 def _data(n: int = 32, seed: int = 0):
@@ -75,17 +80,84 @@ def _params_and_grads(model):
     return [(p.detach(), p.grad) for p in model.parameters()]
 
 
-def test_tf32_switch_is_scoped_to_the_engine():
+def _layer_output_dtypes(config: TurboConfig) -> dict[str, torch.dtype]:
+    """The dtype each layer of a ConvNet returns during one engine step."""
+    model = ConvNet()
+    seen: dict[str, torch.dtype] = {}
+
+    def record(name: str, module, args, output) -> None:
+        seen[name] = output.dtype
+
+    for name, module in model.named_modules():
+        if isinstance(module, (torch.nn.Conv2d, torch.nn.Linear)):
+            module.register_forward_hook(functools.partial(record, name))
+    turbo = Turbo(config)
+    turbo.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    turbo.step(classification_loss, _data(8))
+    return seen
+
+
+@pytest.mark.parametrize(("dtype", "expected"), [("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_the_forward_runs_in_the_autocast_dtype(dtype, expected):
+    """Effect, not call: every conv and linear of the step returns ``expected``; fp32 does not."""
+    lowered = _layer_output_dtypes(TurboConfig(device="cpu").replace(precision__dtype=dtype))
+    assert lowered and set(lowered.values()) == {expected}
+    # Negative control: the same step in fp32 keeps every layer in float32.
+    assert set(_layer_output_dtypes(TurboConfig(device="cpu")).values()) == {torch.float32}
+
+
+def test_tf32_is_reported_not_applied_on_cpu_and_leaves_the_switch_alone():
+    """TF32 exists on CUDA tensor cores only: on CPU the engine says so and changes nothing."""
     before = torch.get_float32_matmul_precision()
     turbo = Turbo(TurboConfig(device="cpu").replace(precision__dtype="tf32"))
     model = ConvNet()
     turbo.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    assert torch.get_float32_matmul_precision() == "high"
-    turbo.close()
+    assert "CUDA tensor-core format" in turbo.applied["precision"]
+    turbo.step(classification_loss, _data(8))
     assert torch.get_float32_matmul_precision() == before
+
+
+def test_tf32_scope_sets_and_restores_the_process_switch():
+    """Where TF32 applies (CUDA >= 8.0) a step holds this scope, and only for its span."""
+    before = torch.get_float32_matmul_precision()
+    with float32_matmul_precision(PrecisionConfig(dtype="tf32")):
+        assert torch.get_float32_matmul_precision() == "high"
+    assert torch.get_float32_matmul_precision() == before
+
+
+def test_loss_scale_round_trips_through_the_state_dict():
+    turbo = Turbo(TurboConfig(device="cpu").replace(precision__dtype="fp16"))
+    model = ConvNet()
+    turbo.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = _data()
+    x[0, 0, 0, 0] = float("inf")
+    turbo.step(classification_loss, (x, y))  # the scaler halves its scale on the overflow
+    state = turbo.precision.state_dict()
+    fresh = Precision(turbo.config.precision, torch.device("cpu"))
+    fresh.load_state_dict(state)
+    assert fresh.scaler.get_scale() == turbo.scaler.get_scale() == 2.0**15
 
 
 def test_fp32_has_no_scaler_and_fp16_has_one():
     assert Turbo(TurboConfig(device="cpu")).scaler is None
     assert Turbo(TurboConfig(device="cpu").replace(precision__dtype="bf16")).scaler is None
     assert Turbo(TurboConfig(device="cpu").replace(precision__dtype="fp16")).scaler is not None
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0),
+    reason="needs a CUDA device with TF32 (compute capability >= 8.0)",
+)
+def test_tf32_holds_high_matmul_precision_during_a_cuda_step_only():
+    seen = []
+    model = ConvNet()
+    model.head.register_forward_hook(
+        lambda m, args, out: seen.append(torch.get_float32_matmul_precision())
+    )
+    before = torch.get_float32_matmul_precision()
+    turbo = Turbo(TurboConfig(device="cuda").replace(precision__dtype="tf32"))
+    turbo.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert turbo.applied["precision"] is None
+    turbo.step(classification_loss, _data(8))
+    assert seen == ["high"] and torch.get_float32_matmul_precision() == before

@@ -10,15 +10,14 @@ MFU, memory and loss.
 The CLI's ``bench``, ``benchmarks/techniques.py`` and the tuner all measure through here.
 
 Under torchrun every rank builds the same trials and steps them in the same order (the
-interleaving is deterministic), so their collectives pair up. Each trial's model is wrapped by
-``apply_distributed`` (DDP or FSDP2 per ``[distributed]``), each rank trains on its own seeded
+interleaving is deterministic), so their collectives pair up. Each trial's engine wraps its model
+(DDP or FSDP2 per ``[distributed]``, see ``Turbo.setup``), each rank trains on its own seeded
 batches, throughput counts the samples of all ranks, DDP's gradient traffic is counted per step,
 and the other figures (step time, loss, memory) are rank 0's, which is the rank that reports.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import itertools
@@ -30,15 +29,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
-from torchturbo.config import DataConfig, DistributedConfig, TurboConfig
+from torchturbo.config import DataConfig, TurboConfig
 from torchturbo.data.bucketing import BucketBatchSampler
 from torchturbo.data.collate import pad_collate
 from torchturbo.distributed.comm import CommStats
 from torchturbo.distributed.launch import current_env
-from torchturbo.distributed.setup import apply_distributed
 from torchturbo.engine import Turbo
 from torchturbo.measure.flops import count_step_flops
 from torchturbo.measure.memory import activation_bytes, track_peak_memory
@@ -67,7 +64,7 @@ def fixed_batches(recipe: Recipe, count: int, *, seed: int | None = None) -> lis
     batches = list(itertools.islice(loader, count))
     if not batches:
         raise ValueError(
-            f"recipe {recipe.name!r}: the dataset ({len(recipe.dataset)} samples) holds no full "
+            f"recipe {recipe.name!r}: the dataset ({len(recipe.dataset)} samples) holds no full "  # type: ignore[arg-type]
             f"batch of {recipe.batch_size}"
         )
     return batches
@@ -84,15 +81,9 @@ class Trial:
         distributed = current_env().is_distributed
         #: DDP's gradient traffic, counted when running under torchrun with strategy = "ddp".
         self.comm = CommStats() if distributed and config.distributed.strategy == "ddp" else None
-        try:
-            model, optimizer = recipe.build()
-            self.model, self.optimizer, _ = self.turbo.setup(model, optimizer)
-            # In one process this only notes that a [distributed] section is not used.
-            if distributed or config.distributed != DistributedConfig():
-                self.model = apply_distributed(self.turbo, self.model, stats=self.comm)
-        except BaseException:
-            self.turbo.close()  # restore the process-wide switches (TF32) it set
-            raise
+        model, optimizer = recipe.build()
+        # Under torchrun the engine wraps the model per [distributed] (DDP or FSDP2).
+        self.model, self.optimizer, _ = self.turbo.setup(model, optimizer, comm_stats=self.comm)
         #: Per optimizer window: (micro-steps, bytes, seconds) of gradient communication.
         self.comm_windows: list[tuple[int, int, float]] = []
         self._window_steps = 0
@@ -210,9 +201,10 @@ class Trial:
             return None
         if self._activation_bytes is None:
             batch = self.batches[0]
-            # A DDP forward outside no_sync() expects a backward with its all-reduce to follow.
-            quiet = isinstance(self.model, DistributedDataParallel)
-            with self.model.no_sync() if quiet else contextlib.nullcontext():
+            # As a micro-step that does not close its window: under DDP, no_sync(), since a
+            # forward outside it expects a backward with its all-reduce to follow.
+            assert self.turbo.strategy is not None
+            with self.turbo.strategy.backward_context(closing=False):
                 self._activation_bytes = activation_bytes(
                     lambda: self.turbo.forward(self.recipe.loss_fn, batch)[0], model=self.model
                 )

@@ -35,6 +35,9 @@ from typing import Any
 import torch
 
 MANIFEST = "manifest.json"
+#: Subdirectory of files written by others (``torch.distributed.checkpoint`` shards, one set per
+#: rank): checksummed like the rest, read by their writer rather than decoded here.
+SHARDS = "shards"
 _NAME = re.compile(r"^ckpt-(\d{10})$")
 _FORMAT = 1
 
@@ -43,13 +46,22 @@ class CheckpointError(ValueError):
     """A checkpoint is missing, corrupt or unsafe; the message names the path and the problem."""
 
 
-def write_checkpoint(root: str | Path, step: int, files: Mapping[str, Any], keep_last: int) -> Path:
+def write_checkpoint(
+    root: str | Path,
+    step: int,
+    files: Mapping[str, Any],
+    keep_last: int,
+    *,
+    shards: Path | None = None,
+) -> Path:
     """Write ``files`` (name -> object) as checkpoint ``step`` under ``root``; keep the last K.
 
     Objects of ``.pt`` names go through ``torch.save``, ``.json`` through ``json``, ``.toml``
-    must be text. Returns the checkpoint directory. A write that fails (a full disk, a file
-    size limit) removes its temporary directory and leaves the checkpoints already saved as
-    they were; the :class:`CheckpointError` names the path and the system's reason.
+    must be text. ``shards``, a directory on the same filesystem, is moved in as ``SHARDS/``
+    and its files are checksummed too. Returns the checkpoint directory. A write that fails (a
+    full disk, a file size limit) removes its temporary directory and leaves the checkpoints
+    already saved as they were; the :class:`CheckpointError` names the path and the system's
+    reason.
     """
     root = Path(root)
     final = root / checkpoint_name(step)
@@ -64,6 +76,10 @@ def write_checkpoint(root: str | Path, step: int, files: Mapping[str, Any], keep
         ) from err
     try:
         digests = {name: _write_file(tmp / name, _encode(name, obj)) for name, obj in files.items()}
+        if shards is not None:
+            shards.rename(tmp / SHARDS)
+            for shard in sorted((tmp / SHARDS).iterdir()):
+                digests[f"{SHARDS}/{shard.name}"] = hashlib.sha256(shard.read_bytes()).hexdigest()
         manifest = {"format": _FORMAT, "step": step, "files": digests}
         _write_file(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
         _fsync_dir(tmp)
@@ -113,7 +129,8 @@ def list_checkpoints(root: str | Path) -> list[Path]:
 
 
 def read_checkpoint(path: str | Path) -> dict[str, Any]:
-    """Verify and read one checkpoint directory: ``{file name: object}`` (the manifest excluded)."""
+    """Verify and read one checkpoint directory: ``{file name: object}`` (the manifest excluded;
+    files under ``SHARDS/`` are verified, not returned)."""
     path = Path(path)
     try:
         manifest = json.loads((path / MANIFEST).read_bytes())
@@ -124,11 +141,7 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {str(path)!r} has no readable manifest: {err}") from err
     out: dict[str, Any] = {}
     for name, expected in digests.items():
-        if (
-            not isinstance(name, str)
-            or name in ("", ".", "..", MANIFEST)
-            or Path(name).name != name
-        ):
+        if not _is_member(name):
             # A hand-edited manifest must not make loading read outside the checkpoint.
             raise CheckpointError(
                 f"checkpoint {str(path)!r}: its manifest lists {name!r}, which is not a file "
@@ -144,8 +157,18 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
                 f"checkpoint {str(path)!r}: {name} fails its checksum (SHA-256 {actual[:12]}..., "
                 f"manifest says {str(expected)[:12]}...): the file is truncated or corrupt"
             )
-        out[name] = _decode(path / name, data)
+        if not name.startswith(f"{SHARDS}/"):
+            out[name] = _decode(path / name, data)
     return out
+
+
+def _is_member(name: Any) -> bool:
+    """Whether ``name`` names a file of a checkpoint: a plain file name, or one in ``SHARDS/``."""
+    if not isinstance(name, str):
+        return False
+    folder, _, file = name.rpartition("/")
+    plain = file not in ("", ".", "..", MANIFEST) and Path(file).name == file
+    return plain and folder in ("", SHARDS)
 
 
 def read_latest(root: str | Path) -> tuple[Path, dict[str, Any]]:

@@ -321,7 +321,9 @@ def _parser() -> argparse.ArgumentParser:
             "Train for --steps optimizer steps with the given config, saving an atomic, "
             "checksummed checkpoint every --save-every steps to --checkpoint-dir. --resume "
             "continues from the newest valid checkpoint there (falling back to the previous one "
-            "if the newest is corrupt) and reproduces the uninterrupted run bit for bit."
+            "if the newest is corrupt) and reproduces the uninterrupted run bit for bit. Under "
+            "`torchrun --nproc-per-node N -m torchturbo train ...` every rank trains its share "
+            "of the data as DDP or FSDP per [distributed]; rank 0 writes and prints."
         ),
     )
     _add_target_arguments(train)
@@ -639,6 +641,7 @@ def _run_export(args: argparse.Namespace) -> int:
 
 def _run_train(args: argparse.Namespace) -> int:
     from torchturbo.config import INT64_MAX
+    from torchturbo.distributed import is_main_process, launched, main_print
     from torchturbo.train import train
 
     if not 1 <= args.steps <= INT64_MAX:
@@ -654,7 +657,9 @@ def _run_train(args: argparse.Namespace) -> int:
     config = chosen_config(args)
     if args.activation_budget:
         config = config.replace(reliability__memory_budget_bytes=args.activation_budget)
-    with _train_loggers(args.log_dir) as logger:
+    # Under torchrun every rank trains its share of each batch (the engine wraps the model per
+    # [distributed]); rank 0 writes the checkpoints, the logs and prints.
+    with launched(config.device), _train_loggers(args.log_dir) as logger:
         result = train(
             load_target(args),
             config,
@@ -662,9 +667,11 @@ def _run_train(args: argparse.Namespace) -> int:
             checkpoint_dir=args.checkpoint_dir,
             save_every=args.save_every,
             resume=args.resume,
-            on_event=print,
+            on_event=main_print,
             logger=logger,
         )
+        if not is_main_process():
+            return 0
     loss = "n/a" if result.last_loss is None else f"{result.last_loss:.4f}"
     print(
         f"trained to optimizer step {result.optimizer_steps}, last loss {loss}"

@@ -709,13 +709,6 @@ def check_environment(config: TurboConfig, env: Environment) -> tuple[list[str],
             f"device = {config.device!r} is not on this machine: it has {env.cuda_devices} "
             f"CUDA device(s), cuda:0 to cuda:{env.cuda_devices - 1}"
         )
-    if config.compile.mode != "off" and config.checkpointing.mode != "off":
-        errors.append(
-            f"[compile] mode = {config.compile.mode!r} with [checkpointing] mode = "
-            f"{config.checkpointing.mode!r} is refused by torch.compile (torchturbo's checkpoint "
-            "regions restore BatchNorm statistics through a context_fn, which compiled "
-            "checkpoints do not accept); turn one of them off"
-        )
     on_cpu = config.device == "cpu" or (config.device == "auto" and env.cuda_devices == 0)
     if config.precision.dtype == "fp16" and on_cpu and not env.cpu_fp16:
         warnings.append(

@@ -1,10 +1,13 @@
 """Turbo: compose the configured techniques around a user's model, optimizer and data.
 
-The engine holds no technique logic of its own: each lives in ``techniques/`` as a plain function.
-This module decides the order they are applied in (``_compose``) and runs one training micro-step
-(``step``) with autocast, loss scaling, exact accumulation and clipping. Reliability lives beside
-it: ``oom`` (micro-batching on out-of-memory), ``guard`` (non-finite losses, unreadable batches),
-``resume`` and ``checkpoint`` (``save``/``load``), ``epochs`` (the resumable loader).
+The engine holds no technique logic of its own: each lives in ``techniques/`` as a plain
+function, the order they are applied in is ``compose.compose``, what differs across processes is
+the strategy (``distributed/strategy.py``, chosen from the launch environment), and everything
+precision changes is one :class:`~torchturbo.techniques.precision.Precision`. This module runs
+one training micro-step (``step``) with exact accumulation and clipping, and owns the run's state
+(``state_dict``). Reliability lives beside it: ``oom`` (micro-batching on out-of-memory), ``guard``
+(non-finite losses, unreadable batches), ``resume`` and ``checkpoint`` (``save``/``load``),
+``epochs`` (the resumable loader).
 """
 
 from __future__ import annotations
@@ -20,28 +23,33 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from torchturbo.config import DataConfig, TurboConfig
-from torchturbo.data.bucketing import BucketBatchSampler
-from torchturbo.data.collate import pad_collate
-from torchturbo.data.loader import build_loader, to_device
+from torchturbo.compose import compose
+from torchturbo.config import TurboConfig
+from torchturbo.data.loader import to_device
+from torchturbo.data.training import training_loader
+from torchturbo.distributed.comm import CommStats
+from torchturbo.distributed.launch import init_distributed
+from torchturbo.distributed.select import select_strategy
+from torchturbo.distributed.strategy import Strategy
 from torchturbo.epochs import EpochLoader
 from torchturbo.guard import NonFiniteGuard, call_loss_fn
-from torchturbo.measure.breakdown import NullRecorder
+from torchturbo.measure.breakdown import NullRecorder, Recorder
 from torchturbo.oom import MicroBatcher, leading_size
+from torchturbo.random_state import capture_random_state, restore_random_state
 from torchturbo.resume import load_training_state, save_training_state
-from torchturbo.techniques.accumulation import AccumulationWindow, scale_gradients
-from torchturbo.techniques.checkpointing import apply_activation_checkpointing
-from torchturbo.techniques.compile import apply_compile
-from torchturbo.techniques.float8 import apply_float8_training
-from torchturbo.techniques.memory_format import apply_channels_last
-from torchturbo.techniques.optimizer import rebuild_optimizer
-from torchturbo.techniques.precision import (
-    autocast_context,
-    float32_matmul_precision,
-    make_grad_scaler,
+from torchturbo.techniques.accumulation import (
+    AccumulationWindow,
+    scale_and_clip_gradients,
+    scale_gradients,
 )
+from torchturbo.techniques.backend import cudnn_benchmark
+from torchturbo.techniques.compile import CompileError, compile_failure
+from torchturbo.techniques.optimizer import rebuild_optimizer
+from torchturbo.techniques.precision import Precision
+from torchturbo.techniques.result import TechniqueResult, applied, not_applied
 
 LossOutput = torch.Tensor | tuple[torch.Tensor, int | float | torch.Tensor]
+LossFn = Callable[[nn.Module, Any], LossOutput]
 
 
 @dataclass(frozen=True)
@@ -78,36 +86,36 @@ class Turbo:
     >>> model, optimizer, loader = turbo.setup(model, optimizer, dataset, batch_size=64)
     >>> for batch in loader:
     ...     metrics = turbo.step(loss_fn, batch)
+
+    Under ``torchrun`` the same lines train data-parallel (``[distributed]``): ``setup`` joins
+    the process group, shards the dataset across ranks and wraps the model (DDP or FSDP2).
     """
 
     def __init__(self, config: TurboConfig | None = None) -> None:
         self.config = config or TurboConfig()
         self.device = resolve_device(self.config.device)
-        #: Requested technique -> None when applied, else why it could not apply (for reports).
-        self.applied: dict[str, str | None] = {}
-        #: Swapped for a measure.breakdown.PhaseRecorder to time forward/backward/optimizer.
-        self.recorder: Any = NullRecorder()
-        #: Distributed hook points: ``sync_context(closing)`` wraps each micro-step's backward
-        #: (DDP puts ``no_sync`` there for non-closing ones); ``reduce_count`` turns the local
-        #: sample/token count of a window into the global one.
-        self.sync_context: Callable[[bool], contextlib.AbstractContextManager] = lambda closing: (
-            contextlib.nullcontext()
-        )
-        self.reduce_count: Callable[[torch.Tensor], torch.Tensor] = lambda count: count
+        #: Autocast, loss scaling, TF32 and their state (``techniques/precision.py``).
+        self.precision = Precision(self.config.precision, self.device)
+        #: Times the phases of each step; swap it with :meth:`recording`.
+        self.recorder: Recorder = NullRecorder()
         self.optimizer_steps = 0
         self.skipped_steps = 0
+        #: Set by ``setup``: the model as training runs it (wrapped under torchrun), the
+        #: optimizer, the loader (None for a manual loop) and the strategy.
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
-        self.scaler = make_grad_scaler(self.device, self.config.precision)
-        #: The loader returned by ``setup`` (None for a manual loop): its position is saved.
         self.loader: EpochLoader | None = None
+        self.strategy: Strategy | None = None
         self.microbatcher: MicroBatcher | None = None
         self.guard = NonFiniteGuard(self.config.reliability.nonfinite_patience)
-        self._window = AccumulationWindow(self.config.accumulation.steps)
         #: Loader batches in the open accumulation window (each may run as several pieces).
         self.batches_in_window = 0
-        self._epoch_ending = False
-        self._precision_scope = contextlib.ExitStack()
+        self._window = AccumulationWindow(self.config.accumulation.steps)
+        self._results: dict[str, TechniqueResult] = {}
+        self._notes: dict[str, str] = {}
+        self._channels_last_inputs = False
+
+    # -- setup ------------------------------------------------------------------------------
 
     def setup(
         self,
@@ -122,93 +130,113 @@ class Turbo:
         seed: int | None = None,
         lengths: Sequence[int] | None = None,
         pad_values: Mapping[str, int] | None = None,
-    ) -> tuple[nn.Module, torch.optim.Optimizer, Iterator[Any] | None]:
-        """Move and transform the model, keep the optimizer, and build or wrap the loader.
+        comm_stats: CommStats | None = None,
+        strategy: Strategy | None = None,
+    ) -> tuple[nn.Module, torch.optim.Optimizer, EpochLoader | None]:
+        """Compose the model, keep the optimizer, and build or wrap the loader.
 
         The returned loader marks its last batch so that a trailing partial accumulation window
         is applied rather than lost, and calls ``set_epoch`` on its sampler every epoch.
-        Parameter objects are preserved, so an optimizer built before ``setup`` stays valid.
-        With ``[data] bucketing = true``, ``lengths`` (one per sample) feed a
-        :class:`~torchturbo.data.bucketing.BucketBatchSampler`. Without ``collate_fn``,
-        :func:`~torchturbo.data.collate.pad_collate` pads variable-length fields of dict samples
-        (``pad_values`` per field, e.g. the tokenizer's pad id) and collates the rest as torch's
-        default collate does.
+        Parameter objects are preserved (FSDP re-points the optimizer at its shards), so an
+        optimizer built before ``setup`` stays valid. With ``[data] bucketing = true``,
+        ``lengths`` (one per sample) feed a :class:`~torchturbo.data.bucketing.BucketBatchSampler`.
+        Without ``collate_fn``, :func:`~torchturbo.data.collate.pad_collate` pads
+        variable-length fields of dict samples (``pad_values`` per field, e.g. the tokenizer's
+        pad id) and collates the rest as torch's default collate does. Under torchrun a dataset
+        given with ``batch_size`` is split across ranks (a ``DistributedSampler``); a
+        DataLoader, a ``batch_sampler`` or an ``IterableDataset`` is used as given and must
+        shard itself. ``comm_stats`` counts DDP's gradient bytes and time
+        (``distributed/comm.py``). ``strategy`` overrides the one the config and the launch
+        choose: ``Strategy(config, device, DistEnv())`` trains this model in this process alone
+        inside a torchrun job (a rank-0 reference, an evaluation).
         """
-        self.model = self._compose(model)
+        if self.model is not None:
+            raise RuntimeError("Turbo.setup was already called: build one Turbo per model")
+        env = init_distributed(self.config.device)
+        self.strategy = strategy or select_strategy(self.config, self.device, env)
+        self.model, results = compose(
+            model,
+            optimizer,
+            config=self.config,
+            device=self.device,
+            strategy=self.strategy,
+            reference=self._window_reference,
+            comm_stats=comm_stats,
+        )
+        precision = {} if self.precision.result is None else {"precision": self.precision.result}
+        self._results = {**precision, **results}
         # After the model moved: a fused optimizer's support depends on the parameters' device.
         # A rebuilt optimizer is a new object: callers use the one setup returns.
-        if self.config.optimizer.implementation != "as_built":
-            optimizer, self.applied["optimizer"] = rebuild_optimizer(
-                optimizer, self.config.optimizer.implementation
+        implementation = self.config.optimizer.implementation
+        if implementation != "as_built":
+            optimizer, why_not = rebuild_optimizer(optimizer, implementation)
+            self._results["optimizer"] = (
+                applied("optimizer") if why_not is None else not_applied("optimizer", why_not)
             )
         self.optimizer = optimizer
-        reliability = self.config.reliability
-        self.microbatcher = MicroBatcher(
-            self.model,
-            budget_bytes=reliability.memory_budget_bytes,
-            auto=reliability.auto_microbatch,
-            device=self.device,
-        )
+        self._channels_last_inputs = self._took_effect("channels_last")
+        self.microbatcher = self._microbatcher(self.model)
         if data is None:
             return self.model, optimizer, None
-        if isinstance(data, DataLoader):
-            loader = data
-        else:
-            if self.config.data.bucketing:
-                batch_sampler = _bucket_sampler(self.config.data, lengths, batch_size, seed)
-                batch_size = None
-            # Pads variable-length fields of dict samples; otherwise collates as torch does.
-            collate_fn = collate_fn or functools.partial(
-                pad_collate, pad_to_multiple=self.config.data.pad_to_multiple, pad_values=pad_values
-            )
-            if batch_size is None and batch_sampler is None:
-                raise ValueError("setup() got a dataset: pass batch_size= or batch_sampler=")
-            loader = build_loader(
+        if not isinstance(data, DataLoader):
+            data = training_loader(
                 data,
-                batch_size=batch_size,
                 config=self.config.data,
                 device=self.device,
-                shuffle=shuffle,
+                strategy=self.strategy,
+                batch_size=batch_size,
                 collate_fn=collate_fn,
                 batch_sampler=batch_sampler,
+                shuffle=shuffle,
                 seed=seed,
+                lengths=lengths,
+                pad_values=pad_values,
             )
-        self.loader = EpochLoader(loader, self)
+        self.loader = EpochLoader(data)
         return self.model, optimizer, self.loader
 
-    def _compose(self, model: nn.Module) -> nn.Module:
-        """Apply the model transforms in the one order that is correct. Each step says why."""
-        cfg = self.config
-        self._precision_scope.close()
-        # TF32 is a process-wide switch: hold it for this engine's lifetime, restore on close().
-        self._precision_scope.enter_context(float32_matmul_precision(cfg.precision))
-        torch.backends.cudnn.benchmark = cfg.backend.cudnn_benchmark
-        # 1. Device first: every later transform must see the final parameter storage.
-        model = model.to(self.device)
-        # float8 swaps Linear modules (keeping their parameters) before anything wraps them.
-        if cfg.precision.float8:
-            self.applied["float8"] = apply_float8_training(model, self.device)
-        # 2. Layout before compile, so the compiled graph is traced with NHWC strides.
-        if cfg.memory_format.channels_last:
-            self.applied["channels_last"] = apply_channels_last(model)
-        # 3. Checkpointing before compile: compile must see the checkpoint regions to keep them
-        #    (torch.compile traces through checkpoint and honours its recompute boundaries).
-        self.checkpointed_blocks = apply_activation_checkpointing(model, cfg.checkpointing)
-        if cfg.checkpointing.mode != "off":
-            self.applied["checkpointing"] = (
-                None if self.checkpointed_blocks else "the config selected no block of this model"
-            )
-        # 4. Compile last among single-device transforms; distributed wrapping (DDP/FSDP) goes
-        #    after this point and is added by torchturbo.distributed.
-        if cfg.compile.mode != "off":
-            self.applied["compile"] = apply_compile(model, cfg.compile)
-        if cfg.precision.dtype != "fp32":
-            self.applied["precision"] = None
-        return model
+    def _microbatcher(self, model: nn.Module) -> MicroBatcher:
+        reliability = self.config.reliability
+        assert self.strategy is not None
+        refused = self.strategy.auto_microbatch_off
+        if reliability.auto_microbatch and refused is not None:
+            self._notes["auto_microbatch"] = refused
+        return MicroBatcher(
+            model,
+            budget_bytes=reliability.memory_budget_bytes,
+            auto=reliability.auto_microbatch and refused is None,
+            device=self.device,
+        )
 
-    def close(self) -> None:
-        """Restore process-wide switches (TF32) changed by this engine."""
-        self._precision_scope.close()
+    # -- what was applied ---------------------------------------------------------------------
+
+    @property
+    def applied(self) -> dict[str, str | None]:
+        """Requested technique -> None when it took effect, else why not (for reports)."""
+        report = {name: result.reason for name, result in self._results.items()}
+        return {**report, **self._notes}
+
+    @property
+    def results(self) -> dict[str, TechniqueResult]:
+        """What each technique requested by the config did, as ``setup`` composed them."""
+        return dict(self._results)
+
+    @property
+    def checkpointed_blocks(self) -> list[str]:
+        """Qualified names of the blocks activation checkpointing recomputes."""
+        result = self._results.get("checkpointing")
+        return list(result.targets) if result is not None else []
+
+    @property
+    def scaler(self) -> torch.amp.GradScaler | None:
+        """fp16's GradScaler (``precision.scaler``); None for other dtypes."""
+        return self.precision.scaler
+
+    def _took_effect(self, technique: str) -> bool:
+        result = self._results.get(technique)
+        return result is not None and result.applied
+
+    # -- training -----------------------------------------------------------------------------
 
     @property
     def window_open(self) -> bool:
@@ -218,15 +246,196 @@ class Turbo:
     @property
     def window_reference(self) -> torch.Tensor | None:
         """The open window's count reference (first micro-batch's count x micro-steps): each
-        micro-step's loss is weighted by ``count / reference``. None while no window is open.
-        Distributed wrappers read it to normalize gradients across ranks."""
+        micro-step's loss is weighted by ``count / reference``. None while no window is open."""
         return self._window.reference
+
+    def _window_reference(self) -> torch.Tensor:
+        """The open window's reference, for strategies that read it during backward."""
+        if self._window.reference is None:
+            raise RuntimeError("no accumulation window is open: call turbo.step, not backward")
+        return self._window.reference
+
+    @contextlib.contextmanager
+    def recording(self, recorder: Recorder) -> Iterator[Recorder]:
+        """Time the phases of the steps run inside the block with ``recorder``
+        (``measure.breakdown.PhaseRecorder``); the previous recorder is back afterwards."""
+        previous, self.recorder = self.recorder, recorder
+        try:
+            yield recorder
+        finally:
+            self.recorder = previous
+
+    def step(self, loss_fn: LossFn, batch: Any) -> StepMetrics:
+        """Run one micro-batch: forward, backward, and the optimizer step when a window closes.
+
+        A batch that runs out of memory is retried in smaller pieces (``torchturbo.oom``).
+        """
+        if self.microbatcher is None:
+            raise RuntimeError("call Turbo.setup(model, optimizer, ...) before Turbo.step")
+        last_batch = self.loader is not None and self.loader.at_last_batch
+        closing = self.batches_in_window + 1 >= self._window.micro_steps or last_batch
+        micro_step = functools.partial(self._micro_step, loss_fn)
+        with self.precision.step_context(), cudnn_benchmark(self.config.backend):
+            try:
+                loss, count, pieces = self.microbatcher.run(
+                    batch, micro_step, self._restart, closing
+                )
+            except Exception as err:
+                failure = self._compile_error(err)
+                if failure is None:
+                    raise
+                raise failure from err
+            self.batches_in_window += 1
+            stepped, skipped, grad_norm = False, False, None
+            if closing:
+                skipped, grad_norm = self._optimizer_step()
+                stepped = True
+        return StepMetrics(loss, count, stepped, skipped, grad_norm, pieces)
+
+    def _compile_error(self, error: Exception) -> CompileError | None:
+        """A :class:`CompileError` (recorded in ``applied``) if compiling raised ``error``."""
+        if not self._took_effect("compile"):
+            return None
+        failure = compile_failure(error)
+        if failure is None or failure.reason is None:
+            return None
+        self._results["compile"] = failure
+        return CompileError(f"torch.compile {failure.reason}; [compile] mode = 'off' runs eager")
+
+    def _micro_step(
+        self, loss_fn: LossFn, batch: Any, closing: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self.strategy is not None
+        with self.strategy.backward_context(closing):
+            with self.recorder.phase("forward"):
+                loss, count = self.forward(loss_fn, batch)
+            with self.recorder.phase("backward"):
+                self.guard.observe(loss, functools.partial(self.forward, loss_fn, batch), batch)
+                weighted = loss.float() * self._window.weight(count)
+                self.precision.scale_loss(weighted).backward()
+        return loss.detach(), count
+
+    def _restart(self) -> None:
+        """Drop the open window's gradients so that it can be replayed (after out-of-memory)."""
+        assert self.optimizer is not None
+        self.optimizer.zero_grad(set_to_none=True)
+        self._window.reset()
+        self.guard.forget_window()
+
+    def forward(self, loss_fn: LossFn, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """The forward half of a step: batch to the device, autocast, (mean loss, count)."""
+        if self.model is None:
+            raise RuntimeError("call Turbo.setup(model, optimizer, ...) before Turbo.forward")
+        batch = to_device(
+            batch,
+            self.device,
+            non_blocking=self.config.data.non_blocking,
+            channels_last=self._channels_last_inputs,
+        )
+        with self.precision.step_context(), self.precision.forward_context():
+            return _split_loss(call_loss_fn(loss_fn, self.model, batch), batch, self.device)
+
+    def flush(self) -> bool:
+        """Apply a partial accumulation window left open at the end of a manual loop.
+
+        Loaders returned by ``setup`` do this on their own. Returns whether a step was taken.
+        """
+        if self._window.seen == 0:
+            return False
+        with self.precision.step_context():
+            self._optimizer_step()
+        return True
+
+    def _optimizer_step(self) -> tuple[bool, torch.Tensor | None]:
+        assert self.model is not None and self.optimizer is not None
+        assert self.strategy is not None and self.microbatcher is not None
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        with self.recorder.phase("optimizer"):
+            self.precision.unscale_gradients(self.optimizer)  # clipping must see true gradients
+            total = self.strategy.reduce_count(self._window.total)  # type: ignore[arg-type]
+            correction = self._window.correction(total)
+            grad_norm, clip = None, self.config.clipping
+            if clip.max_norm is not None:
+                grad_norm = scale_and_clip_gradients(
+                    params, correction, clip.max_norm, clip.norm_type
+                )
+            elif not self._unit_correction():
+                scale_gradients(params, correction)
+            # Without a scaler the guard skips a non-finite step rather than write NaN weights.
+            check = self.precision.scaler is None
+            nonfinite = self.guard.window_nonfinite(params, grad_norm, check)
+            skipped = self.precision.optimizer_step(self.optimizer, finite=not nonfinite)
+            self.optimizer.zero_grad(set_to_none=True)
+        self._window.reset()
+        self.batches_in_window = 0
+        self.microbatcher.window_closed()
+        self.optimizer_steps += 1
+        self.skipped_steps += int(skipped)
+        self.guard.raise_if_exhausted(self.model, self.optimizer_steps)
+        return skipped, grad_norm
+
+    def _unit_correction(self) -> bool:
+        """Whether the window's correction is exactly 1, known without reading it: one batch
+        per window, run whole, in one process (reference and total are the same count)."""
+        assert self.strategy is not None and self.microbatcher is not None
+        one_piece = self._window.micro_steps == 1 and self.microbatcher.split == 1
+        return one_piece and not self.strategy.env.is_distributed
+
+    # -- state --------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue this run exactly, taken between windows: model and
+        optimizer state (sharded under FSDP), the loss scale, the counters, the micro-batch
+        split, the loader's position and this process's random state. As with torch's own
+        ``state_dict``, tensors are the live ones: save or copy it before training on."""
+        if self.model is None or self.optimizer is None or self.strategy is None:
+            raise RuntimeError("call Turbo.setup(model, optimizer, ...) before Turbo.state_dict")
+        if self.window_open:
+            raise RuntimeError(
+                f"Turbo.state_dict inside an accumulation window ({self.batches_in_window} "
+                "micro-batches pending): take it right after a step that says optimizer_stepped"
+            )
+        assert self.microbatcher is not None
+        model_state, optimizer_state = self.strategy.state_dicts(self.model, self.optimizer)
+        return {
+            "model": model_state,
+            "optimizer": optimizer_state,
+            "precision": self.precision.state_dict(),
+            "optimizer_steps": self.optimizer_steps,
+            "skipped_steps": self.skipped_steps,
+            "micro_batch_split": self.microbatcher.split,
+            "loader": self.loader.position() if self.loader is not None else None,
+            "random": capture_random_state(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from what :meth:`state_dict` returned. The loader returned by ``setup``
+        resumes at the saved position, and the random state is put back once it has skipped
+        the batches already trained (skipping may draw random numbers)."""
+        if self.model is None or self.optimizer is None or self.strategy is None:
+            raise RuntimeError("call Turbo.setup(model, optimizer, ...) before load_state_dict")
+        assert self.microbatcher is not None
+        self.strategy.load_state_dicts(
+            self.model, self.optimizer, state["model"], state["optimizer"]
+        )
+        self.precision.load_state_dict(state["precision"])
+        self.optimizer_steps = state["optimizer_steps"]
+        self.skipped_steps = state["skipped_steps"]
+        self.microbatcher.split = state["micro_batch_split"]
+        random_state = state.get("random")
+        after = None
+        if random_state is not None:
+            restore_random_state(random_state)
+            after = functools.partial(restore_random_state, random_state)
+        if state.get("loader") is not None and self.loader is not None:
+            self.loader.resume(state["loader"], after=after)
 
     def save(self, directory: str | Path, *, scheduler: Any = None) -> Path:
         """Checkpoint the run atomically under ``directory`` (see ``torchturbo.resume``).
 
-        Call it right after a step whose metrics say ``optimizer_stepped``; returns the
-        checkpoint's own directory. Keeps the newest ``[reliability] keep_last``.
+        Call it right after a step whose metrics say ``optimizer_stepped``, on every rank under
+        torchrun; returns the checkpoint's own directory. Keeps the newest ``[reliability]
+        keep_last``.
         """
         return save_training_state(self, directory, scheduler)
 
@@ -237,100 +446,9 @@ class Turbo:
         """
         return load_training_state(self, directory, scheduler)
 
-    def step(self, loss_fn: Callable[[nn.Module, Any], LossOutput], batch: Any) -> StepMetrics:
-        """Run one micro-batch: forward, backward, and the optimizer step when a window closes.
-
-        A batch that runs out of memory is retried in smaller pieces (``torchturbo.oom``).
-        """
-        if self.model is None or self.optimizer is None or self.microbatcher is None:
-            raise RuntimeError("call Turbo.setup(model, optimizer, ...) before Turbo.step")
-        closing = self.batches_in_window + 1 >= self._window.micro_steps or self._epoch_ending
-        micro_step = functools.partial(self._micro_step, loss_fn)
-        loss, count, pieces = self.microbatcher.run(batch, micro_step, self._restart, closing)
-        self.batches_in_window += 1
-        stepped, skipped, grad_norm = False, False, None
-        if closing:
-            skipped, grad_norm = self._optimizer_step()
-            stepped = True
-        return StepMetrics(loss, count, stepped, skipped, grad_norm, pieces)
-
-    def _micro_step(
-        self, loss_fn: Callable[[nn.Module, Any], LossOutput], batch: Any, closing: bool
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        with self.sync_context(closing):
-            with self.recorder.phase("forward"):
-                loss, count = self.forward(loss_fn, batch)
-            with self.recorder.phase("backward"):
-                self.guard.observe(loss, functools.partial(self.forward, loss_fn, batch), batch)
-                weighted = loss.float() * self._window.weight(count)
-                if self.scaler is not None:
-                    weighted = self.scaler.scale(weighted)
-                weighted.backward()
-        return loss.detach(), count
-
-    def _restart(self) -> None:
-        """Drop the open window's gradients so that it can be replayed (after out-of-memory)."""
-        assert self.optimizer is not None
-        self.optimizer.zero_grad(set_to_none=True)
-        self._window.reset()
-        self.guard.forget_window()
-
-    def forward(
-        self, loss_fn: Callable[[nn.Module, Any], LossOutput], batch: Any
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The forward half of a step: batch to the device, autocast, (mean loss, count)."""
-        if self.model is None:
-            raise RuntimeError("call Turbo.setup(model, optimizer, ...) before Turbo.forward")
-        batch = to_device(
-            batch,
-            self.device,
-            non_blocking=self.config.data.non_blocking,
-            channels_last=self.applied.get("channels_last", "not requested") is None,
-        )
-        with autocast_context(self.device, self.config.precision):
-            return _split_loss(call_loss_fn(loss_fn, self.model, batch), batch, self.device)
-
-    def flush(self) -> bool:
-        """Apply a partial accumulation window left open at the end of a manual loop.
-
-        Loaders returned by ``setup`` do this on their own. Returns whether a step was taken.
-        """
-        if self._window.seen == 0:
-            return False
-        self._optimizer_step()
-        return True
-
-    def _optimizer_step(self) -> tuple[bool, torch.Tensor | None]:
-        assert self.model is not None and self.optimizer is not None
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        with self.recorder.phase("optimizer"):
-            if self.scaler is not None:
-                self.scaler.unscale_(self.optimizer)  # clipping must see true gradients
-            total = self.reduce_count(self._window.total)
-            scale_gradients(params, self._window.correction(total))
-            grad_norm = None
-            clip = self.config.clipping
-            if clip.max_norm is not None:
-                grad_norm = torch.nn.utils.clip_grad_norm_(params, clip.max_norm, clip.norm_type)
-            # Without a scaler the guard skips a non-finite step rather than write NaN weights.
-            skipped = self.guard.window_nonfinite(params, grad_norm, self.scaler is None)
-            if self.scaler is not None:
-                scale_before = self.scaler.get_scale()
-                if not skipped:  # the guard also sees what clipping did after unscale_
-                    self.scaler.step(self.optimizer)
-                self.scaler.update()
-                # GradScaler lowers its scale exactly when it skipped the step for inf/NaN.
-                skipped = skipped or self.scaler.get_scale() < scale_before
-            elif not skipped:
-                self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-        self._window.reset()
-        self.batches_in_window = 0
-        self.microbatcher.window_closed()
-        self.optimizer_steps += 1
-        self.skipped_steps += int(skipped)
-        self.guard.raise_if_exhausted(self.model, self.optimizer_steps)
-        return skipped, grad_norm
+    def close(self) -> None:
+        """Nothing to release any more: the process-wide switches (TF32, cuDNN autotuning) are
+        held only while a step runs. Kept so that code written for earlier versions runs."""
 
 
 def _split_loss(
@@ -349,24 +467,3 @@ def _split_loss(
         raise ValueError(f"loss_fn must return a scalar tensor as the loss, got {loss!r}")
     count = torch.as_tensor(count, dtype=torch.float32, device=device)
     return loss, count
-
-
-def _bucket_sampler(
-    config: DataConfig, lengths: Sequence[int] | None, batch_size: int | None, seed: int | None
-) -> BucketBatchSampler:
-    """The length-bucketing batch sampler that ``[data] bucketing = true`` asks for."""
-    if lengths is None:
-        raise ValueError(
-            "[data] bucketing = true needs per-sample lengths: pass setup(..., lengths=[...])"
-        )
-    max_tokens = config.max_tokens
-    if max_tokens is None:
-        if batch_size is None:
-            raise ValueError(
-                "[data] bucketing = true without max_tokens needs batch_size= to derive the "
-                "token budget (batch_size x mean length)"
-            )
-        max_tokens = max(round(batch_size * sum(lengths) / len(lengths)), max(lengths))
-    return BucketBatchSampler(
-        lengths, max_tokens=max_tokens, pad_to_multiple=config.pad_to_multiple, seed=seed or 0
-    )

@@ -1,9 +1,10 @@
 """The loader that ``Turbo.setup`` returns: epochs, the last-batch signal, and a resumable position.
 
-It iterates the DataLoader one batch ahead so that the engine knows when the epoch's last batch
-comes (without that a trailing partial accumulation window is silently lost, and under DDP its
-gradients would never be all-reduced), calls ``set_epoch`` on the sampler, and counts the batches
-handed to the training loop, so that a checkpoint can say where in the epoch training stood.
+It iterates the DataLoader one batch ahead so that it knows when the epoch's last batch comes and
+says so (:attr:`EpochLoader.at_last_batch`, which the engine reads to close its accumulation
+window: without that a trailing partial window is silently lost, and under DDP its gradients
+would never be all-reduced), calls ``set_epoch`` on the sampler, and counts the batches handed
+to the training loop, so that a checkpoint can say where in the epoch training stood.
 
 Resuming mid-epoch replays the epoch's shuffle rather than storing it: the loader's random state
 (its ``generator``, or the global torch RNG when it has none) is captured when each epoch starts,
@@ -42,20 +43,26 @@ class LoaderPosition:
 class EpochLoader:
     """Iterate ``loader`` epoch after epoch, one batch ahead, keeping a resumable position."""
 
-    def __init__(self, loader: DataLoader, turbo: Any) -> None:
+    def __init__(self, loader: DataLoader) -> None:
         self.loader = loader
         #: The epoch the next ``iter()`` starts (the one in progress is ``epoch - 1``).
         self.epoch = 0
         #: Batches of the epoch in progress handed to the training loop so far.
         self.batches = 0
         self._in_epoch = False
-        self._turbo = turbo
+        self._at_last_batch = False
         self._start_state = self._random_state()
         self._resume: LoaderPosition | None = None
         self._after_resume: Any = None
 
     def __len__(self) -> int:
         return len(self.loader)
+
+    @property
+    def at_last_batch(self) -> bool:
+        """True while the batch last handed out is the epoch's last: the signal that the
+        accumulation window closes with it (read by ``Turbo.step``)."""
+        return self._at_last_batch
 
     def position(self) -> LoaderPosition:
         """The position to save: mid-epoch, or the start of the next epoch once one is done."""
@@ -111,12 +118,12 @@ class EpochLoader:
             self.batches += 1
             yield current
             current = upcoming
-        self._turbo._epoch_ending = True
+        self._at_last_batch = True
         self.batches += 1
         try:
             yield current
         finally:
-            self._turbo._epoch_ending = False
+            self._at_last_batch = False
         self._in_epoch = False
 
     def _epoch_done(self) -> bool:
@@ -126,7 +133,11 @@ class EpochLoader:
             return False
 
     def _sampler(self) -> Any:
-        for sampler in (self.loader.batch_sampler, self.loader.sampler):
+        # A BatchSampler around a DistributedSampler (what Turbo.setup builds under torchrun)
+        # has no set_epoch of its own: its inner sampler does.
+        batch_sampler = self.loader.batch_sampler
+        inner = getattr(batch_sampler, "sampler", None)
+        for sampler in (batch_sampler, inner, self.loader.sampler):
             if hasattr(sampler, "set_epoch"):
                 return sampler
         return None

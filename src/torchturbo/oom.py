@@ -28,13 +28,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
 from torchturbo.guard import describe_batch
+from torchturbo.nested import iter_tensors, map_tensors
 
 log = logging.getLogger("torchturbo")
 
@@ -61,7 +62,13 @@ class MicroBatcher:
         self.micro_batch_size: int | None = None
         #: One line per change of ``split``, for reports.
         self.events: list[str] = []
-        self._params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        # Parameter storages are not activations: the budget leaves them out. Read only with a
+        # budget (never under torchrun, where FSDP's sharded parameters have no plain storage).
+        self._params = (
+            {p.untyped_storage().data_ptr() for p in model.parameters()}
+            if budget_bytes is not None
+            else set()
+        )
         self._window: list[Any] = []
 
     def run(
@@ -159,14 +166,11 @@ class MicroBatcher:
 
 
 def leading_size(batch: Any) -> int:
-    """Samples in a batch: the leading size of its first tensor with at least one dimension."""
-    if isinstance(batch, torch.Tensor) and batch.dim() > 0:
-        return batch.shape[0]
-    items = batch.values() if isinstance(batch, Mapping) else batch
-    if isinstance(items, (list, tuple)) or isinstance(batch, Mapping):
-        for item in items:
-            if isinstance(item, torch.Tensor) and item.dim() > 0:
-                return item.shape[0]
+    """Samples in a batch: the leading size of its first tensor with at least one dimension
+    (in the order :func:`torchturbo.nested.iter_tensors` visits them)."""
+    for tensor in iter_tensors(batch):
+        if tensor.dim() > 0:
+            return tensor.shape[0]
     raise ValueError(
         f"cannot tell how many samples a batch of structure {describe_batch(batch)} holds: "
         "return (loss, count) from loss_fn"
@@ -184,22 +188,19 @@ def split_batch(batch: Any, pieces: int) -> list[Any]:
     except ValueError as err:
         raise MemoryBudgetError(f"out of memory, and the batch cannot be split: {err}") from None
     count = min(pieces, size)
+    parts: dict[int, tuple[torch.Tensor, ...]] = {}  # id -> pieces: each tensor is cut once
 
-    def cut(obj: Any) -> list[Any]:
-        if isinstance(obj, torch.Tensor) and obj.dim() > 0 and obj.shape[0] == size:
-            return list(torch.tensor_split(obj, count))
-        if isinstance(obj, Mapping):
-            parts = {k: cut(v) for k, v in obj.items()}
-            return [type(obj)({k: v[i] for k, v in parts.items()}) for i in range(count)]
-        if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
-            columns = [cut(v) for v in obj]
-            return [type(obj)(*(c[i] for c in columns)) for i in range(count)]
-        if isinstance(obj, (list, tuple)):
-            columns = [cut(v) for v in obj]
-            return [type(obj)(c[i] for c in columns) for i in range(count)]
-        return [obj] * count
+    def piece(index: int) -> Any:
+        def cut(tensor: torch.Tensor) -> torch.Tensor:
+            if tensor.dim() == 0 or tensor.shape[0] != size:
+                return tensor
+            if id(tensor) not in parts:
+                parts[id(tensor)] = torch.tensor_split(tensor, count)
+            return parts[id(tensor)][index]
 
-    return cut(batch)
+        return map_tensors(cut, batch)
+
+    return [piece(index) for index in range(count)]
 
 
 def _largest(pieces: list[Any]) -> int | None:

@@ -19,11 +19,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchturbo.checkpoint import CheckpointError
+from torchturbo.checkpoint import SHARDS, CheckpointError
 
-#: The files every checkpoint of ``torchturbo.resume`` holds.
-REQUIRED_FILES = ("model.pt", "optimizer.pt", "rng.pt", "state.json", "config.toml")
-STATE_VERSION = 1
+#: The files every checkpoint of ``torchturbo.resume`` holds; ``WHOLE_STATE`` too unless the
+#: model and optimizer are sharded (FSDP, in ``SHARDS/``, checked by torch.distributed.checkpoint).
+REQUIRED_FILES = ("rng.pt", "state.json", "config.toml")
+WHOLE_STATE = ("model.pt", "optimizer.pt")
+#: 2: each rank's numpy and Python random state in ``random.json`` (1 kept rank 0's in
+#: ``state.json``), the loss scale in ``precision.pt`` (1: ``scaler.pt``); 1 still loads.
+STATE_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 _MT_KEYS = 624  # words of a Mersenne Twister state (numpy and Python ``random``)
 _INT64_MAX = 2**63 - 1
 _STEP_IN_NAME = re.compile(r"ckpt-(\d+)$")
@@ -34,12 +39,18 @@ def check_resumable(
 ) -> None:
     """Raise one :class:`CheckpointError` listing every way checkpoint ``path`` (its ``files``)
     does not fit ``model``, ``optimizer`` and ``loader`` (None for a manual loop)."""
-    problems = missing_files(files)
+    sharded = (path / SHARDS).is_dir()
+    problems = missing_files(files, sharded=sharded)
     if not problems:
         state = files["state.json"]
         problems = state_problems(state, _length(loader), path)
-        problems += model_problems(files["model.pt"], model)
-        problems += optimizer_problems(files["optimizer.pt"], optimizer, state)
+        plain_random = files.get("random.json", state)  # version 1 kept it in state.json
+        if isinstance(plain_random, dict):
+            python, numpy = plain_random.get("python"), plain_random.get("numpy")
+            problems += _python_random_problems(python, numpy)
+        if not sharded:
+            problems += model_problems(files["model.pt"], model)
+            problems += optimizer_problems(files["optimizer.pt"], optimizer, state)
         problems += random_state_problems(files["rng.pt"])
     if problems:
         count = f"{len(problems)} problems: " if len(problems) > 1 else ""
@@ -56,13 +67,14 @@ def check_steps(requested: int, saved: int, path: Path) -> None:
         )
 
 
-def missing_files(files: Mapping[str, Any]) -> list[str]:
-    missing = [name for name in REQUIRED_FILES if name not in files]
+def missing_files(files: Mapping[str, Any], *, sharded: bool = False) -> list[str]:
+    required = REQUIRED_FILES if sharded else (*WHOLE_STATE, *REQUIRED_FILES)
+    missing = [name for name in required if name not in files]
     if not missing:
         return []
     return [
         f"its manifest lists no {', '.join(missing)} (it lists {sorted(files)}): a checkpoint "
-        f"holds {', '.join(REQUIRED_FILES)}"
+        f"holds {', '.join(required)}"
     ]
 
 
@@ -71,12 +83,14 @@ def state_problems(state: Any, batches_per_epoch: int | None, path: Path) -> lis
     if not isinstance(state, dict):
         return [f"state.json holds {type(state).__name__}, expected a JSON object"]
     problems = []
-    if state.get("version") != STATE_VERSION:
-        problems.append(f"state.json version = {state.get('version')!r}, expected {STATE_VERSION}")
+    if state.get("version") not in READABLE_VERSIONS:
+        problems.append(
+            f"state.json version = {state.get('version')!r}, expected one of {READABLE_VERSIONS}"
+        )
     steps = state.get("optimizer_steps")
     for name, low, high in (
         ("optimizer_steps", 0, _INT64_MAX),
-        ("skipped_steps", 0, steps if _is_int(steps) else _INT64_MAX),
+        ("skipped_steps", 0, steps if isinstance(steps, int) else _INT64_MAX),
         ("micro_batch_split", 1, 2**20),
     ):
         if not _in_range(state.get(name), low, high):
@@ -91,7 +105,6 @@ def state_problems(state: Any, batches_per_epoch: int | None, path: Path) -> lis
             f"{int(named[1])}"
         )
     problems += _loader_problems(state.get("loader"), batches_per_epoch)
-    problems += _python_random_problems(state.get("python"), state.get("numpy"))
     return problems
 
 
@@ -198,7 +211,7 @@ def _python_random_problems(python: Any, numpy: Any) -> list[str]:
         and all(map(_is_int, internal))
         and (python[2] is None or isinstance(python[2], float))
     ):
-        problems.append("state.json python is not a random.getstate() of Python's generator")
+        problems.append("the saved python state is not a random.getstate() of Python's generator")
     if not (
         isinstance(numpy, list)
         and len(numpy) == 3
@@ -206,7 +219,7 @@ def _python_random_problems(python: Any, numpy: Any) -> list[str]:
         and numpy[1] in (0, 1)
         and isinstance(numpy[2], (int, float))
     ):
-        problems.append("state.json numpy is not the tail of a numpy.random.get_state()")
+        problems.append("the saved numpy state is not the tail of a numpy.random.get_state()")
     return problems
 
 

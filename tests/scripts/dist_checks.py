@@ -21,18 +21,21 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchturbo.bench import Trial, fixed_batches
+from torchturbo.checkpoint import read_checkpoint
 from torchturbo.config import AccumulationConfig, DataConfig, DistributedConfig, TurboConfig
 from torchturbo.data.collate import IGNORE_INDEX
 from torchturbo.distributed import (
     CommStats,
-    apply_distributed,
+    DDPStrategy,
     build_pipeline,
+    current_env,
     init_distributed,
     main_print,
     pipeline,
     shutdown,
     wrap_ddp,
 )
+from torchturbo.distributed.ddp import parameter_digest
 from torchturbo.engine import Turbo
 from torchturbo.recipe import Recipe
 from torchturbo.tune.search import TuneOptions, tune
@@ -72,8 +75,9 @@ def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch
     return ((model(x) - y) ** 2).sum(-1).mean()
 
 
-def reference_params(world_size: int) -> list[torch.Tensor]:
-    """One process, SGD on the union of all ranks' micro-batches of each window, global mean."""
+def reference_params(world_size: int, max_norm: float | None = None) -> list[torch.Tensor]:
+    """One process, SGD on the union of all ranks' micro-batches of each window, global mean
+    (gradients clipped to ``max_norm`` when given)."""
     model = tiny_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     per_rank = [micro_batches(r) for r in range(world_size)]
@@ -83,6 +87,8 @@ def reference_params(world_size: int) -> list[torch.Tensor]:
         y = torch.cat([b[1] for b in chosen])
         optimizer.zero_grad()
         ((model(x) - y) ** 2).sum(-1).mean().backward()
+        if max_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         optimizer.step()
     return [p.detach().clone() for p in model.parameters()]
 
@@ -106,25 +112,35 @@ def differs_across_ranks(tensors: list[torch.Tensor]) -> bool:
     return not torch.equal(gathered[0], gathered[1])
 
 
-def engine_run(config: TurboConfig, *, mode: str = "turbo") -> dict:
-    """Train 2 windows with the engine under 2 processes.
+class _EveryMicroStep(DDPStrategy):
+    """Negative control: all-reduce every micro-step (no ``no_sync``)."""
 
-    mode: ``turbo`` = apply_distributed; ``no_no_sync`` = the same but all-reducing every
-    micro-step; ``local`` = plain DDP averaging each rank's locally normalized gradients.
-    """
+    def backward_context(self, closing: bool) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+
+class _LocalMeans(DDPStrategy):
+    """Negative control: plain DDP averaging each rank's locally normalized gradients (no
+    pre-scale, no global count)."""
+
+    def wrap(self, model, optimizer, reference, comm_stats):
+        self._ddp = wrap_ddp(model, self.config.distributed, self.device, stats=comm_stats)
+        return self._ddp
+
+    def reduce_count(self, total: torch.Tensor) -> torch.Tensor:
+        return total
+
+
+def engine_run(config: TurboConfig, *, strategy: type | None = None) -> dict:
+    """Train 2 windows with the engine under 2 processes; ``strategy`` replaces the one
+    ``[distributed] strategy`` names (the negative controls above)."""
     rank = dist.get_rank()
     turbo = Turbo(config)
     model = tiny_model()
-    model, _optimizer, _ = turbo.setup(model, torch.optim.SGD(model.parameters(), lr=0.5))
     stats = CommStats() if config.distributed.strategy == "ddp" else None
-    if mode == "local":
-        ddp = wrap_ddp(model, config.distributed, turbo.device, stats=stats)
-        turbo.model = ddp
-        turbo.sync_context = lambda closing: contextlib.nullcontext() if closing else ddp.no_sync()
-    else:
-        apply_distributed(turbo, model, stats=stats)
-    if mode == "no_no_sync":
-        turbo.sync_context = lambda closing: contextlib.nullcontext()
+    chosen = None if strategy is None else strategy(config, turbo.device, current_env())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    turbo.setup(model, optimizer, comm_stats=stats, strategy=chosen)
     first_grads_differ = None
     for index, batch in enumerate(micro_batches(rank)):
         turbo.step(loss_fn, batch)
@@ -145,10 +161,18 @@ def check_accumulation(world_size: int) -> dict:
     reference = reference_params(world_size)
     base = TurboConfig(device="cpu", accumulation=AccumulationConfig(steps=MICRO_STEPS))
     exact = engine_run(base)
-    local = engine_run(base, mode="local")
-    every_step = engine_run(base, mode="no_no_sync")
+    local = engine_run(base, strategy=_LocalMeans)
+    every_step = engine_run(base, strategy=_EveryMicroStep)
     fsdp = engine_run(base.replace(distributed__strategy="fsdp"))
+    # Clipping at a norm far below the gradients' (~3): it must clip the global gradient.
+    clipped = reference_params(world_size, max_norm=0.05)
+    clip = base.replace(clipping__max_norm=0.05)
     return {
+        "err_clipped_ddp": max_error(engine_run(clip)["params"], clipped),
+        "err_clipped_fsdp": max_error(
+            engine_run(clip.replace(distributed__strategy="fsdp"))["params"], clipped
+        ),
+        "clipping_changed_result": max_error(clipped, reference_params(world_size)) > 1e-3,
         "grad_scale": max(float(p.abs().max()) for p in reference),
         "err_exact": max_error(exact["params"], reference),
         "err_local": max_error(local["params"], reference),
@@ -262,8 +286,7 @@ def check_flush_guard() -> str | None:
     """Turbo.flush() after a no_sync micro-step must fail loudly, not step on local gradients."""
     turbo = Turbo(TurboConfig(device="cpu", accumulation=AccumulationConfig(steps=2)))
     model = tiny_model()
-    model, _optimizer, _ = turbo.setup(model, torch.optim.SGD(model.parameters(), lr=0.5))
-    apply_distributed(turbo, model)
+    turbo.setup(model, torch.optim.SGD(model.parameters(), lr=0.5))
     turbo.step(loss_fn, micro_batches(dist.get_rank())[0])
     try:
         turbo.flush()
@@ -291,7 +314,6 @@ def check_bucketed_epoch() -> dict:
     model = nn.Sequential(nn.Embedding(32, 16), nn.Linear(16, 32))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     model, optimizer, loader = turbo.setup(model, optimizer, samples, lengths=lengths, seed=0)
-    apply_distributed(turbo, model)
 
     def token_loss(model: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         logits = model(batch["tokens"])
@@ -369,21 +391,71 @@ def check_trial_comm() -> dict:
 def check_ranks_kept_in_step() -> dict:
     """Per-rank micro-batch splitting is refused (a budget) or switched off (OOM retries)."""
     budget = Turbo(TurboConfig(device="cpu").replace(reliability__memory_budget_bytes=10**6))
-    budget.setup(tiny_model(), torch.optim.SGD(tiny_model().parameters(), lr=0.1))
     try:
-        apply_distributed(budget, budget.model)
+        budget.setup(tiny_model(), torch.optim.SGD(tiny_model().parameters(), lr=0.1))
         budget_error = None
     except ValueError as err:
         budget_error = str(err)
     plain = Turbo(TurboConfig(device="cpu"))
     model = tiny_model()
     plain.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    apply_distributed(plain, plain.model)
     return {
         "budget_error": budget_error,
         "auto_microbatch": plain.microbatcher.auto,
         "note": plain.applied.get("auto_microbatch"),
+        "distributed": plain.applied.get("distributed", "missing"),
     }
+
+
+def dropout_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Dropout(0.3), nn.Linear(16, 4))
+
+
+def resume_run(config: TurboConfig, directory: Path, *, load: bool) -> tuple[Turbo, list]:
+    """Windows 1-2 then (saving after them) 3-4 of this rank's batches; with ``load``, a fresh
+    engine that loads the checkpoint and trains windows 3-4 only."""
+    rank = dist.get_rank()
+    batches = [b for _ in range(2) for b in micro_batches(rank)]  # 8 micro-batches, 4 windows
+    turbo = Turbo(config)
+    model = dropout_model()
+    turbo.setup(model, torch.optim.Adam(model.parameters(), lr=0.01))
+    if load:
+        turbo.load(directory)
+    for index, batch in enumerate(batches[4:] if load else batches):
+        turbo.step(loss_fn, batch)
+        if not load and index == 3:
+            turbo.save(directory)
+    return turbo, full_params(turbo.model)
+
+
+def check_resume(strategy: str, out_dir: Path) -> dict:
+    """A checkpoint of a DDP or FSDP run, resumed by fresh engines, continues bit-exactly:
+    every rank's random state travels (the model has dropout), FSDP's shards too."""
+    config = TurboConfig(device="cpu").replace(
+        accumulation__steps=MICRO_STEPS, distributed__strategy=strategy
+    )
+    directory = out_dir / f"resume-{strategy}"
+    _, expected = resume_run(config, directory, load=False)
+    resumed, got = resume_run(config, directory, load=True)
+    path = directory / "ckpt-0000000002"
+    files = read_checkpoint(path) if dist.get_rank() == 0 else {}
+    dist.barrier()
+    result = {
+        "err": max_error(got, expected),
+        "steps": resumed.optimizer_steps,
+        "files": sorted(files),
+        "shards": sorted(p.name for p in (path / "shards").glob("*")),
+    }
+    if files:
+        result["rng_differs"] = not torch.equal(
+            files["rng.pt"]["torch"], files["rng.rank1.pt"]["torch"]
+        )
+    if strategy == "ddp" and files:
+        saved = [files["model.pt"][name] for name, _ in dropout_model().named_parameters()]
+        result["replicas"] = files["replicas.json"]["parameter_sha256"]
+        result["saved_digest"] = parameter_digest(saved)
+    return result
 
 
 def main() -> None:
@@ -401,6 +473,7 @@ def main() -> None:
     result["tune"] = check_tune(env.rank)
     result["trial_comm"] = check_trial_comm()
     result["kept_in_step"] = check_ranks_kept_in_step()
+    result["resume"] = {name: check_resume(name, out_dir) for name in ("ddp", "fsdp")}
     (out_dir / f"rank{env.rank}.json").write_text(json.dumps(result, indent=1))
     shutdown()
 

@@ -12,20 +12,17 @@ bytes, dicts) is copied page by page into every worker as it is read (pytorch/py
 :func:`tune_loader` measures each worker's unique resident memory while it runs and rejects
 settings whose projected total exceeds a limit.
 
-:func:`to_device` is written by hand because torch has no public function that moves a nested
-batch (``torch.utils._pytree`` is private; Lightning's ``move_data_to_device`` and accelerate's
-``send_to_device`` would each add a framework dependency for a few lines).
+:func:`to_device` moves a nested batch through :mod:`torchturbo.nested` (the one walker every
+module shares; its docstring says why no library served).
 """
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import math
 import os
 import statistics
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
@@ -35,7 +32,9 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from torchturbo.config import ConfigError, DataConfig
 from torchturbo.measure.timing import Timing, sync
+from torchturbo.nested import iter_tensors, map_tensors
 from torchturbo.system import usable_cores
+from torchturbo.techniques.memory_format import is_image
 
 T = TypeVar("T")
 
@@ -125,52 +124,24 @@ def to_device(
 ) -> T:
     """Move every tensor of a nested batch to ``device``, keeping the structure and its types.
 
-    Handles tensors inside dicts (and other mappings), lists, tuples, namedtuples and dataclass
-    instances; anything else (ints, strings) passes through unchanged. With ``channels_last``,
-    4-D floating-point tensors (images) are laid out NHWC in the same copy; integer tensors
-    (labels, masks, token ids) never are. ``non_blocking=True`` makes the copy asynchronous only
-    from pinned (page-locked) host memory to CUDA; from pageable memory it behaves as a blocking
-    copy, and on CPU it changes nothing.
+    The containers seen into are those of :func:`torchturbo.nested.map_tensors`; anything else
+    (ints, strings) passes through unchanged. With ``channels_last``, image tensors
+    (:func:`~torchturbo.techniques.memory_format.is_image`) are laid out NHWC in the same copy;
+    integer tensors (labels, masks, token ids) never are. ``non_blocking=True`` makes the copy
+    asynchronous only from pinned (page-locked) host memory to CUDA; from pageable memory it
+    behaves as a blocking copy, and on CPU it changes nothing.
     """
 
     def move(tensor: torch.Tensor) -> torch.Tensor:
-        if channels_last and tensor.dim() == 4 and tensor.is_floating_point():
-            return tensor.to(device, non_blocking=non_blocking, memory_format=torch.channels_last)
-        return tensor.to(device, non_blocking=non_blocking)
+        nhwc = channels_last and is_image(tensor)
+        layout = torch.channels_last if nhwc else torch.preserve_format
+        return tensor.to(device, non_blocking=non_blocking, memory_format=layout)
 
-    return _map_tensors(move, batch)
-
-
-def _map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, dict):
-        out = copy.copy(obj)  # keeps the type (OrderedDict, subclasses, defaultdict's factory)
-        out.update((k, _map_tensors(fn, v)) for k, v in obj.items())
-        return out
-    if isinstance(obj, Mapping):
-        return type(obj)({k: _map_tensors(fn, v) for k, v in obj.items()})
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
-        return type(obj)(*(_map_tensors(fn, v) for v in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_map_tensors(fn, v) for v in obj)
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        fields = dataclasses.fields(obj)
-        return dataclasses.replace(
-            obj, **{f.name: _map_tensors(fn, getattr(obj, f.name)) for f in fields if f.init}
-        )
-    return obj
+    return map_tensors(move, batch)
 
 
 def _tensor_bytes(batch: Any) -> int:
-    sizes: list[int] = []
-
-    def count(tensor: torch.Tensor) -> torch.Tensor:
-        sizes.append(tensor.numel() * tensor.element_size())
-        return tensor
-
-    _map_tensors(count, batch)
-    return sum(sizes)
+    return sum(t.numel() * t.element_size() for t in iter_tensors(batch))
 
 
 # --------------------------------------------------------------------------------------------
@@ -368,10 +339,11 @@ def _validated_candidates(
     configs: list[DataConfig] = []
     for i, candidate in enumerate(candidates):
         if isinstance(candidate, Mapping):
+            settings = dict(candidate)
             try:
-                candidate = DataConfig(**candidate)
+                candidate = DataConfig(**settings)
             except TypeError as err:  # unknown keys
-                raise ConfigError(f"tune_loader: candidate #{i} {dict(candidate)}: {err}") from err
+                raise ConfigError(f"tune_loader: candidate #{i} {settings}: {err}") from err
             except ConfigError as err:
                 raise ConfigError(f"tune_loader: candidate #{i}: {err}") from err
         if not isinstance(candidate, DataConfig):
@@ -548,7 +520,7 @@ def _extrapolate(
     return now + int(min(max(0.0, growth_per_sample) * remaining, ceiling))
 
 
-def _endless(loader: DataLoader) -> Iterator[Any]:
+def _endless(loader: DataLoader) -> Generator[Any, None, None]:
     """Batches across epoch boundaries, as training sees them (persistent workers live on)."""
     while True:
         empty = True

@@ -1,9 +1,11 @@
-"""Distributed training under torchrun: process group start-up, DDP with comm hooks, FSDP2,
-pipeline parallelism and communication accounting. See docs/distributed.md."""
+"""Distributed training under torchrun: process group start-up, the engine's strategies (DDP with
+comm hooks, FSDP2), pipeline parallelism and communication accounting. See docs/distributed.md.
+
+``Turbo.setup`` chooses and applies the strategy itself; nothing here needs calling for that."""
 
 from torchturbo.distributed.comm import CommStats, counting_hook
-from torchturbo.distributed.ddp import COMM_HOOKS, check_comm_hook, wrap_ddp
-from torchturbo.distributed.fsdp import apply_fsdp
+from torchturbo.distributed.ddp import COMM_HOOKS, DDPStrategy, check_comm_hook, wrap_ddp
+from torchturbo.distributed.fsdp import FSDPStrategy, apply_fsdp
 from torchturbo.distributed.launch import (
     DistEnv,
     current_env,
@@ -21,14 +23,18 @@ from torchturbo.distributed.pipeline import (
     measured_child_seconds,
     split_sequential,
 )
-from torchturbo.distributed.setup import apply_distributed
+from torchturbo.distributed.select import STRATEGIES, select_strategy
+from torchturbo.distributed.strategy import Strategy
 
 __all__ = [
     "COMM_HOOKS",
+    "STRATEGIES",
     "CommStats",
+    "DDPStrategy",
     "DistEnv",
+    "FSDPStrategy",
     "PipelineRun",
-    "apply_distributed",
+    "Strategy",
     "apply_fsdp",
     "balanced_boundaries",
     "build_pipeline",
@@ -41,6 +47,7 @@ __all__ = [
     "main_print",
     "measured_child_seconds",
     "read_launch_env",
+    "select_strategy",
     "shutdown",
     "split_sequential",
     "wrap_ddp",

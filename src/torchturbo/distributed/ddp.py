@@ -1,4 +1,5 @@
-"""DDP with gradient-compression comm hooks, and the rank-local gradient pre-scale.
+"""DDP: the strategy (no_sync between window ends, the exact global count, rank-0 checkpoints
+that check the replicas agree), gradient-compression comm hooks, and the rank-local pre-scale.
 
 Hooks are torch's own (``torch.distributed.algorithms.ddp_comm_hooks``), named by the config's
 ``comm_hook`` through :data:`COMM_HOOKS`:
@@ -17,9 +18,11 @@ machines) and can cost time on NVLink or loopback, where the all-reduce was chea
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
-from typing import Any
+import hashlib
+from collections.abc import Callable, Iterable
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -30,6 +33,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from torchturbo.config import DistributedConfig
 from torchturbo.distributed.comm import CommHook, CommStats, counting_hook
+from torchturbo.distributed.normalize import Reference
+from torchturbo.distributed.strategy import DataParallel
+
+_NULL = contextlib.nullcontext()
 
 
 def _no_state(config: DistributedConfig) -> None:
@@ -79,7 +86,8 @@ def prescaled_hook(hook: CommHook, factor: Callable[[], torch.Tensor]) -> CommHo
     """Multiply this rank's bucket by ``factor()`` before ``hook`` reduces it.
 
     The factor is read when the bucket is ready, i.e. during the synchronizing backward; see
-    distributed/setup.py for why each rank scales its own gradients by its own count reference.
+    distributed/normalize.py for why each rank scales its own gradients by its own count
+    reference.
     """
 
     @functools.wraps(hook)
@@ -123,3 +131,71 @@ def wrap_ddp(
         # Without pre-scale or counting, "none" keeps DDP's built-in C++ all-reduce.
         ddp.register_comm_hook(make_state(config), hook)
     return ddp
+
+
+class DDPStrategy(DataParallel):
+    """A replica per process; gradients all-reduced once per accumulation window.
+
+    Non-final micro-steps run in ``no_sync()``, and ``reduce_count`` refuses to step on gradients
+    that were never all-reduced (``Turbo.flush`` after a ``no_sync`` micro-step would let the
+    replicas drift apart silently). A checkpoint is written by rank 0 once every rank's
+    parameters are found bit-identical (``replicas.json`` records each rank's digest).
+    """
+
+    name: ClassVar[str] = "ddp"
+    _ddp: DistributedDataParallel | None = None
+    _synced = True
+
+    def wrap(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        reference: Reference,
+        comm_stats: CommStats | None,
+    ) -> nn.Module:
+        self._reference = reference
+        self._ddp = wrap_ddp(
+            model, self.config.distributed, self.device, grad_factor=reference, stats=comm_stats
+        )
+        return self._ddp
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return model.module if isinstance(model, DistributedDataParallel) else model
+
+    def backward_context(self, closing: bool) -> contextlib.AbstractContextManager[Any]:
+        if self._ddp is None:
+            raise RuntimeError("the DDP strategy has no model yet: call Turbo.setup first")
+        self._synced = closing
+        return _NULL if closing else self._ddp.no_sync()
+
+    def reduce_count(self, total: torch.Tensor) -> torch.Tensor:
+        if not self._synced:
+            raise RuntimeError(
+                "the optimizer step under DDP follows a micro-step run in no_sync(), whose "
+                "gradients were never all-reduced (Turbo.flush() on a partial window?). Iterate "
+                "the loader returned by Turbo.setup, which marks the last batch of an epoch"
+            )
+        return super().reduce_count(total)
+
+    def _verified_files(self, step: int) -> dict[str, Any]:
+        if self._ddp is None:
+            raise RuntimeError("the DDP strategy has no model yet: call Turbo.setup first")
+        # Parameters only: each rank's BatchNorm statistics move with its own batches (DDP
+        # broadcasts rank 0's at the next forward), so buffers may differ legitimately.
+        digests: list[Any] = [None] * self.env.world_size
+        dist.all_gather_object(digests, parameter_digest(self._ddp.module.parameters()))
+        if len(set(digests)) > 1:
+            raise RuntimeError(
+                f"DDP replicas differ at optimizer step {step} (parameter digests {digests}): "
+                "some rank stepped on gradients that were not all-reduced; not saving a "
+                "checkpoint that only rank 0's replica would be in"
+            )
+        return {"replicas.json": {"parameter_sha256": digests}}
+
+
+def parameter_digest(tensors: Iterable[torch.Tensor]) -> str:
+    """SHA-256 of the tensors' bytes in order: equal exactly when they are bit-identical."""
+    digest = hashlib.sha256()
+    for tensor in tensors:
+        digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+    return digest.hexdigest()

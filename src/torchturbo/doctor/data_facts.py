@@ -3,15 +3,15 @@ transforms, whether batch shapes vary, and how much padding random batching woul
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset, TensorDataset
 
 from torchturbo.data.bucketing import BucketBatchSampler
 from torchturbo.data.memmap import MemmapDataset
+from torchturbo.nested import named_tensors
 
 #: Dataset attributes that hold per-sample transforms (torchvision and most custom datasets).
 _TRANSFORM_ATTRS = ("transform", "transforms", "target_transform")
@@ -67,21 +67,8 @@ def dataset_facts(dataset: Dataset) -> DatasetFacts:
         nbytes = sum(t.nbytes for t in dataset.tensors)
         return DatasetFacts(kind, count, nbytes, True, memmapped, transforms)
     sample_bytes = sum(t.nbytes for _, t in named_tensors(dataset[0])) if count else 0
-    nbytes = sample_bytes * count if sample_bytes else None
-    return DatasetFacts(kind, count, nbytes, False, memmapped, transforms)
-
-
-def named_tensors(obj: Any, name: str = "batch") -> Iterator[tuple[str, torch.Tensor]]:
-    """The tensors of a nested batch or sample (dicts, lists, tuples) with their access paths,
-    e.g. ``("batch['tokens']", tensor)``, in order."""
-    if isinstance(obj, torch.Tensor):
-        yield name, obj
-    elif isinstance(obj, dict):
-        for key, value in obj.items():
-            yield from named_tensors(value, f"{name}[{key!r}]")
-    elif isinstance(obj, (list, tuple)):
-        for index, value in enumerate(obj):
-            yield from named_tensors(value, f"{name}[{index}]")
+    estimate = sample_bytes * count if sample_bytes else None
+    return DatasetFacts(kind, count, estimate, False, memmapped, transforms)
 
 
 #: A batch's shapes: (access path, shape) of each tensor.

@@ -22,10 +22,9 @@ from torch.utils.data import DataLoader
 from torchturbo.config import TurboConfig
 from torchturbo.distributed.comm import CommStats
 from torchturbo.distributed.launch import current_env
-from torchturbo.distributed.setup import apply_distributed
 from torchturbo.doctor.data_facts import BatchShapes, batch_shapes
 from torchturbo.engine import Turbo
-from torchturbo.measure.breakdown import PHASES, NullRecorder, PhaseRecorder
+from torchturbo.measure.breakdown import PHASES, PhaseRecorder
 from torchturbo.measure.memory import PeakMemory, track_peak_memory
 from torchturbo.recipe import Recipe
 
@@ -64,11 +63,9 @@ def profile_training(
     """Train a fresh model of the recipe for ``2 * steps + 3`` steps and measure them."""
     turbo = Turbo(config)
     model, optimizer = recipe.build()
-    model, _, epoch_loader = turbo.setup(model, optimizer, loader)
     distributed = current_env().is_distributed
     comm = CommStats() if distributed and config.distributed.strategy == "ddp" else None
-    if distributed:
-        apply_distributed(turbo, model, stats=comm)
+    model, _, epoch_loader = turbo.setup(model, optimizer, loader, comm_stats=comm)
     batches = _Batches(epoch_loader)
     try:
         # The first step pays one-time costs (lazy init, allocator growth, compilation).
@@ -102,15 +99,11 @@ def _breakdown(
     turbo: Turbo, recipe: Recipe, batches: _Batches, steps: int
 ) -> tuple[dict[str, float], PeakMemory]:
     recorder = PhaseRecorder(turbo.device)
-    turbo.recorder = recorder
-    try:
-        with track_peak_memory(turbo.device) as peak:
-            for _ in range(steps):
-                with recorder.phase("input_wait"):
-                    batch = batches.next()
-                turbo.step(recipe.loss_fn, batch)
-    finally:
-        turbo.recorder = NullRecorder()
+    with turbo.recording(recorder), track_peak_memory(turbo.device) as peak:
+        for _ in range(steps):
+            with recorder.phase("input_wait"):
+                batch = batches.next()
+            turbo.step(recipe.loss_fn, batch)
     totals = recorder.totals()
     return {phase: totals.get(phase, 0.0) / steps for phase in PHASES}, peak
 
@@ -131,18 +124,17 @@ def _profile(
         trace_path = trace_dir / f"{recipe.name}.{stamp}{rank}.pt.trace.json"
     export = (lambda p: p.export_chrome_trace(str(trace_path))) if trace_path else None
     schedule = torch.profiler.schedule(wait=1, warmup=1, active=steps)
-    turbo.recorder = _TraceLabels()
-    try:
-        with torch.profiler.profile(
+    with (
+        turbo.recording(_TraceLabels()),
+        torch.profiler.profile(
             activities=activities, schedule=schedule, on_trace_ready=export
-        ) as prof:
-            for _ in range(steps + 2):
-                with record_function("torchturbo.input_wait"):
-                    batch = batches.next()
-                turbo.step(recipe.loss_fn, batch)
-                prof.step()
-    finally:
-        turbo.recorder = NullRecorder()
+        ) as prof,
+    ):
+        for _ in range(steps + 2):
+            with record_function("torchturbo.input_wait"):
+                batch = batches.next()
+            turbo.step(recipe.loss_fn, batch)
+            prof.step()
     return _top_operators(prof.key_averages(), steps, on_device=turbo.device.type == "cuda"), (
         trace_path
     )

@@ -45,6 +45,7 @@ from torchturbo.techniques.compile import apply_compile
 from torchturbo.techniques.float8 import apply_float8_training
 from torchturbo.techniques.memory_format import apply_channels_last
 from torchturbo.techniques.precision import float32_matmul_precision
+from torchturbo.techniques.result import TechniqueResult, applied
 
 __all__ = ["TurboLightningCallback", "recipe_from_lightning", "trainer_kwargs"]
 
@@ -91,13 +92,19 @@ class TurboLightningCallback(pl.Callback):
     in the tuner. TF32 on a CPU (float32 matmul precision "high") is held from setup to teardown.
     Under DDP on a CPU it registers the comm hook, which Lightning itself registers on CUDA only.
     Layers created in ``configure_model`` come after ``setup`` and are not transformed.
+    ``results`` holds each technique's :class:`TechniqueResult`, as ``Turbo.results`` does;
     ``applied`` says, per technique, None when applied or why not.
     """
 
     def __init__(self, config: TurboConfig) -> None:
         self.config = config
-        self.applied: dict[str, str | None] = {}
+        self.results: dict[str, TechniqueResult] = {}
         self._switches = contextlib.ExitStack()
+
+    @property
+    def applied(self) -> dict[str, str | None]:
+        """Technique -> None when it took effect, else why not (``Turbo.applied``'s shape)."""
+        return {name: result.reason for name, result in self.results.items()}
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
@@ -105,17 +112,18 @@ class TurboLightningCallback(pl.Callback):
         config = self.config
         if config.precision.float8:
             device = trainer.strategy.root_device
-            self.applied["float8"] = apply_float8_training(pl_module, device)
+            self.results["float8"] = apply_float8_training(pl_module, device)
         if config.memory_format.channels_last:
-            self.applied["channels_last"] = apply_channels_last(pl_module)
+            self.results["channels_last"] = apply_channels_last(pl_module)
         if config.checkpointing.mode != "off":
-            blocks = apply_activation_checkpointing(pl_module, config.checkpointing)
-            self.applied["checkpointing"] = None if blocks else "the config selected no block"
+            self.results["checkpointing"] = apply_activation_checkpointing(
+                pl_module, config.checkpointing
+            )
         if config.compile.mode != "off":
-            self.applied["compile"] = apply_compile(pl_module, config.compile)
+            self.results["compile"] = apply_compile(pl_module, config.compile)
         if config.precision.dtype == "tf32" and not torch.cuda.is_available():
             self._switches.enter_context(float32_matmul_precision(config.precision))
-            self.applied["tf32"] = None
+            self.results["tf32"] = applied("tf32")
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Lightning's DDPStrategy registers comm hooks on CUDA only (its comment dates from torch
@@ -129,7 +137,7 @@ class TurboLightningCallback(pl.Callback):
             check_comm_hook(name, torch.distributed.get_backend())
             make_state, hook = COMM_HOOKS[name]
             model.register_comm_hook(make_state(self.config.distributed), hook)
-        self.applied["comm_hook"] = None
+        self.results["comm_hook"] = applied("comm_hook")
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._switches.close()

@@ -48,6 +48,7 @@ from torchturbo.techniques.checkpointing import apply_activation_checkpointing
 from torchturbo.techniques.float8 import apply_float8_training
 from torchturbo.techniques.memory_format import apply_channels_last
 from torchturbo.techniques.precision import float32_matmul_precision
+from torchturbo.techniques.result import TechniqueResult, applied
 
 __all__ = [
     "TurboCallback",
@@ -205,16 +206,22 @@ class TurboCallback(TrainerCallback):
     float8, channels_last and checkpointing by module type change the model, at the end of the
     Trainer's ``__init__`` (before accelerate compiles or wraps it), and at ``train()`` a model
     that ``model_init`` built there (each model once). cuDNN autotuning and TF32 on a CPU are
-    process-wide switches: set at the start of training, restored at its end. ``applied`` says,
-    per technique, None when applied or why not.
+    process-wide switches: set at the start of training, restored at its end. ``results`` holds
+    each technique's :class:`TechniqueResult`, as ``Turbo.results`` does; ``applied`` says, per
+    technique, None when applied or why not.
     """
 
     def __init__(self, config: TurboConfig) -> None:
         self.config = config
-        self.applied: dict[str, str | None] = {}
+        self.results: dict[str, TechniqueResult] = {}
         self._switches = contextlib.ExitStack()
         # Models already transformed: float8 would wrap its own Float8Linear (an nn.Linear) again.
         self._transformed: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+    @property
+    def applied(self) -> dict[str, str | None]:
+        """Technique -> None when it took effect, else why not (``Turbo.applied``'s shape)."""
+        return {name: result.reason for name, result in self.results.items()}
 
     def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._transform(kwargs.get("model"))
@@ -224,13 +231,13 @@ class TurboCallback(TrainerCallback):
         self._switches.close()
         if self.config.precision.dtype == "tf32" and not torch.cuda.is_available():
             self._switches.enter_context(float32_matmul_precision(self.config.precision))
-            self.applied["tf32"] = None
+            self.results["tf32"] = applied("tf32")
         if self.config.backend.cudnn_benchmark:
             self._switches.callback(
                 setattr, torch.backends.cudnn, "benchmark", torch.backends.cudnn.benchmark
             )
             torch.backends.cudnn.benchmark = True
-            self.applied["cudnn_benchmark"] = None
+            self.results["cudnn_benchmark"] = applied("cudnn_benchmark")
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._switches.close()
@@ -242,15 +249,14 @@ class TurboCallback(TrainerCallback):
         if self.config.precision.float8:
             # The engine's order: float8 swaps Linear modules before anything wraps them.
             device = next(model.parameters()).device
-            self.applied["float8"] = apply_float8_training(model, device)
+            self.results["float8"] = apply_float8_training(model, device)
         if self.config.memory_format.channels_last:
             # Weights only: a convolution with NHWC weights runs NHWC and returns NHWC, so the
             # layout reaches the rest of the network from the first convolution on.
-            self.applied["channels_last"] = apply_channels_last(model)
+            self.results["channels_last"] = apply_channels_last(model)
         checkpointing = self.config.checkpointing
         if checkpointing.module_types or checkpointing.name_pattern:
-            blocks = apply_activation_checkpointing(model, checkpointing)
-            self.applied["checkpointing"] = None if blocks else "the config selected no block"
+            self.results["checkpointing"] = apply_activation_checkpointing(model, checkpointing)
 
 
 class TurboTrainer(Trainer):

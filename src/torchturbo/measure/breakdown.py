@@ -2,7 +2,7 @@
 
 The engine wraps each phase of its step in ``recorder.phase(name)``. By default it holds a
 :class:`NullRecorder`, whose phases cost nothing; measurement code swaps in a
-:class:`PhaseRecorder` (``turbo.recorder = PhaseRecorder(device)``) for a breakdown run.
+:class:`PhaseRecorder` (``with turbo.recording(PhaseRecorder(device)):``) for a breakdown run.
 
 A PhaseRecorder synchronizes the device at the start and end of every phase, so that GPU work is
 charged to the phase that queued it. On CUDA that removes the overlap between phases (the CPU can

@@ -25,6 +25,8 @@ from typing import Any
 import psutil
 import torch
 
+from torchturbo.nested import iter_tensors
+
 #: Attribute the checkpointing technique sets to True on every module it wraps.
 CHECKPOINT_MARKER = "_torchturbo_checkpointed"
 
@@ -40,17 +42,6 @@ def _storage_key(tensor: torch.Tensor) -> tuple[_StorageKey, int] | None:
     except (RuntimeError, NotImplementedError):  # sparse, nested, DTensor and other wrappers
         return None
     return (key, nbytes) if key else None
-
-
-def _tensors_in(obj: Any) -> Iterator[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for item in obj:
-            yield from _tensors_in(item)
-    elif isinstance(obj, dict):
-        for item in obj.values():
-            yield from _tensors_in(item)
 
 
 def activation_bytes(
@@ -86,7 +77,7 @@ def activation_bytes(
     def record_inputs(_module: torch.nn.Module, args: Any, kwargs: Any) -> None:
         # Under no_grad checkpoint keeps nothing; the forward runs plainly.
         if torch.is_grad_enabled():
-            held.extend(weakref.ref(t) for t in _tensors_in((args, kwargs)))
+            held.extend(weakref.ref(t) for t in iter_tensors((args, kwargs)))
 
     modules = model.modules() if model is not None else ()
     marked = [m for m in modules if getattr(m, CHECKPOINT_MARKER, False)]

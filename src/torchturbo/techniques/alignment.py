@@ -19,13 +19,14 @@ the maths); choose aligned widths when designing the model, as the audit suggest
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from torchturbo.nested import named_tensors
 
 _CONV_TYPES = (
     nn.Conv1d,
@@ -91,18 +92,6 @@ def _module_dims(
     return []
 
 
-def _batch_tensors(batch: object, prefix: str = "batch") -> list[tuple[str, torch.Tensor]]:
-    if isinstance(batch, torch.Tensor):
-        return [(prefix, batch)]
-    if isinstance(batch, Mapping):
-        items = batch.items()
-    elif isinstance(batch, Sequence) and not isinstance(batch, str):
-        items = enumerate(batch)
-    else:
-        return []
-    return [pair for k, v in items for pair in _batch_tensors(v, f"{prefix}[{k!r}]")]
-
-
 def _batch_dims(tensor: torch.Tensor) -> list[tuple[str, int]]:
     dims = [("batch size", tensor.shape[0])] if tensor.dim() >= 1 else []
     # Token ids (B, T) and activations (B, T, D) carry a sequence length in dim 1; images and
@@ -137,7 +126,7 @@ def audit_alignment(
     # Inputs, masks and targets of one batch share its batch size: report each size once, at
     # the first tensor that carries it.
     seen: set[tuple[str, int]] = set()
-    for name, tensor in _batch_tensors(example_batch):
+    for name, tensor in named_tensors(example_batch):
         for what, value in _batch_dims(tensor):
             if value % multiple and (what, value) not in seen:
                 seen.add((what, value))
@@ -151,6 +140,8 @@ class PaddedClassifier(nn.Module):
     ``output="slice"`` returns the real ``num_classes`` logits; ``output="masked"`` returns all
     ``padded`` logits with the padded ones at -inf (probability 0 under softmax).
     """
+
+    pad_mask: torch.Tensor
 
     def __init__(self, linear: nn.Linear, padded: int, output: Literal["slice", "masked"]):
         super().__init__()

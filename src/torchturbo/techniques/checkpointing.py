@@ -22,12 +22,14 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch.utils.checkpoint
 from torch import nn
 
 from torchturbo.config import CheckpointConfig
+from torchturbo.techniques.result import TechniqueResult, applied, not_applied
 
 #: Attribute set on every checkpointed module; measure/memory.py reads it to count the inputs
 #: that checkpoint keeps alive through a closure rather than through saved-tensor hooks.
@@ -87,13 +89,30 @@ def checkpoint_module(module: nn.Module) -> None:
     if getattr(module, CHECKPOINTED_MARK, False):
         return
     module.forward = functools.partial(  # type: ignore[method-assign]
-        torch.utils.checkpoint.checkpoint,
-        module.forward,
+        _checkpointed_forward, module, module.forward
+    )
+    setattr(module, CHECKPOINTED_MARK, True)
+
+
+def _checkpointed_forward(module: nn.Module, forward: Callable, *args: Any, **kwargs: Any) -> Any:
+    """``forward`` under ``checkpoint``; eagerly with the recompute context that restores norm
+    statistics, compiled without it.
+
+    torch.compile accepts only ``TorchDispatchMode`` pairs as ``context_fn``, and needs none here:
+    the compiled backward replays the recorded graph, whose buffer updates ran once, in forward.
+    """
+    if torch.compiler.is_compiling():
+        return torch.utils.checkpoint.checkpoint(
+            forward, *args, use_reentrant=False, preserve_rng_state=True, **kwargs
+        )
+    return torch.utils.checkpoint.checkpoint(
+        forward,
+        *args,
         use_reentrant=False,
         preserve_rng_state=True,
         context_fn=functools.partial(_recompute_contexts, module),
+        **kwargs,
     )
-    setattr(module, CHECKPOINTED_MARK, True)
 
 
 def _recompute_contexts(
@@ -137,9 +156,13 @@ def _restore_norm_statistics(module: nn.Module) -> Iterator[None]:
                     getattr(norm, name).copy_(value)
 
 
-def apply_activation_checkpointing(model: nn.Module, config: CheckpointConfig) -> list[str]:
-    """Checkpoint the blocks chosen by ``config``; returns their qualified names."""
+def apply_activation_checkpointing(model: nn.Module, config: CheckpointConfig) -> TechniqueResult:
+    """Checkpoint the blocks chosen by ``config``; the result's ``targets`` are their names."""
+    if config.mode == "off":
+        return not_applied("checkpointing", "[checkpointing] mode = 'off'")
     chosen = select_blocks(model, config)
+    if not chosen:
+        return not_applied("checkpointing", "the config selected no block of this model")
     for _, module in chosen:
         checkpoint_module(module)
-    return [name for name, _ in chosen]
+    return applied("checkpointing", tuple(name for name, _ in chosen))

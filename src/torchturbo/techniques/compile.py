@@ -2,20 +2,75 @@
 
 ``nn.Module.compile`` compiles in place, so the model keeps its identity, its parameter objects
 (the optimizer's references stay valid) and its ``state_dict`` keys (no ``_orig_mod.`` prefix).
-Compilation itself happens lazily on the first step; measurement code reports that time apart.
+Compilation itself happens lazily, in the first steps: that is where it fails when it fails (a
+graph break under ``fullgraph = true``, a backend without a C++ compiler), so the engine turns
+such an error into :class:`CompileError` and a not-applied result with
+:func:`compile_failure`. Measurement code reports compile time apart from step time.
 """
 
 from __future__ import annotations
 
+import functools
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
 from torch import nn
 
 from torchturbo.config import CompileConfig
+from torchturbo.techniques.result import TechniqueResult, applied, not_applied
 
 
-def apply_compile(model: nn.Module, config: CompileConfig) -> None:
-    """Compile the model in place (nothing to do when ``config.mode`` is "off")."""
+class CompileError(RuntimeError):
+    """torch.compile failed on the model during a training step (the message says how)."""
+
+
+def apply_compile(model: nn.Module, config: CompileConfig) -> TechniqueResult:
+    """Compile the model in place; not applied when ``config.mode`` is "off" or torch refuses
+    to compile here (an unsupported Python, for one)."""
     if config.mode == "off":
-        return
+        return not_applied("compile", "[compile] mode = 'off'")
     # "default" is torch.compile's name for passing no mode at all.
     mode = None if config.mode == "default" else config.mode
-    model.compile(mode=mode, fullgraph=config.fullgraph, dynamic=config.dynamic)
+    options: dict[str, Any] = {
+        "mode": mode,
+        "fullgraph": config.fullgraph,
+        "dynamic": config.dynamic,
+    }
+    try:
+        if type(model).forward.__module__.startswith("torch."):
+            # A root whose forward is torch's own (an nn.Sequential) leaves dynamo no frame to
+            # trace under Module.compile: both _call_impl and forward are in its skip files, so
+            # nothing compiles and nothing says so (pytorch/pytorch#150915). A frame of ours
+            # is traced and inlines the rest. TODO: drop once torch >= the release with
+            # pytorch/pytorch#185722 is the minimum.
+            compiled = torch.compile(functools.partial(_run, model.forward), **options)
+            model.forward = compiled  # type: ignore[method-assign]
+        else:
+            model.compile(**options)
+    except RuntimeError as err:
+        return not_applied("compile", f"torch.compile refused the model: {_first_line(err)}")
+    return applied("compile")
+
+
+def _run(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    return forward(*args, **kwargs)
+
+
+def compile_failure(error: BaseException) -> TechniqueResult | None:
+    """The result to report when ``error`` was raised by torch.compile (dynamo or its backend)
+    while the compiled model ran; None for any other error."""
+    # Only a model that was compiled can raise these, and compiling imported their module: no
+    # need to import torch._dynamo (a second of start-up) to ask.
+    exceptions = sys.modules.get("torch._dynamo.exc")
+    if exceptions is None or not isinstance(error, exceptions.TorchDynamoException):
+        return None
+    return not_applied(
+        "compile", f"failed while compiling: {type(error).__name__}: {_first_line(error)}"
+    )
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else "(no message)"

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from torchturbo.measure.native import emulated
+from torchturbo.techniques.result import TechniqueResult, applied, not_applied
 
 #: torch._scaled_mm needs both dimensions of each fp8 operand divisible by 16.
 ALIGNMENT = 16
@@ -43,16 +44,16 @@ def convertible_linears(model: nn.Module) -> list[str]:
     return [name for name, module in model.named_modules() if _convertible(module)]
 
 
-def apply_float8_training(model: nn.Module, device: torch.device | str) -> str | None:
+def apply_float8_training(model: nn.Module, device: torch.device | str) -> TechniqueResult:
     """Convert ``model``'s Linear layers in place for float8 training on ``device``.
 
-    Returns None when layers were converted, else why nothing was (the hardware, torchao
-    missing, no Linear of a suitable shape). Call it with the model already on ``device``.
+    Not applied, with the reason, when nothing was converted (the hardware, torchao missing,
+    no Linear of a suitable shape); else ``targets`` names the converted layers. Call it with
+    the model already on ``device``.
     """
-    reason = float8_unavailable(device)
-    if reason is not None:
-        return reason
-    return convert_linears(model)
+    targets = tuple(convertible_linears(model))
+    reason = float8_unavailable(device) or convert_linears(model)
+    return applied("float8", targets) if reason is None else not_applied("float8", reason)
 
 
 def convert_linears(model: nn.Module) -> str | None:

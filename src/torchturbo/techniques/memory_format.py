@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from torchturbo.techniques.result import TechniqueResult, applied, not_applied
+
 _CONV_TYPES = (nn.Conv2d, nn.ConvTranspose2d)
 
 
@@ -17,19 +19,29 @@ def has_2d_convolutions(model: nn.Module) -> bool:
     return any(isinstance(m, _CONV_TYPES) for m in model.modules())
 
 
-def apply_channels_last(model: nn.Module) -> str | None:
+def apply_channels_last(model: nn.Module) -> TechniqueResult:
     """Convert the model's 4-D parameters and buffers to channels_last in place.
 
-    Returns None when applied, or the reason it was not (no 2-D convolutions in the model).
+    Not applied (with the reason) when the model has no 2-D convolutions.
     """
     if not has_2d_convolutions(model):
-        return "no Conv2d/ConvTranspose2d in the model: channels_last only changes 4-D tensors"
-    model.to(memory_format=torch.channels_last)
-    return None
+        return not_applied(
+            "channels_last",
+            "no Conv2d/ConvTranspose2d in the model: channels_last only changes 4-D tensors",
+        )
+    # Module.to takes memory_format (see its docstring); torch's type stubs omit it.
+    model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
+    return applied("channels_last")
+
+
+def is_image(tensor: torch.Tensor) -> bool:
+    """A 4-D floating-point tensor (images, activations): what channels_last lays out NHWC.
+    Integer tensors of 4 dimensions (masks, ids) keep their layout."""
+    return tensor.dim() == 4 and tensor.is_floating_point()
 
 
 def to_channels_last(tensor: torch.Tensor) -> torch.Tensor:
-    """Convert a 4-D floating-point tensor (images, activations) to channels_last; others as is."""
-    if tensor.dim() == 4 and tensor.is_floating_point():
+    """Convert an image tensor (:func:`is_image`) to channels_last; others as is."""
+    if is_image(tensor):
         return tensor.contiguous(memory_format=torch.channels_last)
     return tensor

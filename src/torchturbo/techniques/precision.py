@@ -1,45 +1,120 @@
-"""Numeric precision: autocast contexts, the fp16 GradScaler and TF32 switches.
+"""Numeric precision as one object: autocast, loss scaling, TF32, and their saved state.
+
+:class:`Precision` is what the engine asks every precision question of, as Lightning Fabric's
+precision plugins are: the forward's autocast context, scaling the loss before backward,
+unscaling the gradients before clipping, the optimizer step (which a GradScaler may skip), the
+TF32 switches, and a ``state_dict`` for checkpoints. One class rather than a hierarchy: the
+configs differ only in an autocast dtype, an optional GradScaler and an optional TF32 scope.
 
 Uses the device-generic ``torch.amp`` API (the article's ``torch.cuda.amp`` is deprecated).
 bf16 keeps fp32's exponent range and needs no loss scaling; fp16 does, and gradients must be
-unscaled before clipping (see ``engine.py``).
+unscaled before clipping.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
 from torchturbo.config import PrecisionConfig
+from torchturbo.techniques.result import TechniqueResult, applied, not_applied
 
 AUTOCAST_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16}
+_NULL = contextlib.nullcontext()
 
 
-def autocast_context(
-    device: torch.device, config: PrecisionConfig
-) -> contextlib.AbstractContextManager:
-    """The autocast context for the forward pass; a no-op for fp32 and tf32."""
-    dtype = AUTOCAST_DTYPES.get(config.dtype)
-    if dtype is None:
-        return contextlib.nullcontext()
-    return torch.amp.autocast(device_type=device.type, dtype=dtype)
+class Precision:
+    """The precision of training steps on ``device`` as ``config`` asks."""
+
+    def __init__(self, config: PrecisionConfig, device: torch.device) -> None:
+        self.config = config
+        self.device = device
+        #: What the requested precision does on this device; None for fp32 (nothing requested).
+        self.result = None if config.dtype == "fp32" else check_precision(config, device)
+        effective = self.result is not None and self.result.applied
+        #: The dtype the forward autocasts to; None runs it in the parameters' dtype.
+        self.autocast_dtype = AUTOCAST_DTYPES.get(config.dtype) if effective else None
+        #: fp16's GradScaler; None for every other dtype.
+        self.scaler = (
+            torch.amp.GradScaler(device.type) if effective and config.uses_scaler else None
+        )
+        self._tf32 = effective and config.dtype == "tf32"
+
+    def forward_context(self) -> contextlib.AbstractContextManager[Any]:
+        """The autocast context for the forward pass; a no-op for fp32 and tf32."""
+        if self.autocast_dtype is None:
+            return _NULL
+        return torch.amp.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
+
+    def step_context(self) -> contextlib.AbstractContextManager[Any]:
+        """TF32 for the span of one step (forward, backward, optimizer); a no-op otherwise.
+
+        The switches are process-wide: holding them only while the engine steps keeps them out
+        of the user's other code and out of other engines in the same process (the bench and
+        the tuner interleave the steps of several).
+        """
+        return float32_matmul_precision(self.config) if self._tf32 else _NULL
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The tensor to call ``backward`` on: the loss times the GradScaler's scale, if any."""
+        return loss if self.scaler is None else self.scaler.scale(loss)
+
+    def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divide the gradients by the loss scale, so that clipping sees true gradients."""
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, *, finite: bool) -> bool:
+        """Step ``optimizer`` unless the gradients are not finite; returns whether it skipped.
+
+        ``finite`` is the engine's guard, which sees the gradients as they will be applied
+        (after unscaling and clipping). A GradScaler also skips on inf/NaN of its own and then
+        lowers its scale, which is how its skip is told apart; it updates its scale either way.
+        """
+        if self.scaler is None:
+            if finite:
+                optimizer.step()
+            return not finite
+        scale_before = self.scaler.get_scale()
+        if finite:
+            self.scaler.step(optimizer)
+        self.scaler.update()
+        return not finite or self.scaler.get_scale() < scale_before
+
+    def state_dict(self) -> dict[str, Any]:
+        """The loss scaler's state (its scale and growth tracker); empty without one."""
+        return {} if self.scaler is None else {"scaler": self.scaler.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.scaler is not None and "scaler" in state:
+            self.scaler.load_state_dict(state["scaler"])
 
 
-def make_grad_scaler(device: torch.device, config: PrecisionConfig) -> torch.amp.GradScaler | None:
-    """A GradScaler for fp16, None otherwise."""
-    if not config.uses_scaler:
-        return None
-    return torch.amp.GradScaler(device.type)
+def check_precision(config: PrecisionConfig, device: torch.device) -> TechniqueResult:
+    """Whether ``config.dtype`` takes effect on ``device``, and why not when it does not."""
+    cuda_capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    if config.dtype == "tf32":
+        if cuda_capability is None or cuda_capability < (8, 0):
+            return not_applied(
+                "precision",
+                f"TF32 is a CUDA tensor-core format (compute capability >= 8.0); on "
+                f"{device.type}{'' if cuda_capability is None else f' {cuda_capability}'} "
+                "float32 stays float32",
+            )
+        return applied("precision")
+    if not torch.amp.is_autocast_available(device.type):
+        return not_applied("precision", f"torch.amp has no autocast for {device.type!r}")
+    return applied("precision")
 
 
 @contextlib.contextmanager
 def float32_matmul_precision(config: PrecisionConfig) -> Iterator[None]:
     """Allow TF32 for float32 matmuls and convolutions while the context is open.
 
-    These are process-wide switches, so they are set for the span of a Turbo session and
-    restored afterwards instead of leaking into the user's other code.
+    These are process-wide switches, restored on exit instead of leaking into other code.
     """
     if config.dtype != "tf32":
         yield

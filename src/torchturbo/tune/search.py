@@ -26,13 +26,12 @@ keep pairing up and all ranks end with rank 0's config.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import datetime
 import math
 import statistics
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -105,7 +104,7 @@ def tune(
     best = baseline
     try:
         phases = PhaseRecorder(device)
-        with _recording(trial, phases):
+        with trial.turbo.recording(phases):
             steps = [time_once(trial.step, device, clock) for _ in range(PARITY_STEPS - 1)]
         trial.step_seconds = agree(statistics.median(steps))
         baseline.memory_bytes = agree(trial.memory_footprint()[0])
@@ -184,17 +183,6 @@ def _facts(recipe: Recipe, trial: Any, device: torch.device, phases: PhaseRecord
         optimizer_share=optimizer,
     )
     return agree(facts)
-
-
-@contextlib.contextmanager
-def _recording(trial: Any, recorder: PhaseRecorder) -> Iterator[None]:
-    """Record the trial's step phases into ``recorder`` while the block runs."""
-    turbo = trial.turbo
-    previous, turbo.recorder = turbo.recorder, recorder
-    try:
-        yield
-    finally:
-        turbo.recorder = previous
 
 
 def _replay(run: Run, reuse: Previous | None, baseline: Incumbent) -> Incumbent:
@@ -386,7 +374,7 @@ def _breakdowns(run: Run, baseline: Incumbent, best: Incumbent) -> dict[str, dic
         step_s = incumbent.trial.step_seconds or run.baseline_step_s
         recorder = PhaseRecorder(incumbent.trial.turbo.device)
         steps = 0
-        with _recording(incumbent.trial, recorder):
+        with incumbent.trial.turbo.recording(recorder):
             while steps < 3 and agree(run.budget.left() - REPORT_S >= step_s):
                 incumbent.trial.step()
                 steps += 1
