@@ -90,3 +90,20 @@ def test_bench_trains_a_bucketing_config_on_length_buckets_and_says_what_it_left
     assert buckets.loss_first != plain.loss_first  # other batches, not the same padded ones
     assert "num_workers=2" in buckets.notes["loader settings"]
     assert buckets.to_dict()["padding"] == buckets.padding
+
+
+def test_an_accumulation_window_longer_than_the_run_is_named_not_hidden():
+    from torchturbo.bench import compare_configs
+
+    recipe = dropout_recipe()
+    configs = {
+        "baseline": TurboConfig(device="cpu"),
+        "long window": TurboConfig(device="cpu").replace(accumulation__steps=64),
+        "short window": TurboConfig(device="cpu").replace(accumulation__steps=2),
+    }
+    rows = compare_configs(
+        recipe, configs, baseline="baseline", warmup=1, repeats=2, steps_per_repeat=1
+    )
+    baseline, long_window, short_window = rows
+    assert "no optimizer step in" in long_window.notes["accumulation"]
+    assert "accumulation" not in short_window.notes and "accumulation" not in baseline.notes

@@ -399,6 +399,12 @@ def _notes(recipe: Recipe, trial: Trial) -> dict[str, str]:
         )
     if data.bucketing and recipe.lengths is None:
         notes["bucketing"] = "the recipe gives no per-sample lengths to bucket by"
+    if trial.position and not trial.turbo.optimizer_steps:
+        notes["accumulation"] = (
+            f"no optimizer step in {trial.position} micro-batches ([accumulation] steps = "
+            f"{trial.config.accumulation.steps}): the loss column shows no training; "
+            "give bench more --steps to see one"
+        )
     return notes
 
 
