@@ -18,6 +18,7 @@ from torchturbo.tune.budget import COMPILE_BASE_S
 from torchturbo.tune.compare import compare
 from torchturbo.tune.decide import Verdict
 from torchturbo.tune.outcome import STATES
+from torchturbo.tune.previous import Previous
 from torchturbo.tune.search import TuneOptions, select_stages, tune
 from torchturbo.tune.stages import STAGES, Candidate, bucket_stage, comm_hook_stage
 
@@ -260,6 +261,27 @@ def test_tuning_again_reuses_what_was_measured_and_measures_the_rest():
     assert second.reused_from and "reused 2 measured candidates" in second.reuse_note
     marked = [row["reused"] for row in second.to_dict()["candidates"]]
     assert marked.count(True) == 2
+
+
+def test_a_previous_run_is_rebuilt_from_its_last_adoption_not_its_last_row():
+    """Rows are in stage order, adoptions in the order they happened: the chosen config is the
+    config of the last adoption, which contains the ones before it."""
+
+    def clipping(ctx):
+        return [
+            Candidate("clip 10", ctx.best.replace(clipping__max_norm=10.0), 1.5),
+            Candidate("clip 20", ctx.best.replace(clipping__max_norm=20.0), 1.4),
+        ]
+
+    _, first = tune(tiny_recipe(), QUICK, stages={"clipping": clipping})
+    results = first.to_dict()
+    rows = [r for r in results["candidates"] if r["verdict"] in ("adopted", "rejected")]
+    assert len(rows) >= 2
+    for row in rows[:2]:
+        row["verdict"] = "adopted"
+    results["adopted"] = [rows[1]["name"], rows[0]["name"]]  # adopted against the row order
+    reuse, _ = Previous.parse(results, results["fingerprint"], "results.json")
+    assert [o.name for o in reuse.adopted] == results["adopted"]
 
 
 def test_a_previous_run_of_another_recipe_is_not_reused():

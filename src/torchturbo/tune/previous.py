@@ -81,10 +81,12 @@ class Previous:
                 None,
                 f"{source} could not be read ({type(err).__name__}: {err}): measured afresh",
             )
-        adopted_names = set(previous.get("adopted") or [])
         decided = tuple(
             o for o in rows if o.verdict in ("adopted", "rejected") and o.stage != "data_loader"
         )
-        adopted = tuple(o for o in decided if o.verdict == "adopted" and o.name in adopted_names)
+        # In the order they were adopted (rows are in stage order): each adoption's config
+        # contains the ones before it, so the last is the config the run chose.
+        by_name = {o.name: o for o in decided if o.verdict == "adopted"}
+        adopted = tuple(by_name[n] for n in previous.get("adopted") or [] if n in by_name)
         note = f"reused {len(decided)} measured candidates from {source}"
         return Previous(source, decided, adopted), note
