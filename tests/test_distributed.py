@@ -89,14 +89,15 @@ def test_pipeline_split_balances_parameters_at_child_boundaries():
 
 def test_pipeline_balanced_by_measured_time_gives_heavy_convolutions_their_own_stage():
     model = nn.Sequential(
-        nn.Conv2d(8, 8, 3, padding=1),  # 584 parameters, the largest feature maps: the cost
+        nn.Conv2d(16, 16, 3, padding=1),  # 2,320 parameters, the largest feature maps: the cost
         nn.AdaptiveAvgPool2d(1),
         nn.Flatten(),
-        nn.Linear(8, 512),  # 4,608 parameters applied to 4 vectors: next to free
-        nn.Linear(512, 8),
+        nn.Linear(16, 512),  # 8,704 parameters applied to 4 vectors: next to free
+        nn.Linear(512, 16),
     )
-    sample = torch.randn(4, 8, 128, 128)
-    seconds = measured_child_seconds(model, sample)
+    sample = torch.randn(4, 16, 128, 128)
+    # Medians of 5: a busy machine's preemptions must hit most repeats of a Linear to flip it.
+    seconds = measured_child_seconds(model, sample, repeats=5)
     assert seconds[0] == max(seconds)
     assert balanced_boundaries(model, 2, seconds) == [1]
     assert balanced_boundaries(model, 2) == [4]  # by parameter count: the Linears dominate

@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader
 
 from torchturbo.data.bucketing import BucketBatchSampler
 from torchturbo.data.collate import IGNORE_INDEX, pad_collate
+from torchturbo.distributed import shutdown
 
 VOCAB = 64
 
@@ -142,7 +143,7 @@ def main(out_dir: Path) -> None:
     (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
     print(f"rank {rank}: {result['steps']} steps done", flush=True)
     dist.barrier()  # neither rank tears the group down while the other still uses it
-    dist.destroy_process_group()
+    shutdown()  # frees what still holds the group, then destroys it
 
 
 if __name__ == "__main__":

@@ -119,8 +119,14 @@ def current_env() -> DistEnv:
 
 
 def shutdown() -> None:
-    """Leave the process group (a no-op without one); call once at the end of a script."""
+    """Leave the process group (a no-op without one); call once at the end of a script.
+
+    DDP objects caught in reference cycles still hold the group: they are freed first, or gloo
+    work they reference can outlive the group into interpreter shutdown and abort the process
+    ("terminate called without an active exception", pytorch/pytorch#190489).
+    """
     if dist.is_available() and dist.is_initialized():
+        gc.collect()
         dist.destroy_process_group()
 
 
@@ -136,8 +142,8 @@ def launched(device: str = "auto") -> Iterator[DistEnv]:
     env = init_distributed(device)
     yield env
     if joined and env.is_distributed:
-        # DDP objects caught in reference cycles still hold the group: free them first, or
-        # destroying the group under a live reducer can hang at exit.
+        # DDP objects caught in reference cycles still hold the group: free them before the
+        # barrier, or destroying the group under a live reducer can hang at exit.
         gc.collect()
         dist.barrier()
         shutdown()
