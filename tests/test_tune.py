@@ -190,7 +190,8 @@ def _sleepy_loss(model, batch):
 
 @pytest.mark.slow
 def test_a_slow_model_keeps_the_budget_and_names_what_it_could_not_measure():
-    options = dataclasses.replace(QUICK, time_budget_s=30.0, max_rounds=15)
+    # Under COMPILE_BASE_S: compile cannot fit on any machine, whatever else it measures.
+    options = dataclasses.replace(QUICK, time_budget_s=0.9 * COMPILE_BASE_S, max_rounds=15)
     stages = _only("precision", "memory_format", "compile")
     begin = time.perf_counter()
     _, result = tune(tiny_recipe(loss_fn=_sleepy_loss), options, stages=stages)
