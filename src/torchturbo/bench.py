@@ -284,8 +284,9 @@ def mean_flops_per_step(recipe: Recipe, batches: list[Any]) -> int:
     (padding included: it is computed) where batches differ in length. Attention's quadratic
     term is not scaled, so long-sequence batches are undercounted a little."""
     flops = model_flops_per_step(recipe, batches[0])
-    sizes = [_positions(batch) for batch in batches]
-    if sizes[0] is None or any(size is None for size in sizes):
+    positions = [_positions(batch) for batch in batches]
+    sizes = [size for size in positions if size is not None]
+    if len(sizes) < len(positions):
         return flops
     return round(flops * (sum(sizes) / len(sizes)) / sizes[0])
 
@@ -375,8 +376,7 @@ def bucketed_batches(recipe: Recipe, count: int, data: DataConfig | None = None)
 def padding_of(batches: list[Any]) -> float | None:
     """Padded share of the token positions in ``batches``, read from their ``mask`` or
     ``attention_mask``; None when they carry neither."""
-    masks = [_mask(batch) for batch in batches]
-    masks = [m for m in masks if m is not None]
+    masks = [m for m in (_mask(batch) for batch in batches) if m is not None]
     if not masks:
         return None
     total = sum(m.numel() for m in masks)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dis
-import functools
 import re
 import sys
 import traceback
@@ -155,6 +154,15 @@ def _global_options(*, in_subcommand: bool) -> argparse.ArgumentParser:
     return options
 
 
+class _CommandParser(_Parser):
+    """A command's parser: shows its defaults and takes the global options after its name too."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(
+            parents=[_global_options(in_subcommand=True)], formatter_class=_HelpFormatter, **kwargs
+        )
+
+
 def _parser() -> argparse.ArgumentParser:
     from torchturbo import __version__
 
@@ -169,13 +177,7 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=_HelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"torchturbo {__version__}")
-    # Every command shows its defaults and takes the global options after its name too.
-    command_parser = functools.partial(
-        _Parser,
-        parents=[_global_options(in_subcommand=True)],
-        formatter_class=_HelpFormatter,
-    )
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=command_parser)
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_CommandParser)
 
     version = commands.add_parser(
         "version",

@@ -135,6 +135,7 @@ class NonFiniteGuard:
             applied = torch.nn.utils.get_total_norm(grads, error_if_nonfinite=False)
             bad_grad = ~torch.isfinite(applied)
             if not check_grads:  # the scaler's overflow is the scaler's to skip
+                assert grad_norm is not None  # without check_grads, only reached with a norm
                 bad_grad &= torch.isfinite(grad_norm).to(bad_grad.device)
             flag = bad_grad if flag is None else flag | bad_grad.to(flag.device)
         nonfinite = flag is not None and bool(flag)  # the one sync of the guard per step
@@ -235,7 +236,7 @@ def nonfinite_tensors(tree: Any, name: str, depth: int = 0) -> list[str]:
         return [f"{name}: {bad} of {tree.numel()} values are NaN or inf"]
     if depth > 8:
         return []
-    items = tree.items() if isinstance(tree, Mapping) else None
+    items: Iterable[tuple[Any, Any]] | None = tree.items() if isinstance(tree, Mapping) else None
     if items is None and isinstance(tree, (list, tuple)):
         items = enumerate(tree)
     return [

@@ -80,7 +80,8 @@ class Recipe:
                 f"Recipe {self.name!r}: seed must be an int that fits int64 (torch.manual_seed), "
                 f"got {self.seed!r}"
             )
-        if _length(self.dataset) == 0:
+        size = _length(self.dataset)
+        if size == 0:
             raise RecipeError(
                 f"Recipe {self.name!r}: the dataset is empty (len(dataset) == 0): there is nothing "
                 "to train on"
@@ -90,10 +91,11 @@ class Recipe:
                 f"Recipe {self.name!r}: count_unit must be 'samples' or 'tokens', "
                 f"got {self.count_unit!r}"
             )
-        if self.lengths is not None and len(self.lengths) != len(self.dataset):
+        if self.lengths is not None and len(self.lengths) != size:
+            samples = "no len()" if size is None else f"{size} samples"
             raise RecipeError(
                 f"Recipe {self.name!r}: lengths has {len(self.lengths)} entries but the dataset "
-                f"has {len(self.dataset)} samples; give one length per sample"
+                f"has {samples}; give one length per sample"
             )
         for attr in ("model", "optimizer", "loss_fn"):
             if not callable(getattr(self, attr)):

@@ -65,7 +65,7 @@ def train(
     _check_arguments(steps, save_every, checkpoint_dir, resume)
     turbo = Turbo(config)
     model, optimizer = recipe.build()
-    _, _, loader = turbo.setup(
+    model, _, loader = turbo.setup(
         model,
         optimizer,
         recipe.dataset,
@@ -74,10 +74,15 @@ def train(
         seed=recipe.seed,
         lengths=recipe.lengths,
     )
-    assert loader is not None
+    # Given a dataset, setup builds the loader; it always builds the micro-batcher.
+    assert loader is not None and turbo.microbatcher is not None
+    microbatcher = turbo.microbatcher
     try:  # from here on turbo.close() restores what setup switched (TF32), whatever happens
         _check_accumulation(config, recipe, len(loader))
-        resumed_from = turbo.load(checkpoint_dir) if resume else None
+        resumed_from: Path | None = None
+        if resume:
+            assert checkpoint_dir is not None  # _check_arguments refuses resume without one
+            resumed_from = turbo.load(checkpoint_dir)
         if resumed_from is not None:
             check_steps(steps, turbo.optimizer_steps, resumed_from)
         saved, last_loss, seen_events, first_step = None, None, 0, turbo.optimizer_steps
@@ -89,18 +94,19 @@ def train(
                 metrics = turbo.step(recipe.loss_fn, batch)
                 if meter is not None:
                     meter.update(metrics)
-                for event in turbo.microbatcher.events[seen_events:]:
+                for event in microbatcher.events[seen_events:]:
                     if on_event is not None:
                         on_event(event)
-                seen_events = len(turbo.microbatcher.events)
+                seen_events = len(microbatcher.events)
                 if not metrics.optimizer_stepped:
                     continue
                 last_loss = float(metrics.loss)
                 if save_every and turbo.optimizer_steps % save_every == 0:
+                    assert checkpoint_dir is not None  # _check_arguments: save_every needs one
                     saved = turbo.save(checkpoint_dir)
                 if turbo.optimizer_steps >= steps:
                     break
-        turbo.guard.raise_if_ending_nonfinite(turbo.model, turbo.optimizer_steps)
+        turbo.guard.raise_if_ending_nonfinite(model, turbo.optimizer_steps)
         just_saved = saved is not None and saved.name == checkpoint_name(turbo.optimizer_steps)
         trained = turbo.optimizer_steps > first_step
         if checkpoint_dir is not None and trained and not just_saved:
@@ -113,9 +119,9 @@ def train(
         skipped_steps=turbo.skipped_steps,
         resumed_from=resumed_from,
         saved=saved,
-        micro_batch_split=turbo.microbatcher.split,
-        micro_batch_size=turbo.microbatcher.micro_batch_size,
-        events=tuple(turbo.microbatcher.events),
+        micro_batch_split=microbatcher.split,
+        micro_batch_size=microbatcher.micro_batch_size,
+        events=tuple(microbatcher.events),
     )
 
 

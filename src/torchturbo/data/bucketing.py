@@ -266,6 +266,7 @@ class BucketBatchSampler(Sampler[list[int]]):
             return [order[i : i + size] for i in range(0, len(order), size)]
         # About mega_batch_size budgets of real tokens per mega-batch; the cut is approximate
         # because padding is not known until the mega-batch has been packed.
+        assert self.max_tokens is not None  # _check_budget: one of the two is set
         tokens_per_mega = self.mega_batch_size * self.max_tokens
         cumulative = np.cumsum(self.lengths[order])
         thresholds = np.arange(tokens_per_mega, cumulative[-1], tokens_per_mega)

@@ -34,7 +34,10 @@ from torchturbo.distributed.consensus import agree
 from torchturbo.distributed.launch import current_env
 from torchturbo.measure.timing import sync
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+SCHEDULES: dict[str, type[ScheduleGPipe] | type[Schedule1F1B]] = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+}
 
 
 def balanced_boundaries(
@@ -55,7 +58,7 @@ def balanced_boundaries(
         )
     total = sum(sizes)
     boundaries: list[int] = []
-    running = 0
+    running: float = 0
     for index, size in enumerate(sizes):
         stages_left = num_stages - 1 - len(boundaries)
         children_left = len(sizes) - index
@@ -133,7 +136,8 @@ def split_sequential(
             f"[1, {len(model) - 1}]"
         )
     edges = [0, *cuts, len(model)]
-    return [model[start:end] for start, end in itertools.pairwise(edges)]
+    # A slice of a Sequential is a Sequential; torch annotates __getitem__ as Sequential | Module.
+    return [model[start:end] for start, end in itertools.pairwise(edges)]  # type: ignore[misc]
 
 
 @dataclass

@@ -240,7 +240,7 @@ class DataParallel(Strategy):
         # DistributedSampler pads by repetition so that every rank has as many batches as the
         # others: an uneven count leaves one rank waiting in an all-reduce that never comes.
         sampler: DistributedSampler[Any] = DistributedSampler(
-            dataset,  # type: ignore[arg-type]
+            dataset,
             num_replicas=self.env.world_size,
             rank=self.env.rank,
             shuffle=shuffle,

@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader
 
 from torchturbo import levers
 from torchturbo.bench import fixed_batches
-from torchturbo.config import CompileConfig, PrecisionConfig, TurboConfig
+from torchturbo.config import CompileConfig, Precision, PrecisionConfig, TurboConfig
 from torchturbo.data.bucketing import padding_fractions
 from torchturbo.data.loader import build_loader, to_device
 from torchturbo.distributed.launch import current_env
@@ -159,14 +159,14 @@ def _inspect(
 
 def _precision_variant(
     config: TurboConfig, device: torch.device, machine: Facts
-) -> tuple[str | None, str]:
+) -> tuple[Precision | None, str]:
     """The low precision worth timing against the config on this device, or why there is none:
     the tuner's facts decide, so that a CPU emulating bf16 is not timed at 0.05x."""
     if config.precision.dtype in ("bf16", "fp16"):
         return None, f"already {config.precision.dtype}"
     if device.type not in ("cpu", "cuda"):
         return None, f"no quick precision comparison on {device.type}"
-    candidates = ("bf16", "fp16") if device.type == "cuda" else ("bf16",)
+    candidates: tuple[Precision, ...] = ("bf16", "fp16") if device.type == "cuda" else ("bf16",)
     expectations = {name: levers.precision(machine, name) for name in candidates}
     usable = [name for name, expectation in expectations.items() if expectation.applicable]
     if usable:
@@ -178,7 +178,7 @@ def _measure_variants(
     recipe: Recipe,
     config: TurboConfig,
     facts: ModelFacts,
-    precision: str | None,
+    precision: Precision | None,
     batches: list[Any],
 ) -> dict[str, Gain] | None:
     """Time the config against its bf16 and channels_last variants, where they apply, and

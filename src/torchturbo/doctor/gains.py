@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.conv import _ConvNd
 from torch.nn.utils.fusion import fuse_conv_bn_eval
 
 from torchturbo.bench import Trial
@@ -111,6 +113,8 @@ def fold_gain(
     folded = copy.deepcopy(reference)
     for conv_name, norm_name in pairs:
         conv, norm = folded.get_submodule(conv_name), folded.get_submodule(norm_name)
+        # The pairs are conv_bn_pairs': a Conv1-3d and the BatchNorm1-3d that reads only it.
+        assert isinstance(conv, _ConvNd) and isinstance(norm, _BatchNorm)
         folded.set_submodule(conv_name, fuse_conv_bn_eval(conv, norm))
         folded.set_submodule(norm_name, nn.Identity())
 

@@ -195,8 +195,13 @@ def recipe_from_lightning(
     )
 
 
-def training_step_loss(model: pl.LightningModule, batch: Any) -> torch.Tensor:
+def training_step_loss(model: nn.Module, batch: Any) -> torch.Tensor:
     """The loss ``training_step`` returns (a tensor, or the "loss" of a dict)."""
+    if not isinstance(model, pl.LightningModule):
+        raise RecipeError(
+            f"training_step_loss got a {type(model).__name__}, not a LightningModule: the loss "
+            "is the module's own training_step, which a wrapper such as DDP does not have"
+        )
     with warnings.catch_warnings():
         # self.log() without an attached Trainer warns once per call and does nothing else.
         warnings.filterwarnings("ignore", message=r"You are trying to `self.log\(\)`")

@@ -22,12 +22,12 @@ import copy
 import functools
 import inspect
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sized
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 
 try:
     from transformers import Trainer, TrainerCallback
@@ -86,14 +86,23 @@ def recipe_from_trainer(trainer: Trainer, *, name: str | None = None) -> Recipe:
     dataset = trainer.train_dataset
     if dataset is None:
         raise RecipeError("recipe_from_trainer: the Trainer has no train_dataset to tune on")
+    size = len(dataset) if isinstance(dataset, Sized) else None
+    if size is None:
+        raise RecipeError(
+            f"recipe_from_trainer: the Trainer's train_dataset ({type(dataset).__name__}) has no "
+            "len(): the tuner draws samples by index, from a map-style dataset"
+        )
+    model = trainer.model
+    if model is None:  # Trainer.__init__ sets it, from model_init when there is one
+        raise RecipeError("recipe_from_trainer: the Trainer has no model")
     args = trainer.args
-    collate = model_input_collate(trainer.data_collator, trainer.model, args)
-    factories = _Factories(trainer)
-    probe = collate([dataset[i] for i in range(min(2, len(dataset)))])
+    collate = model_input_collate(trainer.data_collator, model, args)
+    factories = _Factories(trainer, model)
+    probe = collate([dataset[i] for i in range(min(2, size))])
     labels = probe.get("labels")
     per_token = isinstance(labels, torch.Tensor) and labels.dim() >= 2
     return Recipe(
-        name=name or type(trainer.model).__name__,
+        name=name or type(model).__name__,
         model=factories.model,
         optimizer=factories.optimizer,
         loss_fn=functools.partial(_trainer_loss, trainer),
@@ -110,12 +119,12 @@ class _Factories:
     """The recipe's model and optimizer factories; the optimizer is built over the model built
     last, whose parameter names decide weight decay."""
 
-    def __init__(self, trainer: Trainer) -> None:
+    def __init__(self, trainer: Trainer, model: nn.Module) -> None:
         self.trainer = trainer
         # Snapshot now: trainer.train() would move these weights before the tuner reads them.
-        self.initial = None if trainer.model_init is not None else copy.deepcopy(trainer.model)
+        self.initial = None if trainer.model_init is not None else copy.deepcopy(model)
         self.template = trainer.optimizer  # one passed by optimizers=(...), else None
-        self.template_model = trainer.model
+        self.template_model = model
         self.last: nn.Module | None = None
 
     def model(self) -> nn.Module:
@@ -136,10 +145,15 @@ class _Factories:
 def trainer_optimizer(trainer: Trainer, model: nn.Module) -> torch.optim.Optimizer:
     """The optimizer ``Trainer.create_optimizer`` builds by default, over ``model``: weight decay
     on all but biases and norm weights, the class and settings from ``optim`` and friends."""
-    if getattr(trainer, "optimizer_cls_and_kwargs", None) is not None:
-        optimizer_cls, optimizer_kwargs = trainer.optimizer_cls_and_kwargs
+    preset = getattr(trainer, "optimizer_cls_and_kwargs", None)
+    if preset is not None:
+        optimizer_cls, optimizer_kwargs = preset
     else:
-        optimizer_cls, optimizer_kwargs = Trainer.get_optimizer_cls_and_kwargs(trainer.args, model)
+        # transformers annotates model as a PreTrainedModel; create_optimizer passes any module.
+        optimizer_cls, optimizer_kwargs = Trainer.get_optimizer_cls_and_kwargs(
+            trainer.args,
+            model,  # type: ignore[arg-type]
+        )
     decay = set(trainer.get_decay_parameter_names(model))
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     groups = [
@@ -274,8 +288,8 @@ class TurboTrainer(Trainer):
         # Set before Trainer.__init__, which creates the accelerator (see below).
         self.turbo_config = turbo_config
         self.turbo_callback = TurboCallback(turbo_config)
-        callbacks = [*(kwargs.pop("callbacks", None) or []), self.turbo_callback]
-        super().__init__(*args, callbacks=callbacks, **kwargs)
+        kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), self.turbo_callback]
+        super().__init__(*args, **kwargs)
 
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
@@ -284,11 +298,11 @@ class TurboTrainer(Trainer):
     def get_train_dataloader(self) -> DataLoader:
         if not self.turbo_config.data.bucketing or self.train_dataset is None:
             return super().get_train_dataloader()
-        return self.accelerator.prepare(self._bucketed_loader())
+        return self.accelerator.prepare(self._bucketed_loader(self.train_dataset))
 
-    def _bucketed_loader(self) -> DataLoader:
+    def _bucketed_loader(self, dataset: Dataset) -> DataLoader:
         args, data = self.args, self.turbo_config.data
-        lengths = sample_lengths(self.train_dataset, length_column=args.length_column_name)
+        lengths = sample_lengths(dataset, length_column=args.length_column_name)
         if lengths is None:
             raise ValueError(
                 "[data] bucketing = true needs per-sample lengths: give the train dataset "
@@ -304,8 +318,9 @@ class TurboTrainer(Trainer):
             rank=0,
         )
         workers = args.dataloader_num_workers
+        assert self.model is not None  # Trainer.__init__ sets it, from model_init when given
         return DataLoader(
-            self.train_dataset,
+            dataset,
             batch_sampler=sampler,
             collate_fn=model_input_collate(self.data_collator, self.model, args),
             num_workers=workers,

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from torchturbo.config import DataConfig, DistributedConfig, TurboConfig
+from torchturbo.config import CommHookName, DataConfig, DistributedConfig, TurboConfig
 
 #: Where each trainer's callbacks live, for the notes.
 HF_CALLBACK = "torchturbo.integrations.transformers.TurboCallback"
@@ -50,7 +50,7 @@ class DDPSpec:
     gradient_as_bucket_view: bool
     static_graph: bool
     #: torchturbo's comm hook name (``distributed.ddp.COMM_HOOKS``), with PowerSGD's settings.
-    comm_hook: str
+    comm_hook: CommHookName
     powersgd_rank: int
     powersgd_warmup: int
 

@@ -23,6 +23,7 @@ import functools
 import importlib
 import warnings
 from types import ModuleType
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -146,12 +147,14 @@ def _bias_gelu_backward_fake(grad: Tensor, x: Tensor, bias: Tensor) -> Tensor:
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-def _setup_context(ctx, inputs: tuple[Tensor, Tensor], output: Tensor) -> None:
+# ctx is Any, as torch.autograd.Function's own signatures type it: the stub of its class types
+# saved_tensors and needs_input_grad as one-element tuples.
+def _setup_context(ctx: Any, inputs: tuple[Tensor, Tensor], output: Tensor) -> None:
     x, bias = inputs
     ctx.save_for_backward(x, bias)
 
 
-def _backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:
+def _backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:
     x, bias = ctx.saved_tensors
     grad_x = bias_gelu_backward(grad.contiguous(), x, bias)
     # d(x + bias)/d bias sums the broadcast dimensions; the kernel already gave d/d(x + bias).

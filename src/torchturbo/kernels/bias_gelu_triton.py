@@ -26,8 +26,12 @@ from torch import Tensor
 BLOCK = 1024
 
 
+# The kernels' parameters stay unannotated: Triton reads the annotations of a @triton.jit
+# function as its signature (an ``int`` would compile as i32, and numel may exceed 2**31).
 @triton.jit
-def _forward_kernel(x_ptr, bias_ptr, y_ptr, numel, cols, BLOCK: tl.constexpr, ACC: tl.constexpr):
+def _forward_kernel(  # type: ignore[no-untyped-def]
+    x_ptr, bias_ptr, y_ptr, numel, cols, BLOCK: tl.constexpr, ACC: tl.constexpr
+):
     # int64 offsets: a tensor of more than 2**31 elements must not wrap around.
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < numel
@@ -38,7 +42,7 @@ def _forward_kernel(x_ptr, bias_ptr, y_ptr, numel, cols, BLOCK: tl.constexpr, AC
 
 
 @triton.jit
-def _backward_kernel(
+def _backward_kernel(  # type: ignore[no-untyped-def]
     grad_ptr, x_ptr, bias_ptr, out_ptr, numel, cols, BLOCK: tl.constexpr, ACC: tl.constexpr
 ):
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -68,7 +72,9 @@ def backward(grad: Tensor, x: Tensor, bias: Tensor) -> Tensor:
     return out
 
 
-def _launch(kernel, x: Tensor, bias: Tensor, tensors: tuple[Tensor, ...]) -> None:
+def _launch(
+    kernel: triton.JITFunction, x: Tensor, bias: Tensor, tensors: tuple[Tensor, ...]
+) -> None:
     if x.numel() == 0:
         return
     acc = tl.float64 if x.dtype == torch.float64 else tl.float32

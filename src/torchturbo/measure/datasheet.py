@@ -80,7 +80,8 @@ _ROWS: tuple[
     (r"\bT4\b", "T4", "t4", 8.1, None, None, 65, None),
 )
 TABLE: tuple[tuple[str, GpuPeaks], ...] = tuple(
-    (pattern, GpuPeaks(name, SOURCES[source], *tflops)) for pattern, name, source, *tflops in _ROWS
+    (pattern, GpuPeaks(name, SOURCES[source], fp32, tf32, bf16, fp16, fp8))
+    for pattern, name, source, fp32, tf32, bf16, fp16, fp8 in _ROWS
 )
 
 

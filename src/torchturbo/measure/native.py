@@ -81,10 +81,12 @@ def _emulated(device_type: str, index: int | None, fmt: str) -> str | None:
     if fmt == "fp32":
         return None
     if device_type == "cuda":
+        assert index is not None  # emulated() resolved the current CUDA device
         return _cuda_reason(torch.device("cuda", index), fmt)
     if device_type == "cpu":
         return _cpu_reason(fmt)
-    return _measured_reason(torch.device(device_type, index), fmt)
+    # torch.device(type, None) is valid: torch's stub types the index as int.
+    return _measured_reason(torch.device(device_type, index), fmt)  # type: ignore[arg-type]
 
 
 def _cuda_reason(device: torch.device, fmt: str) -> str | None:
@@ -131,7 +133,8 @@ def gemm_speedup(device: torch.device | str, fmt: str) -> float:
 
 @functools.cache
 def _gemm_speedup(device_type: str, index: int | None, fmt: str) -> float:
-    device = torch.device(device_type, index)
+    # torch.device(type, None) is valid: torch's stub types the index as int.
+    device = torch.device(device_type, index)  # type: ignore[arg-type]
     if fmt == "tf32":
         return _tf32_speedup(device) if device_type == "cuda" else 1.0
     if fmt not in _TORCH_DTYPES:

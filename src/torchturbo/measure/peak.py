@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -38,6 +38,13 @@ _TARGET_SECONDS = 0.2
 #: Size bounds: below 256 a CPU matmul is overhead-bound; 8192^2 operands fit any device here.
 _MIN_N, _MAX_N = 256, 8192
 _REPEATS = 5
+
+if sys.version_info >= (3, 11):
+    from math import cbrt
+else:  # pragma: no cover - exercised only on Python 3.10, whose math has no cbrt
+
+    def cbrt(x: float) -> float:
+        return x ** (1 / 3)
 
 
 def dtype_for_precision(name: str) -> torch.dtype:
@@ -71,7 +78,8 @@ def _measure_peak(
     device_type: str, index: int | None, dtype: torch.dtype, _precision: str, _threads: int
 ) -> float:
     # _precision and _threads are cache keys only: the rate is measured under the current settings.
-    device = torch.device(device_type, index)
+    # torch.device(type, None) is valid: torch's stub types the index as int.
+    device = torch.device(device_type, index)  # type: ignore[arg-type]
     rate = _probe(device, dtype)
     # A busy machine can make the probe underestimate the rate and so pick too short a block;
     # re-plan from the better estimate until a block lasts at least half the target.
@@ -86,7 +94,7 @@ def _measure_peak(
 def _plan(rate: float) -> tuple[int, int]:
     """Matrix size and matmuls per timed block so that the block takes about the target time."""
     # n^3 grows fast, so pick n for the target time, then repeat the matmul if n hit its bound.
-    n = max(_MIN_N, min(_MAX_N, int(math.cbrt(rate * _TARGET_SECONDS / 2)) // 256 * 256))
+    n = max(_MIN_N, min(_MAX_N, int(cbrt(rate * _TARGET_SECONDS / 2)) // 256 * 256))
     iters = max(1, round(rate * _TARGET_SECONDS / (2 * n**3)))
     return n, iters
 
@@ -144,7 +152,7 @@ def stated_peak(device: torch.device | str, fmt: str) -> Peak:
     if device.type == "cuda":
         gpu = known_gpu(torch.cuda.get_device_name(device))
         tflops = None if gpu is None else gpu.tflops(unit)
-        if tflops is not None:
+        if gpu is not None and tflops is not None:
             return Peak(tflops * 1e12, fmt, unit, f"datasheet {gpu.name}", why)
     measured = measured_format_peak(device, unit)
     if measured is None:

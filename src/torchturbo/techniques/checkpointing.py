@@ -88,9 +88,7 @@ def checkpoint_module(module: nn.Module) -> None:
     """Make ``module`` recompute its forward during backward instead of saving activations."""
     if getattr(module, CHECKPOINTED_MARK, False):
         return
-    module.forward = functools.partial(  # type: ignore[method-assign]
-        _checkpointed_forward, module, module.forward
-    )
+    module.forward = functools.partial(_checkpointed_forward, module, module.forward)
     setattr(module, CHECKPOINTED_MARK, True)
 
 

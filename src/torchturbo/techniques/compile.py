@@ -46,7 +46,7 @@ def apply_compile(model: nn.Module, config: CompileConfig) -> TechniqueResult:
             # is traced and inlines the rest. TODO: drop once torch >= the release with
             # pytorch/pytorch#185722 is the minimum.
             compiled = torch.compile(functools.partial(_run, model.forward), **options)
-            model.forward = compiled  # type: ignore[method-assign]
+            model.forward = compiled
         else:
             model.compile(**options)
     except RuntimeError as err:

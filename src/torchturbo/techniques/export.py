@@ -25,7 +25,7 @@ import io
 import os
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sized
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -209,9 +209,15 @@ def capture_model_inputs(model: nn.Module, recipe: Recipe, batch_size: int) -> t
     """The positional arguments ``recipe.loss_fn`` calls ``model`` with on a first batch."""
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"capture_model_inputs(batch_size={batch_size!r}): expected an int >= 1")
-    count = min(batch_size, len(recipe.dataset))
+    dataset = recipe.dataset
+    if not isinstance(dataset, Sized):
+        raise ValueError(
+            f"recipe {recipe.name!r}: its dataset ({type(dataset).__name__}) has no len(), and "
+            "export_model reads the first samples by index"
+        )
+    count = min(batch_size, len(dataset))
     collate = recipe.collate_fn()
-    batch = collate([recipe.dataset[i] for i in range(count)])
+    batch = collate([dataset[i] for i in range(count)])
     captured: list[tuple[Any, ...]] = []
 
     def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

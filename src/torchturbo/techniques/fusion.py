@@ -118,6 +118,7 @@ def _fuse_graph_pairs(gm: torch.fx.GraphModule) -> tuple[tuple[str, ...], tuple[
         producer_node = bn_node.args[0] if bn_node.args else None
         if not isinstance(producer_node, torch.fx.Node) or producer_node.op != "call_module":
             continue
+        assert isinstance(producer_node.target, str)  # a call_module node's target: its name
         producer = modules[producer_node.target]
         if not isinstance(producer, (*_CONVS, *_TRANSPOSED_CONVS, nn.Linear)):
             continue

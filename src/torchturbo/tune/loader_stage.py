@@ -19,7 +19,7 @@ from torchturbo.config import DataConfig
 from torchturbo.data.loader import default_candidates, describe, to_device, tune_loader
 from torchturbo.distributed.consensus import agree
 from torchturbo.measure.timing import time_once
-from torchturbo.tune.outcome import Outcome
+from torchturbo.tune.outcome import Outcome, State
 
 if TYPE_CHECKING:
     from torchturbo.tune.search import Incumbent, Run
@@ -49,7 +49,7 @@ def loader_stage(
     )
     if agree(load_s < COMPUTE_BOUND_SHARE * step_s):
         reason = f"compute-bound: {figures}; worker settings cannot speed the step up"
-        record = {"verdict": "compute-bound", "reason": reason, "chosen": None}
+        record: dict[str, Any] = {"verdict": "compute-bound", "reason": reason, "chosen": None}
         return (
             Outcome(
                 stage="data_loader",
@@ -103,7 +103,7 @@ def loader_stage(
         "chosen": tuning.chosen.__dict__ if tuning.input_bound else None,
     }
     name = f"loader: {describe(tuning.chosen)}"
-    state = "adopted" if tuning.input_bound else "rejected"
+    state: State = "adopted" if tuning.input_bound else "rejected"
     outcome = Outcome(
         stage="data_loader",
         name=name,

@@ -166,9 +166,9 @@ def _plot_loss(results: dict) -> Figure | None:
     curves_axes.grid(alpha=0.3)
     curves_axes.legend(fontsize=8)
     curves_axes.set_title("Training loss, baseline and chosen configuration", fontsize=10)
-    steps, differences = relative_loss_difference(curves)
-    if steps:
-        diff_axes.plot(steps, differences, color=_ADOPTED_COLOR, marker="x", markersize=4)
+    compared, differences = relative_loss_difference(curves)
+    if compared:
+        diff_axes.plot(compared, differences, color=_ADOPTED_COLOR, marker="x", markersize=4)
     tolerance = num(results.get("loss_tolerance"))
     if tolerance is not None:
         diff_axes.axhspan(

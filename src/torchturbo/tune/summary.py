@@ -21,9 +21,9 @@ from torchturbo.tune.fields import (
 def headline(results: dict) -> str:
     """The one number a user came for, with its unit, and what was left unmeasured."""
     unit = str(results.get("unit") or "throughput")
-    confirmation = (
-        results.get("confirmation") if isinstance(results.get("confirmation"), dict) else {}
-    )
+    confirmation = results.get("confirmation")
+    if not isinstance(confirmation, dict):
+        confirmation = {}
     state = confirmation.get("state")
     if state == "consistent":
         line = (

@@ -40,7 +40,7 @@ def incremental_rows(results: dict) -> list[tuple[str, ...]]:
     figure against the baseline is the confirmation's, under the table.
     """
     base = baseline_candidate(results)
-    rows = [
+    rows: list[tuple[str, ...]] = [
         (
             f"baseline ({BASELINE_LABEL})",
             "",
@@ -88,7 +88,7 @@ CANDIDATE_HEADERS = (
 def candidate_rows(results: dict) -> list[tuple[str, ...]]:
     """Every candidate in the article's stage order, with the one measurement that decided it."""
     gone = dropped(results)
-    rows = []
+    rows: list[tuple[str, ...]] = []
     for c in results.get("candidates") or []:
         if c.get("stage") == "baseline":
             continue

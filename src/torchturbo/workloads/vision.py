@@ -52,10 +52,12 @@ _NORM_LAYERS: dict[str, Callable[[int], nn.Module]] = {
 NORMS = tuple(_NORM_LAYERS)
 
 
-def _conv_norm(c_in: int, c_out: int, kernel: int, stride: int, norm: str) -> list[nn.Module]:
+def _conv_norm(
+    c_in: int, c_out: int, kernel: int, stride: int, norm: str
+) -> tuple[nn.Conv2d, nn.Module]:
     # A conv followed by a norm needs no bias: the norm's shift replaces it.
     conv = nn.Conv2d(c_in, c_out, kernel, stride, kernel // 2, bias=norm == "none")
-    return [conv, _NORM_LAYERS[norm](c_out)]
+    return conv, _NORM_LAYERS[norm](c_out)
 
 
 class BasicBlock(nn.Module):
