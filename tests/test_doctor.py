@@ -39,7 +39,8 @@ def _mlp(inputs: int, hidden: int, classes: int) -> nn.Module:
 
 
 class SlowDataset(Dataset):
-    """Samples that cost 5 ms each to produce, like decoding a file."""
+    """Samples that cost 15 ms each to produce, like decoding a file: a batch of 8 waits
+    120 ms, input-bound even when a busy machine slows the tiny MLP's step to ~150 ms."""
 
     def __init__(self, n: int) -> None:
         self.inputs = torch.randn(n, 64)
@@ -49,7 +50,7 @@ class SlowDataset(Dataset):
         return len(self.targets)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        time.sleep(0.005)
+        time.sleep(0.015)
         return self.inputs[i], self.targets[i]
 
 
@@ -96,7 +97,7 @@ def test_main_process_loader_of_slow_samples_is_flagged(misaligned):
     assert item.state == "recommended"
     assert "num_workers=0" in item.evidence
     assert item.estimated_gain is not None and item.estimated_gain.startswith("up to")
-    # 40 ms of sleeping per batch against a sub-millisecond MLP step.
+    # 120 ms of sleeping per batch against a sub-millisecond MLP step (on a quiet machine).
     assert misaligned.bound == "input-bound", misaligned.breakdown
     assert misaligned.breakdown["input_wait"] > 0.01
 
