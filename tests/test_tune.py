@@ -157,18 +157,26 @@ def test_later_candidates_train_on_the_batches_an_earlier_one_adopted(monkeypatc
     assert trained_on[-1] is special  # not the baseline's batches
 
 
+def clipping_stage(ctx):
+    """Two candidates every machine can run (unlike bf16, not applicable where it is emulated)."""
+    return [
+        Candidate("clip 10", ctx.best.replace(clipping__max_norm=10.0), 1.5),
+        Candidate("clip 20", ctx.best.replace(clipping__max_norm=20.0), 1.4),
+    ]
+
+
 def test_a_candidate_that_does_not_fit_the_budget_is_not_measured_and_says_what_it_needs():
     options = dataclasses.replace(QUICK, time_budget_s=0.001)
-    _, result = tune(tiny_recipe(), options, stages=_only("precision"))
-    bf16 = _rows(result)["bf16"]
-    assert bf16.verdict == "not measured" and bf16.comparison is None
-    assert bf16.reason.startswith("budget: needs ~") and bf16.estimate_s > 0
+    _, result = tune(tiny_recipe(), options, stages={"clipping": clipping_stage})
+    clip = _rows(result)["clip 10"]
+    assert clip.verdict == "not measured" and clip.comparison is None
+    assert clip.reason.startswith("budget: needs ~") and clip.estimate_s > 0
     # Nothing adopted: no confirmation, 1.00x by definition, and the headline says what to do.
     assert result.confirmation.state == "not needed" and result.confirmation.ratio == 1.0
     from torchturbo.tune.summary import headline
 
     line = headline(result.to_dict())
-    assert "not measured for lack of time: bf16" in line and "min would measure" in line
+    assert "not measured for lack of time: clip 10" in line and "min would measure" in line
 
 
 class ScaledClock:
@@ -243,17 +251,11 @@ def test_only_and_skip_choose_stages_and_unknown_names_list_the_stages():
 def test_tuning_again_reuses_what_was_measured_and_measures_the_rest():
     recipe = tiny_recipe()
 
-    def stage(ctx):
-        return [
-            Candidate("clip 10", ctx.best.replace(clipping__max_norm=10.0), 1.5),
-            Candidate("clip 20", ctx.best.replace(clipping__max_norm=20.0), 1.4),
-        ]
-
-    first_stages = {"first": stage}
+    first_stages = {"first": clipping_stage}
     _, first = tune(recipe, QUICK, stages=first_stages)
     decided = {o.name for o in first.candidates if o.verdict in ("adopted", "rejected")}
     assert decided == {"clip 10", "clip 20"}
-    both = {"first": stage, **_only("memory_format")}
+    both = {"first": clipping_stage, **_only("memory_format")}
     _, second = tune(recipe, QUICK, stages=both, previous=first.to_dict())
     rows = _rows(second)
     for name in decided:
@@ -267,14 +269,7 @@ def test_tuning_again_reuses_what_was_measured_and_measures_the_rest():
 def test_a_previous_run_is_rebuilt_from_its_last_adoption_not_its_last_row():
     """Rows are in stage order, adoptions in the order they happened: the chosen config is the
     config of the last adoption, which contains the ones before it."""
-
-    def clipping(ctx):
-        return [
-            Candidate("clip 10", ctx.best.replace(clipping__max_norm=10.0), 1.5),
-            Candidate("clip 20", ctx.best.replace(clipping__max_norm=20.0), 1.4),
-        ]
-
-    _, first = tune(tiny_recipe(), QUICK, stages={"clipping": clipping})
+    _, first = tune(tiny_recipe(), QUICK, stages={"clipping": clipping_stage})
     results = first.to_dict()
     rows = [r for r in results["candidates"] if r["verdict"] in ("adopted", "rejected")]
     assert len(rows) >= 2
