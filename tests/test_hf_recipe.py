@@ -32,6 +32,8 @@ def test_the_tuner_measures_and_adopts_length_buckets_on_a_transformers_encoder(
     buckets = next(o for o in result.candidates if o.name == "length buckets")
     assert buckets.expected_gain > 1.5  # ~66% padding in random batches, ~3% in buckets
     assert buckets.verdict == "adopted", buckets.reason
+    # Every round took each of the 8 bucketed (and 8 random) batches once: the same work.
+    assert buckets.comparison.steps_per_round % 8 == 0
     assert config.data.bucketing
     assert result.confirmation.state in ("confirmed", "consistent")
     assert result.elapsed_s <= 1.1 * options.time_budget_s

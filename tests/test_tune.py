@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,8 +16,8 @@ from torchturbo.config import TurboConfig
 from torchturbo.recipe import Recipe
 from torchturbo.tune import candidate as candidate_module
 from torchturbo.tune.budget import COMPILE_BASE_S
-from torchturbo.tune.compare import compare
-from torchturbo.tune.decide import Verdict
+from torchturbo.tune.compare import batch_cycle, compare, steps_per_round
+from torchturbo.tune.decide import MIN_ROUNDS, Verdict
 from torchturbo.tune.outcome import STATES
 from torchturbo.tune.previous import Previous
 from torchturbo.tune.search import TuneOptions, select_stages, tune
@@ -343,6 +344,51 @@ def test_a_config_against_itself_is_not_called_faster():
         reference.close()
         same.close()
     assert decisions.count("faster") <= 1, decisions
+
+
+def test_a_decided_comparison_settles_on_more_rounds_only_while_the_budget_allows(monkeypatch):
+    _slowed(monkeypatch, 123.0, 0.02)  # the reference is clearly slower: decided in few rounds
+    recipe = tiny_recipe()
+    batches = fixed_batches(recipe, 8)
+    slow, _ = start_trial(
+        recipe, TurboConfig(device="cpu").replace(clipping__max_norm=123.0), batches
+    )
+    fast, _ = start_trial(recipe, TurboConfig(device="cpu"), batches)
+    try:
+
+        def rounds(settle_rounds, may_continue, min_rounds=MIN_ROUNDS):
+            measured = compare(
+                slow,
+                fast,
+                against="slow",
+                device=torch.device("cpu"),
+                max_rounds=12,
+                may_continue=may_continue,
+                min_rounds=min_rounds,
+                settle_rounds=settle_rounds,
+            )
+            assert measured.comparison.speed.decision == "faster"
+            return measured.comparison.speed.rounds
+
+        assert rounds(1, lambda seconds: True) < 6  # decided early, and stopped there
+        assert rounds(6, lambda seconds: True) == 6
+        # No budget: a decided ratio is not settled (min_rounds keeps an undecided one going).
+        assert rounds(6, lambda seconds: False, min_rounds=6) < 6
+    finally:
+        slow.close()
+        fast.close()
+
+
+def test_variable_length_batches_are_compared_in_whole_cycles():
+    def trial(lengths, count):
+        return SimpleNamespace(recipe=SimpleNamespace(lengths=lengths), batches=[None] * count)
+
+    assert batch_cycle(trial(None, 8), trial(None, 8)) == 1
+    assert batch_cycle(trial([3, 5], 8), trial([3, 5], 8)) == 8
+    assert batch_cycle(trial([3, 5], 8), trial([3, 5], 6)) == 24
+    assert steps_per_round(0.5) == 1 and steps_per_round(0.5, 8) == 8
+    assert steps_per_round(0.001) == 8 and steps_per_round(0.001, 8) == 8
+    assert steps_per_round(0.02, 3) == 3  # 0.05 s needs 3 steps: one whole cycle of 3
 
 
 def _context(recipe, world_size=2, comm_share=0.3):

@@ -49,7 +49,7 @@ def estimate(run: Run, candidate: Candidate, best: Incumbent) -> Estimate:
     step = _expected_step(run, candidate, best)
     compiles = candidate.config.compile.mode != best.config.compile.mode
     compile_s = compile_seconds(run.facts) if compiles else 0.0
-    per_round = steps_per_round(min(step, best_step))
+    per_round = steps_per_round(min(step, best_step), run_cycle(run))
     fixed = run.build_s + compile_s + (1 + WARM_STEPS) * step + step  # + the memory probe
     if compiles:
         fixed += (NUM_BATCHES - 1) * step  # one pass over every batch shape: recompiles
@@ -62,7 +62,15 @@ def estimate(run: Run, candidate: Candidate, best: Incumbent) -> Estimate:
 
 def reserve(run: Run, best_step_s: float) -> float:
     """Seconds held back for the confirmation (were the best to change) and the report."""
-    return REPORT_S + confirm_seconds(run.baseline_step_s, best_step_s, steps_per_round)
+    cycle = run_cycle(run)
+    return REPORT_S + confirm_seconds(
+        run.baseline_step_s, best_step_s, lambda step_s: steps_per_round(step_s, cycle)
+    )
+
+
+def run_cycle(run: Run) -> int:
+    """The batch cycle every comparison of this run will use (``compare.batch_cycle``)."""
+    return NUM_BATCHES if run.recipe.lengths is not None else 1
 
 
 def _expected_step(run: Run, candidate: Candidate, best: Incumbent) -> float:

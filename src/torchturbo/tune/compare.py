@@ -33,11 +33,27 @@ MAX_STEPS_PER_ROUND = 8
 HOPELESS_SLOWDOWN = 5.0
 
 
-def steps_per_round(step_s: float) -> int:
-    """Steps per timed block for a step of ``step_s`` seconds (see ``MIN_BLOCK_S``)."""
-    if not step_s > 0:
-        return MAX_STEPS_PER_ROUND
-    return max(1, min(MAX_STEPS_PER_ROUND, math.ceil(MIN_BLOCK_S / step_s)))
+def steps_per_round(step_s: float, cycle: int = 1) -> int:
+    """Steps per timed block for a step of ``step_s`` seconds (see ``MIN_BLOCK_S``), rounded
+    up to whole ``cycle``s of the trials' batches (see :func:`batch_cycle`)."""
+    steps = MAX_STEPS_PER_ROUND
+    if step_s > 0:
+        steps = max(1, min(MAX_STEPS_PER_ROUND, math.ceil(MIN_BLOCK_S / step_s)))
+    return cycle * math.ceil(steps / cycle)
+
+
+def batch_cycle(reference: Trial, candidate: Trial) -> int:
+    """Steps after which both trials have taken each of their batches once, when the recipe's
+    samples vary in length; 1 otherwise.
+
+    Variable-length batches differ in cost and in count (padded lengths, or length buckets
+    holding many short samples or few long ones): a round of one batch per side would compare
+    whichever two batches came up, and the ratio would swing from round to round far beyond
+    the real difference. Rounds of whole cycles compare the same work every round.
+    """
+    if reference.recipe.lengths is None:
+        return 1
+    return math.lcm(len(reference.batches), len(candidate.batches))
 
 
 @dataclass(frozen=True)
@@ -57,13 +73,16 @@ def compare(
     max_rounds: int,
     may_continue: Callable[[float], bool],
     min_rounds: int = 1,
+    settle_rounds: int = 1,
     clock: Callable[[], float] = time.perf_counter,
 ) -> Measured:
     """Time ``candidate`` against ``reference`` until the ratio is decided, ``max_rounds`` are
     done, or ``may_continue(seconds of the next round)`` says no (asked only once ``min_rounds``
-    are done). Sets both trials' ``step_seconds`` to their median of this measurement."""
+    are done). A decided ratio is measured on up to ``settle_rounds`` while ``may_continue``
+    allows, to narrow the interval a report quotes (the decision only needs it to clear 1).
+    Sets both trials' ``step_seconds`` to their median of this measurement."""
     step_s = min(s for s in (reference.step_seconds, candidate.step_seconds, math.inf) if s)
-    per_round = steps_per_round(step_s)
+    per_round = steps_per_round(step_s, batch_cycle(reference, candidate))
     reference.align_with(candidate)
     cut_short = False
 
@@ -79,6 +98,8 @@ def compare(
         out_of_time = (
             not decided and min_rounds <= len(rounds) < max_rounds and not may_continue(next_s)
         )
+        if decided and not hopeless and len(rounds) < settle_rounds:
+            decided = not may_continue(next_s)
         decided, out_of_time = agree((decided, out_of_time))
         cut_short = out_of_time
         return decided or out_of_time

@@ -20,6 +20,7 @@ from torchturbo.bench import Trial, start_trial
 from torchturbo.config import TurboConfig
 from torchturbo.distributed.consensus import agree
 from torchturbo.tune import batching
+from torchturbo.tune.budget import CONFIRM_ROUNDS
 from torchturbo.tune.compare import Measured, compare
 from torchturbo.tune.decide import MIN_ROUNDS, describe, estimate
 from torchturbo.tune.outcome import Confirmation
@@ -80,6 +81,7 @@ def _against_baseline(run: Run, baseline: Incumbent, trial: Trial) -> Measured:
         max_rounds=run.options.max_rounds,
         may_continue=lambda seconds: run.budget.left() - REPORT_S >= seconds,
         min_rounds=MIN_ROUNDS,
+        settle_rounds=CONFIRM_ROUNDS,
         clock=run.clock,
     )
 
