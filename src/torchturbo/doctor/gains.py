@@ -136,5 +136,6 @@ def fold_gain(
         device=device,
         max_rounds=MAX_ROUNDS,
         may_continue=lambda seconds: True,
+        cycle=1,  # every call runs the same batch
     )
     return Gain("unfolded", measured.comparison.speed, "eval-mode forward")

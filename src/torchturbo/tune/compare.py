@@ -74,15 +74,19 @@ def compare(
     may_continue: Callable[[float], bool],
     min_rounds: int = 1,
     settle_rounds: int = 1,
+    cycle: int | None = None,
     clock: Callable[[], float] = time.perf_counter,
 ) -> Measured:
     """Time ``candidate`` against ``reference`` until the ratio is decided, ``max_rounds`` are
     done, or ``may_continue(seconds of the next round)`` says no (asked only once ``min_rounds``
     are done). A decided ratio is measured on up to ``settle_rounds`` while ``may_continue``
     allows, to narrow the interval a report quotes (the decision only needs it to clear 1).
+    Rounds are whole ``cycle``s of steps (default: :func:`batch_cycle` of the two trials).
     Sets both trials' ``step_seconds`` to their median of this measurement."""
     step_s = min(s for s in (reference.step_seconds, candidate.step_seconds, math.inf) if s)
-    per_round = steps_per_round(step_s, batch_cycle(reference, candidate))
+    if cycle is None:
+        cycle = batch_cycle(reference, candidate)
+    per_round = steps_per_round(step_s, cycle)
     reference.align_with(candidate)
     cut_short = False
 
