@@ -46,7 +46,7 @@ from torchturbo.techniques.backend import cudnn_benchmark
 from torchturbo.techniques.compile import CompileError, compile_failure
 from torchturbo.techniques.optimizer import rebuild_optimizer
 from torchturbo.techniques.precision import Precision
-from torchturbo.techniques.result import TechniqueResult, applied, not_applied
+from torchturbo.techniques.result import TechniqueResult, applied, not_applied, reasons
 
 LossOutput = torch.Tensor | tuple[torch.Tensor, int | float | torch.Tensor]
 LossFn = Callable[[nn.Module, Any], LossOutput]
@@ -213,8 +213,7 @@ class Turbo:
     @property
     def applied(self) -> dict[str, str | None]:
         """Requested technique -> None when it took effect, else why not (for reports)."""
-        report = {name: result.reason for name, result in self._results.items()}
-        return {**report, **self._notes}
+        return {**reasons(self._results), **self._notes}
 
     @property
     def results(self) -> dict[str, TechniqueResult]:

@@ -45,7 +45,7 @@ from torchturbo.techniques.compile import apply_compile
 from torchturbo.techniques.float8 import apply_float8_training
 from torchturbo.techniques.memory_format import apply_channels_last
 from torchturbo.techniques.precision import float32_matmul_precision
-from torchturbo.techniques.result import TechniqueResult, applied
+from torchturbo.techniques.result import TechniqueResult, applied, reasons
 
 __all__ = ["TurboLightningCallback", "recipe_from_lightning", "trainer_kwargs"]
 
@@ -104,7 +104,7 @@ class TurboLightningCallback(pl.Callback):
     @property
     def applied(self) -> dict[str, str | None]:
         """Technique -> None when it took effect, else why not (``Turbo.applied``'s shape)."""
-        return {name: result.reason for name, result in self.results.items()}
+        return reasons(self.results)
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":

@@ -48,7 +48,7 @@ from torchturbo.techniques.checkpointing import apply_activation_checkpointing
 from torchturbo.techniques.float8 import apply_float8_training
 from torchturbo.techniques.memory_format import apply_channels_last
 from torchturbo.techniques.precision import float32_matmul_precision
-from torchturbo.techniques.result import TechniqueResult, applied
+from torchturbo.techniques.result import TechniqueResult, applied, reasons
 
 __all__ = [
     "TurboCallback",
@@ -235,7 +235,7 @@ class TurboCallback(TrainerCallback):
     @property
     def applied(self) -> dict[str, str | None]:
         """Technique -> None when it took effect, else why not (``Turbo.applied``'s shape)."""
-        return {name: result.reason for name, result in self.results.items()}
+        return reasons(self.results)
 
     def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._transform(kwargs.get("model"))

@@ -8,6 +8,7 @@ the engine reads ``applied`` to decide what it does next (NHWC inputs or not), a
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 
@@ -37,3 +38,8 @@ def applied(technique: str, targets: tuple[str, ...] = ()) -> TechniqueResult:
 def not_applied(technique: str, reason: str) -> TechniqueResult:
     """The technique did not take effect, and why (one line, for reports)."""
     return TechniqueResult(technique=technique, applied=False, reason=reason)
+
+
+def reasons(results: Mapping[str, TechniqueResult]) -> dict[str, str | None]:
+    """Technique -> None when it took effect, else why not: the report form of ``results``."""
+    return {name: result.reason for name, result in results.items()}
