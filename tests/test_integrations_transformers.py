@@ -388,6 +388,7 @@ import torch
 from test_integrations_transformers import arguments, tagging_samples, tiny_bert, tokenizer
 from transformers import DataCollatorForTokenClassification
 from torchturbo import TurboConfig
+from torchturbo.distributed import shutdown
 from torchturbo.integrations.transformers import TurboTrainer, training_arguments
 from pathlib import Path
 
@@ -408,7 +409,10 @@ first = [p.detach().clone() for p in trainer.model.parameters()][0]
     "wrapper": type(ddp).__name__, "comm_hook": logging.get("comm_hook"),
     "first": first.flatten()[:8].tolist(),
 }}))
-torch.distributed.destroy_process_group()
+# The Trainer and its DDP wrapper hold the process group: free them before it is destroyed,
+# or gloo work they reference can abort the process at exit.
+del trainer, ddp
+shutdown()
 """
 
 
