@@ -99,17 +99,11 @@ def _checkpointed_forward(module: nn.Module, forward: Callable, *args: Any, **kw
     torch.compile accepts only ``TorchDispatchMode`` pairs as ``context_fn``, and needs none here:
     the compiled backward replays the recorded graph, whose buffer updates ran once, in forward.
     """
-    if torch.compiler.is_compiling():
-        return torch.utils.checkpoint.checkpoint(
-            forward, *args, use_reentrant=False, preserve_rng_state=True, **kwargs
-        )
+    contexts: dict[str, Any] = {}
+    if not torch.compiler.is_compiling():
+        contexts["context_fn"] = functools.partial(_recompute_contexts, module)
     return torch.utils.checkpoint.checkpoint(
-        forward,
-        *args,
-        use_reentrant=False,
-        preserve_rng_state=True,
-        context_fn=functools.partial(_recompute_contexts, module),
-        **kwargs,
+        forward, *args, use_reentrant=False, preserve_rng_state=True, **contexts, **kwargs
     )
 
 
