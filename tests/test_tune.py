@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -380,12 +379,10 @@ def test_a_decided_comparison_settles_on_more_rounds_only_while_the_budget_allow
 
 
 def test_variable_length_batches_are_compared_in_whole_cycles():
-    def trial(lengths, count):
-        return SimpleNamespace(recipe=SimpleNamespace(lengths=lengths), batches=[None] * count)
-
-    assert batch_cycle(trial(None, 8), trial(None, 8)) == 1
-    assert batch_cycle(trial([3, 5], 8), trial([3, 5], 8)) == 8
-    assert batch_cycle(trial([3, 5], 8), trial([3, 5], 6)) == 24
+    fixed, varying = tiny_recipe(), tiny_recipe(lengths=[3, 5] * 32)
+    assert batch_cycle(fixed, 8, 8) == 1
+    assert batch_cycle(varying, 8, 8) == 8
+    assert batch_cycle(varying, 8, 6) == 24
     assert steps_per_round(0.5) == 1 and steps_per_round(0.5, 8) == 8
     assert steps_per_round(0.001) == 8 and steps_per_round(0.001, 8) == 8
     assert steps_per_round(0.02, 3) == 3  # 0.05 s needs 3 steps: one whole cycle of 3

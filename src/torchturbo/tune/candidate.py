@@ -20,7 +20,7 @@ from torchturbo.facts import shape_key
 from torchturbo.measure.timing import time_once
 from torchturbo.tune import batching
 from torchturbo.tune.budget import candidate_seconds, compile_seconds, confirm_seconds
-from torchturbo.tune.compare import Measured, compare, steps_per_round
+from torchturbo.tune.compare import Measured, batch_cycle, compare, steps_per_round
 from torchturbo.tune.decide import MIN_ROUNDS, break_even_steps, judge, loss_parity
 from torchturbo.tune.outcome import Outcome, State
 from torchturbo.tune.stages import Candidate
@@ -69,8 +69,8 @@ def reserve(run: Run, best_step_s: float) -> float:
 
 
 def run_cycle(run: Run) -> int:
-    """The batch cycle every comparison of this run will use (``compare.batch_cycle``)."""
-    return NUM_BATCHES if run.recipe.lengths is not None else 1
+    """The batch cycle of this run's comparisons: each trial holds ``NUM_BATCHES`` batches."""
+    return batch_cycle(run.recipe, NUM_BATCHES)
 
 
 def _expected_step(run: Run, candidate: Candidate, best: Incumbent) -> float:

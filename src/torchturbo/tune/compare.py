@@ -21,6 +21,7 @@ import torch
 from torchturbo.bench import Trial
 from torchturbo.distributed.consensus import agree
 from torchturbo.measure.paired import Round, Side, paired_rounds
+from torchturbo.recipe import Recipe
 from torchturbo.tune.decide import estimate
 from torchturbo.tune.outcome import Comparison
 
@@ -42,18 +43,18 @@ def steps_per_round(step_s: float, cycle: int = 1) -> int:
     return cycle * math.ceil(steps / cycle)
 
 
-def batch_cycle(reference: Trial, candidate: Trial) -> int:
-    """Steps after which both trials have taken each of their batches once, when the recipe's
-    samples vary in length; 1 otherwise.
+def batch_cycle(recipe: Recipe, *batch_counts: int) -> int:
+    """Steps after which trials holding ``batch_counts`` batches have each taken every one of
+    them once, when the recipe's samples vary in length; 1 otherwise.
 
     Variable-length batches differ in cost and in count (padded lengths, or length buckets
     holding many short samples or few long ones): a round of one batch per side would compare
     whichever two batches came up, and the ratio would swing from round to round far beyond
     the real difference. Rounds of whole cycles compare the same work every round.
     """
-    if reference.recipe.lengths is None:
+    if recipe.lengths is None:
         return 1
-    return math.lcm(len(reference.batches), len(candidate.batches))
+    return math.lcm(*batch_counts)
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,7 @@ def compare(
     Sets both trials' ``step_seconds`` to their median of this measurement."""
     step_s = min(s for s in (reference.step_seconds, candidate.step_seconds, math.inf) if s)
     if cycle is None:
-        cycle = batch_cycle(reference, candidate)
+        cycle = batch_cycle(reference.recipe, len(reference.batches), len(candidate.batches))
     per_round = steps_per_round(step_s, cycle)
     reference.align_with(candidate)
     cut_short = False
