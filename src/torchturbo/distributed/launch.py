@@ -142,11 +142,8 @@ def launched(device: str = "auto") -> Iterator[DistEnv]:
     env = init_distributed(device)
     yield env
     if joined and env.is_distributed:
-        # DDP objects caught in reference cycles still hold the group: free them before the
-        # barrier, or destroying the group under a live reducer can hang at exit.
-        gc.collect()
         dist.barrier()
-        shutdown()
+        shutdown()  # frees what still holds the group first
 
 
 def is_main_process() -> bool:
