@@ -179,6 +179,18 @@ def test_a_candidate_that_does_not_fit_the_budget_is_not_measured_and_says_what_
     assert "not measured for lack of time: clip 10" in line and "min would measure" in line
 
 
+def test_the_budget_the_headline_asks_for_is_more_than_the_one_given():
+    """A run ends a little before its budget (the confirmation's share is held back): the
+    skipped candidates come on top of the whole budget, not of the time the run took."""
+    from torchturbo.tune.summary import headline
+
+    _, result = tune(tiny_recipe(), QUICK, stages={"clipping": clipping_stage})
+    results = result.to_dict()
+    results["candidates"][-1] |= {"verdict": "not measured"}
+    results |= {"time_budget_s": 180.0, "elapsed_s": 170.4, "unmeasured_s": 6.4}
+    assert "(a budget of about 4 min would measure them)" in headline(results)
+
+
 class ScaledClock:
     """Real time, stretched: every real millisecond counts as ``factor`` ms, so a tiny model's
     steps cost what a real model's do on a CPU, and the budget logic runs for real."""

@@ -6,6 +6,8 @@ caption is the headline) and the markdown and HTML reports.
 
 from __future__ import annotations
 
+import math
+
 from torchturbo.tune.fields import (
     BASELINE_LABEL,
     fmt_bytes,
@@ -56,8 +58,11 @@ def _unmeasured(results: dict) -> str:
     names = [str(c.get("name")) for c in _candidates(results) if c.get("verdict") == "not measured"]
     if not names:
         return ""
-    needed = (num(results.get("elapsed_s")) or 0.0) + (num(results.get("unmeasured_s")) or 0.0)
-    minutes = max(1, -(-int(needed) // 60))
+    # The whole budget was needed for what ran (its last part is held back for the confirmation
+    # and the report, so a run can end a little early): the skipped candidates come on top.
+    spent = max(num(results.get("elapsed_s")) or 0.0, num(results.get("time_budget_s")) or 0.0)
+    needed = spent + (num(results.get("unmeasured_s")) or 0.0)
+    minutes = max(1, math.ceil(needed / 60))
     return (
         f"; not measured for lack of time: {', '.join(names)} "
         f"(a budget of about {minutes} min would measure them)"
