@@ -358,7 +358,16 @@ def test_a_config_against_itself_is_not_called_faster():
 
 
 def test_a_decided_comparison_settles_on_more_rounds_only_while_the_budget_allows(monkeypatch):
-    _slowed(monkeypatch, 123.0, 0.02)  # the reference is clearly slower: decided in few rounds
+    # Steps timed on a clock they advance themselves, the reference 4x slower: decided in the
+    # fewest rounds whatever else loads the machine (with real sleeps, a busy machine needed 10).
+    now = [0.0]
+    real_step = bench.Trial.step
+
+    def step(self):
+        real_step(self)
+        now[0] += 0.04 if self.config.clipping.max_norm == 123.0 else 0.01
+
+    monkeypatch.setattr(bench.Trial, "step", step)
     recipe = tiny_recipe()
     batches = fixed_batches(recipe, 8)
     slow, _ = start_trial(
@@ -377,6 +386,7 @@ def test_a_decided_comparison_settles_on_more_rounds_only_while_the_budget_allow
                 may_continue=may_continue,
                 min_rounds=min_rounds,
                 settle_rounds=settle_rounds,
+                clock=lambda: now[0],
             )
             assert measured.comparison.speed.decision == "faster"
             return measured.comparison.speed.rounds
