@@ -31,7 +31,7 @@ from transformers import (  # noqa: E402
 )
 
 from torchturbo import TurboConfig  # noqa: E402
-from torchturbo.bench import compare_configs  # noqa: E402
+from torchturbo.bench import compare_configs, fixed_batches  # noqa: E402
 from torchturbo.config import _SECTIONS  # noqa: E402
 from torchturbo.data.bucketing import BucketBatchSampler  # noqa: E402
 from torchturbo.integrations.transformers import (  # noqa: E402
@@ -329,6 +329,30 @@ def test_recipe_from_trainer_with_model_init_and_a_given_optimizer(tmp_path):
     before = len(calls)
     recipe_from_trainer(init_trainer).build()
     assert len(calls) == before + 1
+
+
+class TaggingStream(torch.utils.data.IterableDataset):
+    """The tagging samples as a stream, as a ``datasets.IterableDataset`` gives them."""
+
+    def __iter__(self):
+        yield from tagging_samples()
+
+
+def test_recipe_from_trainer_takes_a_stream(tmp_path):
+    trainer = Trainer(
+        model=tiny_bert(),
+        args=arguments(tmp_path, max_steps=4),
+        train_dataset=TaggingStream(),
+        data_collator=DataCollatorForTokenClassification(tokenizer()),
+    )
+    recipe = recipe_from_trainer(trainer)
+    assert recipe.lengths is None and recipe.count_unit == "tokens"
+    first, second = fixed_batches(recipe, 2)  # the stream's own order: its first 16 samples
+    for batch, samples in ((first, tagging_samples()[:8]), (second, tagging_samples()[8:16])):
+        assert torch.equal(batch["labels"], recipe.collate(samples)["labels"])
+    model, _ = recipe.build()
+    _, count = recipe.loss_fn(model, first)
+    assert count == int((first["labels"] != -100).sum())
 
 
 @pytest.mark.slow

@@ -29,11 +29,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 
 from torchturbo.config import DataConfig, TurboConfig
 from torchturbo.data.bucketing import BucketBatchSampler
 from torchturbo.data.collate import pad_collate
+from torchturbo.data.length import length_or_none
 from torchturbo.distributed.comm import CommStats
 from torchturbo.distributed.launch import current_env
 from torchturbo.engine import Turbo
@@ -49,23 +50,26 @@ def fixed_batches(recipe: Recipe, count: int, *, seed: int | None = None) -> lis
     """The first ``count`` batches of a seeded shuffle of the recipe's dataset, collated.
 
     The default seed is the recipe's plus the process's rank, so that under torchrun each rank
-    trains on different batches, as data-parallel ranks do.
+    trains on different batches, as data-parallel ranks do. A stream (an ``IterableDataset``)
+    owns its order: its first ``count`` batches, as it yields them.
     """
     seed = recipe.seed + current_env().rank if seed is None else seed
     generator = torch.Generator().manual_seed(seed)
     loader = DataLoader(
         recipe.dataset,
         batch_size=recipe.batch_size,
-        shuffle=True,
+        shuffle=not isinstance(recipe.dataset, IterableDataset),
         collate_fn=recipe.collate_fn(),
         generator=generator,
         drop_last=True,
     )
     batches = list(itertools.islice(loader, count))
     if not batches:
+        size = length_or_none(recipe.dataset)
+        samples = "a stream" if size is None else f"{size} samples"
         raise ValueError(
-            f"recipe {recipe.name!r}: the dataset ({len(recipe.dataset)} samples) holds no full "  # type: ignore[arg-type]
-            f"batch of {recipe.batch_size}"
+            f"recipe {recipe.name!r}: the dataset ({samples}) holds no full batch of "
+            f"{recipe.batch_size}"
         )
     return batches
 

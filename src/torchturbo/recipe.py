@@ -34,6 +34,8 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
+from torchturbo.data.length import length_or_none
+
 LossFn = Callable[[nn.Module, Any], "torch.Tensor | tuple[torch.Tensor, int | torch.Tensor]"]
 
 
@@ -80,7 +82,7 @@ class Recipe:
                 f"Recipe {self.name!r}: seed must be an int that fits int64 (torch.manual_seed), "
                 f"got {self.seed!r}"
             )
-        size = _length(self.dataset)
+        size = length_or_none(self.dataset)
         if size == 0:
             raise RecipeError(
                 f"Recipe {self.name!r}: the dataset is empty (len(dataset) == 0): there is nothing "
@@ -134,14 +136,6 @@ class Recipe:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _length(dataset: Any) -> int | None:
-    """``len(dataset)``, or None for an iterable dataset without a length."""
-    try:
-        return len(dataset)
-    except TypeError:
-        return None
 
 
 def load_recipe(spec: str) -> Recipe:

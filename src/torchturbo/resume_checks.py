@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from torchturbo.checkpoint import SHARDS, CheckpointError
+from torchturbo.data.length import length_or_none
 
 #: The files every checkpoint of ``torchturbo.resume`` holds; ``WHOLE_STATE`` too unless the
 #: model and optimizer are sharded (FSDP, in ``SHARDS/``, checked by torch.distributed.checkpoint).
@@ -43,7 +44,7 @@ def check_resumable(
     problems = missing_files(files, sharded=sharded)
     if not problems:
         state = files["state.json"]
-        problems = state_problems(state, _length(loader), path)
+        problems = state_problems(state, length_or_none(loader), path)
         plain_random = files.get("random.json", state)  # version 1 kept it in state.json
         if isinstance(plain_random, dict):
             python, numpy = plain_random.get("python"), plain_random.get("numpy")
@@ -252,10 +253,3 @@ def _is_int(value: Any) -> bool:
 
 def _in_range(value: Any, low: int, high: int) -> bool:
     return _is_int(value) and low <= value <= high
-
-
-def _length(loader: Any) -> int | None:
-    try:
-        return len(loader) if loader is not None else None
-    except TypeError:  # an IterableDataset without __len__
-        return None

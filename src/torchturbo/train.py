@@ -17,6 +17,7 @@ from pathlib import Path
 
 from torchturbo.checkpoint import checkpoint_name
 from torchturbo.config import INT64_MAX, ConfigError, TurboConfig
+from torchturbo.data.length import length_or_none
 from torchturbo.engine import Turbo
 from torchturbo.metrics_log import MetricsLogger
 from torchturbo.recipe import Recipe
@@ -78,7 +79,9 @@ def train(
     assert loader is not None and turbo.microbatcher is not None
     microbatcher = turbo.microbatcher
     try:  # from here on turbo.close() restores what setup switched (TF32), whatever happens
-        _check_accumulation(config, recipe, len(loader))
+        batches_per_epoch = length_or_none(loader)  # None for a stream
+        if batches_per_epoch is not None:
+            _check_accumulation(config, recipe, batches_per_epoch)
         resumed_from: Path | None = None
         if resume:
             assert checkpoint_dir is not None  # _check_arguments refuses resume without one
@@ -88,9 +91,9 @@ def train(
         saved, last_loss, seen_events, first_step = None, None, 0, turbo.optimizer_steps
         meter = recipe_meter(turbo, recipe, logger) if logger is not None else None
         while turbo.optimizer_steps < steps:
-            if len(loader) == 0:
-                raise ValueError(f"recipe {recipe.name!r}: the data loader yields no batch")
+            yielded = 0
             for batch in loader:
+                yielded += 1
                 metrics = turbo.step(recipe.loss_fn, batch)
                 if meter is not None:
                     meter.update(metrics)
@@ -106,6 +109,8 @@ def train(
                     saved = turbo.save(checkpoint_dir)
                 if turbo.optimizer_steps >= steps:
                     break
+            if not yielded:
+                raise ValueError(f"recipe {recipe.name!r}: the data loader yields no batch")
         turbo.guard.raise_if_ending_nonfinite(model, turbo.optimizer_steps)
         just_saved = saved is not None and saved.name == checkpoint_name(turbo.optimizer_steps)
         trained = turbo.optimizer_steps > first_step

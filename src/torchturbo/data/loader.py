@@ -31,6 +31,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from torchturbo.config import ConfigError, DataConfig
+from torchturbo.data.length import length_or_none
 from torchturbo.measure.timing import Timing, sync
 from torchturbo.nested import iter_tensors, map_tensors
 from torchturbo.system import usable_cores
@@ -280,6 +281,10 @@ def tune_loader(
     training runs on the CPU, workers and compute share the same cores: on a 2-core machine two
     workers and the model's threads compete, the loader delivers less than it did alone, and a
     loader that looks slightly faster than the step may still hold it back. The reason says so.
+
+    A stream (an ``IterableDataset``) is measured as given: it must split itself among workers
+    (``torch.utils.data.get_worker_info``), or every worker yields all of it and the rate counts
+    each sample once per worker. The tuner tries no worker setting on a stream for that reason.
     """
     device = torch.device(device)
     _check_tune_args(batch_size, batches, warmup_batches, repeats, step_seconds, tolerance)
@@ -297,14 +302,6 @@ def tune_loader(
 
     runs, rejections = _run_rounds(configs, measure, repeats, memory_limit_bytes)
     return _choose(configs, runs, rejections, tolerance, step_seconds, device, memory_limit_bytes)
-
-
-def _len_or_none(dataset: Dataset) -> int | None:
-    """``len(dataset)``, or None for a dataset without a length (an IterableDataset)."""
-    try:
-        return len(dataset)  # type: ignore[arg-type]
-    except TypeError:
-        return None
 
 
 def _check_tune_args(
@@ -484,7 +481,7 @@ def _measure(
             now,
             growth_per_sample=growth * burst / ((before_clock - 1 + timed) * batch_size),
             samples_seen=(before_clock + timed) * batch_size,
-            dataset_len=_len_or_none(dataset),
+            dataset_len=length_or_none(dataset),
             ceiling=main_bytes,
         ),
         batch_bytes=_tensor_bytes(first),

@@ -10,6 +10,7 @@ from typing import Any
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset, TensorDataset
 
 from torchturbo.data.bucketing import BucketBatchSampler
+from torchturbo.data.length import length_or_none
 from torchturbo.data.memmap import MemmapDataset
 from torchturbo.nested import named_tensors
 
@@ -60,9 +61,9 @@ def dataset_facts(dataset: Dataset) -> DatasetFacts:
     transforms = [a for a in _TRANSFORM_ATTRS if getattr(dataset, a, None) is not None]
     kind = type(dataset).__name__
     memmapped = isinstance(dataset, MemmapDataset)
-    if isinstance(dataset, IterableDataset):
+    count = None if isinstance(dataset, IterableDataset) else length_or_none(dataset)
+    if count is None:
         return DatasetFacts(kind, None, None, False, memmapped, transforms)
-    count = len(dataset)  # type: ignore[arg-type]
     if isinstance(dataset, TensorDataset):
         nbytes = sum(t.nbytes for t in dataset.tensors)
         return DatasetFacts(kind, count, nbytes, True, memmapped, transforms)

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from torchturbo.data.length import length_or_none
+
 
 def sample_lengths(
     dataset: Any, *, length_column: str = "length", input_name: str = "input_ids"
@@ -24,11 +26,8 @@ def sample_lengths(
         if input_name in columns:
             return [len(ids) for ids in dataset[input_name]]
         return None
-    try:
-        size = len(dataset)
-    except TypeError:  # an IterableDataset: no lengths to bucket by
-        return None
-    if size == 0 or not isinstance(dataset[0], Mapping):
+    size = length_or_none(dataset)  # None for a stream: no lengths to bucket by
+    if not size or not isinstance(dataset[0], Mapping):
         return None
     if length_column in dataset[0]:
         return [int(dataset[i][length_column]) for i in range(size)]

@@ -21,13 +21,14 @@ import contextlib
 import copy
 import functools
 import inspect
+import itertools
 import weakref
-from collections.abc import Callable, Mapping, Sized
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 try:
     from transformers import Trainer, TrainerCallback
@@ -40,6 +41,7 @@ except ImportError as err:  # pragma: no cover - exercised only without the extr
 from torchturbo.config import DistributedConfig, TurboConfig
 from torchturbo.data.bucketing import BucketBatchSampler
 from torchturbo.data.collate import IGNORE_INDEX
+from torchturbo.data.length import length_or_none
 from torchturbo.integrations.lengths import sample_lengths, token_budget
 from torchturbo.integrations.optimizers import clone_optimizer, parameter_owner
 from torchturbo.integrations.translate import Translation, hf_arguments
@@ -86,19 +88,13 @@ def recipe_from_trainer(trainer: Trainer, *, name: str | None = None) -> Recipe:
     dataset = trainer.train_dataset
     if dataset is None:
         raise RecipeError("recipe_from_trainer: the Trainer has no train_dataset to tune on")
-    size = len(dataset) if isinstance(dataset, Sized) else None
-    if size is None:
-        raise RecipeError(
-            f"recipe_from_trainer: the Trainer's train_dataset ({type(dataset).__name__}) has no "
-            "len(): the tuner draws samples by index, from a map-style dataset"
-        )
     model = trainer.model
     if model is None:  # Trainer.__init__ sets it, from model_init when there is one
         raise RecipeError("recipe_from_trainer: the Trainer has no model")
     args = trainer.args
     collate = model_input_collate(trainer.data_collator, model, args)
     factories = _Factories(trainer, model)
-    probe = collate([dataset[i] for i in range(min(2, size))])
+    probe = collate(_first_samples(dataset, 2))
     labels = probe.get("labels")
     per_token = isinstance(labels, torch.Tensor) and labels.dim() >= 2
     return Recipe(
@@ -113,6 +109,20 @@ def recipe_from_trainer(trainer: Trainer, *, name: str | None = None) -> Recipe:
         count_unit="tokens" if per_token else "samples",
         seed=args.seed,
     )
+
+
+def _first_samples(dataset: Any, count: int) -> list[Any]:
+    """The first ``count`` samples of a map-style dataset or of a stream (an IterableDataset,
+    which a Hugging Face ``datasets.IterableDataset`` is when torch is installed)."""
+    if isinstance(dataset, IterableDataset):
+        return list(itertools.islice(dataset, count))
+    size = length_or_none(dataset)
+    if size is None:
+        raise RecipeError(
+            f"recipe_from_trainer: the Trainer's train_dataset ({type(dataset).__name__}) has no "
+            "len() and is no IterableDataset: give a map-style dataset or a stream"
+        )
+    return [dataset[i] for i in range(min(count, size))]
 
 
 class _Factories:

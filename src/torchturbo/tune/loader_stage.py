@@ -4,18 +4,19 @@ Trials train on pre-collated batches, so loader settings change no trial; they m
 loading a batch takes longer than computing on it. A first probe times the recipe's plain loader
 (no workers) over a few batches: far below the step time, the run is compute-bound and the grid
 of worker settings (``data.loader.tune_loader``, seconds per setting) is not worth its time. Only
-otherwise is the grid measured, when the budget allows it.
+otherwise is the grid measured, when the budget allows it. A stream (an ``IterableDataset``) gets
+no grid: it must split itself among workers (``torch.utils.data.get_worker_info``), else every
+worker yields all of it, and whether it does cannot be seen from outside.
 """
 
 from __future__ import annotations
 
-import itertools
-import math
 from typing import TYPE_CHECKING, Any
 
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 
 from torchturbo.config import DataConfig
+from torchturbo.data.length import length_or_none
 from torchturbo.data.loader import default_candidates, describe, to_device, tune_loader
 from torchturbo.distributed.consensus import agree
 from torchturbo.measure.timing import time_once
@@ -47,9 +48,19 @@ def loader_stage(
         f"loading a batch takes {load_s * 1e3:.1f} ms in the main process, "
         f"a step {step_s * 1e3:.0f} ms"
     )
-    if agree(load_s < COMPUTE_BOUND_SHARE * step_s):
-        reason = f"compute-bound: {figures}; worker settings cannot speed the step up"
-        record: dict[str, Any] = {"verdict": "compute-bound", "reason": reason, "chosen": None}
+    compute_bound = agree(load_s < COMPUTE_BOUND_SHARE * step_s)
+    if compute_bound or isinstance(recipe.dataset, IterableDataset):
+        if compute_bound:
+            reason = f"compute-bound: {figures}; worker settings cannot speed the step up"
+        else:
+            reason = (
+                f"a stream (IterableDataset): {figures}; each DataLoader worker yields the whole "
+                "stream unless the dataset splits itself with get_worker_info(), which cannot be "
+                "checked from outside, so no worker setting is tried: set [data] num_workers "
+                "yourself once yours splits"
+            )
+        verdict = "compute-bound" if compute_bound else "stream"
+        record: dict[str, Any] = {"verdict": verdict, "reason": reason, "chosen": None}
         return (
             Outcome(
                 stage="data_loader",
@@ -119,7 +130,10 @@ def _probe(run: Run) -> float:
     """Seconds per batch of the recipe's loader without workers, including the device copy."""
     recipe = run.recipe
     loader = DataLoader(
-        recipe.dataset, batch_size=recipe.batch_size, shuffle=True, collate_fn=recipe.collate_fn()
+        recipe.dataset,
+        batch_size=recipe.batch_size,
+        shuffle=not isinstance(recipe.dataset, IterableDataset),
+        collate_fn=recipe.collate_fn(),
     )
     batches = iter(loader)
 
@@ -127,8 +141,12 @@ def _probe(run: Run) -> float:
         to_device(next(batches), run.device, non_blocking=False)
 
     fetch()
-    count = min(PROBE_BATCHES, max(len(loader) - 1, 0))
-    if count == 0:
-        return 0.0
-    seconds = [time_once(fetch, run.device, run.clock) for _ in itertools.repeat(None, count)]
-    return min(seconds) if seconds else math.inf
+    size = length_or_none(loader)
+    count = PROBE_BATCHES if size is None else min(PROBE_BATCHES, max(size - 1, 0))
+    seconds = []
+    for _ in range(count):
+        try:
+            seconds.append(time_once(fetch, run.device, run.clock))
+        except StopIteration:  # a stream shorter than the probe
+            break
+    return min(seconds, default=0.0)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 import torchturbo
+from torchturbo.data.length import length_or_none
 from torchturbo.distributed.launch import current_env
 from torchturbo.recipe import Recipe
 from torchturbo.system import cpu_model
@@ -33,7 +34,7 @@ def fingerprint(
     return {
         "recipe": recipe.name,
         "batch_size": recipe.batch_size,
-        "samples": len(recipe.dataset),  # type: ignore[arg-type]
+        "samples": length_or_none(recipe.dataset),
         "parameters": parameters,
         "device": str(device),
         "cpu": cpu_model(),
