@@ -137,6 +137,22 @@ def test_result_serializes_and_renders(misaligned):
     assert "TensorCore alignment" in text and "input-bound" in text
 
 
+def test_in_80_columns_the_gain_goes_under_the_evidence_and_nothing_is_cut(misaligned):
+    from rich.console import Console
+
+    loader = next(i for i in misaligned.items if i.name == "DataLoader configuration")
+    assert loader.estimated_gain  # slow samples in the main process: a gain to print
+    narrow = Console(record=True, width=80)
+    render(misaligned, narrow)
+    text = narrow.export_text()
+    assert max(len(line) for line in text.splitlines()) <= 80
+    assert "…" not in text  # rich's ellipsis: a cell cut short
+    assert f"estimated gain: {loader.estimated_gain.split()[0]}" in text
+    wide = Console(record=True, width=200)
+    render(misaligned, wide)
+    assert "estimated gain:" not in wide.export_text()  # a column of its own there
+
+
 class ConvBN(nn.Module):
     """The conv->norm pair sits in a custom forward, where only tracing can see it."""
 

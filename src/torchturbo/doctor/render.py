@@ -10,6 +10,10 @@ from rich.text import Text
 from torchturbo.doctor.diagnosis import CHECKLIST, Diagnosis
 from torchturbo.report import format_bytes
 
+#: The narrowest terminal that gets the estimated gain as a column of its own: in 80 columns a
+#: fourth column leaves each a dozen characters and cuts intervals short ("(1.25-…").
+WIDE = 100
+
 _STATE_STYLES = {
     "recommended": "bold yellow",
     "within noise": "yellow",
@@ -22,7 +26,7 @@ _STATE_STYLES = {
 def render(diagnosis: Diagnosis, console: Console | None = None) -> None:
     """Print the checklist table, the breakdown, top operators, memory, verdict and trace path."""
     console = console or Console()
-    console.print(_items_table(diagnosis))
+    console.print(_items_table(diagnosis, console.width))
     console.print(_breakdown_table(diagnosis))
     console.print(_operators_table(diagnosis))
     console.print(
@@ -50,15 +54,24 @@ def _print_levers(diagnosis: Diagnosis, console: Console) -> None:
     useful = [lever for lever in diagnosis.levers if lever.expected_gain is not None]
     if useful:
         console.print("[bold]levers by expected gain[/] (torchturbo tune measures them first):")
+    # A grid, so that a lever's text wraps under itself rather than under its number.
+    levers = Table.grid(padding=(0, 1))
+    levers.add_column(justify="right", no_wrap=True)
+    levers.add_column(overflow="fold")
     for rank, lever in enumerate(useful, 1):
-        console.print(Text(f"  {rank}. {lever.name} ~{lever.expected_gain:.2f}x: {lever.evidence}"))
+        text = f"{lever.name} ~{lever.expected_gain:.2f}x: {lever.evidence}"
+        levers.add_row(f"  {rank}.", Text(text))
     for lever in diagnosis.levers:
         if lever.expected_gain is None:
-            console.print(Text(f"  cannot help here: {lever.name}: {lever.evidence}"), style="dim")
+            text = f"cannot help here: {lever.name}: {lever.evidence}"
+            levers.add_row(Text("  -", style="dim"), Text(text, style="dim"))
+    console.print(levers)
 
 
-def _items_table(diagnosis: Diagnosis) -> Table:
-    """One section per group, headed by its name, so the evidence gets the width."""
+def _items_table(diagnosis: Diagnosis, width: int) -> Table:
+    """One section per group, headed by its name, so the evidence gets the width. Below
+    :data:`WIDE` columns the estimated gain goes under the evidence instead of beside it."""
+    wide = width >= WIDE
     table = Table(
         title=(
             f"torchturbo doctor: {diagnosis.workload} on {diagnosis.device} "
@@ -68,24 +81,28 @@ def _items_table(diagnosis: Diagnosis) -> Table:
     )
     table.add_column("item", max_width=18)
     table.add_column("state", no_wrap=True)
-    table.add_column("evidence", ratio=3)
-    table.add_column("estimated gain", ratio=1)
+    table.add_column("evidence", ratio=3, overflow="fold")
+    if wide:
+        table.add_column("estimated gain", ratio=1, overflow="fold")
     for group, names in CHECKLIST.items():
         table.add_row(f"[bold]{group}[/]")
         items = [i for i in diagnosis.items if i.group == group]
         for index, item in enumerate(items):
-            table.add_row(
-                item.name,
-                f"[{_STATE_STYLES[item.state]}]{item.state}[/]",
-                item.evidence,
-                item.estimated_gain or "",
-                end_section=index == len(names) - 1,
-            )
+            evidence = Text(item.evidence)
+            cells: list[str | Text] = [item.name, f"[{_STATE_STYLES[item.state]}]{item.state}[/]"]
+            if wide:
+                cells += [evidence, Text(item.estimated_gain or "")]
+            else:
+                if item.estimated_gain:
+                    evidence.append(f"\nestimated gain: {item.estimated_gain}", style="bold")
+                cells.append(evidence)
+            table.add_row(*cells, end_section=index == len(names) - 1)
     return table
 
 
 def _breakdown_table(diagnosis: Diagnosis) -> Table:
-    table = Table(title="step breakdown (no profiler attached)")
+    title = "step breakdown (no profiler attached)"
+    table = Table(title=title, min_width=len(title) + 4)
     table.add_column("phase")
     table.add_column("ms / step", justify="right")
     table.add_column("share", justify="right")
