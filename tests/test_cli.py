@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
@@ -54,6 +55,49 @@ def test_tune_writes_a_loadable_config_and_a_self_contained_report(tmp_path, cap
     assert "<img" in html and "https://" not in html and "<script" not in html
     printed = capsys.readouterr().out
     assert "over fp32 eager" in printed or "keep the defaults" in printed or "keep fp32" in printed
+
+
+def test_ctrl_c_in_tune_keeps_the_measurements_and_the_same_command_goes_on(
+    tmp_path, capsys, monkeypatch
+):
+    from torchturbo.tune import search
+    from torchturbo.tune.stages import Candidate
+
+    def clipping(ctx):
+        return [
+            Candidate(f"clip {n}", ctx.best.replace(clipping__max_norm=float(n)), 2 - n / 100)
+            for n in (10, 20)
+        ]
+
+    asked = []
+
+    def ctrl_c_once_a_candidate_is_decided(ctx):
+        asked.append(1)
+        if len(asked) == 2:  # stages are asked again once a candidate is decided
+            raise KeyboardInterrupt
+        return []
+
+    def squeezed(text: str) -> str:  # rich wraps lines at 80 columns, paths anywhere
+        return "".join(text.split())
+
+    real = search.tune
+    interrupting = {"clipping": clipping, "interrupt": ctrl_c_once_a_candidate_is_decided}
+    monkeypatch.setattr(search, "tune", functools.partial(real, stages=interrupting))
+    out = tmp_path / "report"
+    argv = ["tune", TINY, "--device", "cpu", "--time-budget", "40s", "--out", str(out)]
+    assert main(argv) == 130
+    printed = capsys.readouterr()
+    kept = out / "interrupted.json"
+    assert squeezed(f"interrupted: 1 measured candidate(s) kept in {kept}") in squeezed(printed.out)
+    assert printed.err.strip() == "interrupted" and not (out / "results.json").exists()
+
+    monkeypatch.setattr(search, "tune", functools.partial(real, stages={"clipping": clipping}))
+    assert main(argv) == 0
+    printed = capsys.readouterr()
+    assert squeezed(f"reused 1 measured candidates from {kept}") in squeezed(printed.out)
+    assert not kept.exists()  # a finished run's results.json holds what it kept
+    rows = json.loads((out / "results.json").read_text())["candidates"]
+    assert [r["name"] for r in rows if r["reused"]] == ["clip 10"]
 
 
 def test_doctor_prints_the_checklist_and_writes_json(tmp_path, capsys):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 
 import pytest
@@ -14,12 +15,13 @@ from torchturbo.bench import fixed_batches, start_trial
 from torchturbo.config import TurboConfig
 from torchturbo.recipe import Recipe
 from torchturbo.tune import candidate as candidate_module
+from torchturbo.tune import search
 from torchturbo.tune.budget import COMPILE_BASE_S
 from torchturbo.tune.compare import batch_cycle, compare, steps_per_round
 from torchturbo.tune.decide import MIN_ROUNDS, Verdict
 from torchturbo.tune.outcome import STATES
 from torchturbo.tune.previous import Previous
-from torchturbo.tune.search import TuneOptions, select_stages, tune
+from torchturbo.tune.search import TuneInterrupted, TuneOptions, select_stages, tune
 from torchturbo.tune.stages import STAGES, Candidate, bucket_stage, comm_hook_stage
 
 
@@ -276,6 +278,44 @@ def test_tuning_again_reuses_what_was_measured_and_measures_the_rest():
     assert second.reused_from and "reused 2 measured candidates" in second.reuse_note
     marked = [row["reused"] for row in second.to_dict()["candidates"]]
     assert marked.count(True) == 2
+
+
+def test_ctrl_c_keeps_what_was_measured_and_the_next_run_measures_only_the_rest(monkeypatch):
+    calls = []
+
+    def ctrl_c_after_the_first_candidate(ctx):
+        calls.append(1)
+        if len(calls) == 2:  # stages are asked again once a candidate is decided
+            raise KeyboardInterrupt
+        return []
+
+    stages = {"first": clipping_stage, "interrupt": ctrl_c_after_the_first_candidate}
+    with pytest.raises(TuneInterrupted) as caught:
+        tune(tiny_recipe(), QUICK, stages=stages)
+    assert caught.value.measured == 1
+    partial = json.loads(json.dumps(caught.value.partial))  # as interrupted.json holds it
+
+    # Interrupted again before it replayed what it reuses: that is kept too.
+    def ctrl_c(*_):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patched:
+        patched.setattr(search, "loader_stage", ctrl_c)
+        with pytest.raises(TuneInterrupted) as caught:
+            tune(tiny_recipe(), QUICK, stages={"first": clipping_stage}, previous=partial)
+    assert caught.value.measured == 1
+    partial = json.loads(json.dumps(caught.value.partial))
+    _, again = tune(
+        tiny_recipe(),
+        QUICK,
+        stages={"first": clipping_stage},
+        previous=partial,
+        previous_source="interrupted.json",
+    )
+    assert again.reuse_note == "reused 1 measured candidates from interrupted.json"
+    rows = _rows(again)
+    assert rows["clip 10"].reused and not rows["clip 20"].reused
+    assert rows["clip 20"].comparison is not None  # measured in this run
 
 
 def test_a_previous_run_is_rebuilt_from_its_last_adoption_not_its_last_row():

@@ -220,7 +220,8 @@ def _parser() -> argparse.ArgumentParser:
             "noise, keeps the loss within tolerance of fp32, fits the memory budget and repays "
             "its one-time cost within the planned steps. The whole run keeps to --time-budget; "
             "what it cannot measure in time is reported with the time it needs. Tuning again "
-            "into the same --out reuses what was measured there. Writes turbo.toml, "
+            "into the same --out reuses what was measured there, also after Ctrl-C (kept in "
+            "interrupted.json). Writes turbo.toml, "
             "results.json, report.md and report.html to --out. Under "
             "torchrun every rank measures DDP/FSDP trials, rank 0 decides (its decisions are "
             "broadcast), DDP comm hooks and bucket sizes are tuned too, and rank 0 writes."
@@ -522,8 +523,13 @@ def _run_tune(args: argparse.Namespace) -> int:
     from torchturbo.distributed import is_main_process, launched
     from torchturbo.live import TuneLine
     from torchturbo.table_fit import print_table
-    from torchturbo.tune.report import incremental_table, read_previous, write_report
-    from torchturbo.tune.search import TuneOptions, tune
+    from torchturbo.tune.report import (
+        incremental_table,
+        keep_interrupted,
+        read_previous,
+        write_report,
+    )
+    from torchturbo.tune.search import TuneInterrupted, TuneOptions, tune
     from torchturbo.tune.stages import PRECISION_FORMATS
     from torchturbo.tune.summary import headline
 
@@ -537,7 +543,7 @@ def _run_tune(args: argparse.Namespace) -> int:
         skip=args.skip,
     )
     check_writable(args.out)
-    previous = read_previous(args.out)
+    previous, previous_path = read_previous(args.out)
     recipe = load_target(args)
     console = Console()  # the terminal's width; 80 columns when piped
     say_emulated(
@@ -546,14 +552,26 @@ def _run_tune(args: argparse.Namespace) -> int:
         lambda notice: console.print(notice, markup=False, highlight=False),
     )
     line = TuneLine(f"tune {recipe.name}", options.time_budget_s)
-    with launched(args.device or "auto"), _live_on_rank_zero(line):
-        config, result = tune(
-            recipe,
-            options,
-            on_progress=line.report,
-            previous=previous,
-            previous_source=str(args.out / "results.json"),
-        )
+    with launched(args.device or "auto"):
+        try:
+            with _live_on_rank_zero(line):
+                config, result = tune(
+                    recipe,
+                    options,
+                    on_progress=line.report,
+                    previous=previous,
+                    previous_source=str(previous_path),
+                )
+        except TuneInterrupted as interrupted:
+            if is_main_process():
+                kept = keep_interrupted(args.out, interrupted.partial)
+                console.print(
+                    Text(
+                        f"interrupted: {interrupted.measured} measured candidate(s) kept in "
+                        f"{kept}; the same command measures the rest"
+                    )
+                )
+            raise
         if not is_main_process():
             return 0
     results = result.to_dict()

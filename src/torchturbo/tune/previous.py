@@ -48,6 +48,11 @@ def fingerprint(
     }
 
 
+def is_reusable(verdict: str, stage: str) -> bool:
+    """A candidate decided by measurement; the loader is measured afresh every run."""
+    return verdict in ("adopted", "rejected") and stage != "data_loader"
+
+
 @dataclass(frozen=True)
 class Previous:
     """The reusable part of a previous run."""
@@ -82,9 +87,7 @@ class Previous:
                 None,
                 f"{source} could not be read ({type(err).__name__}: {err}): measured afresh",
             )
-        decided = tuple(
-            o for o in rows if o.verdict in ("adopted", "rejected") and o.stage != "data_loader"
-        )
+        decided = tuple(o for o in rows if is_reusable(o.verdict, o.stage))
         # In the order they were adopted (rows are in stage order): each adoption's config
         # contains the ones before it, so the last is the config the run chose.
         by_name = {o.name: o for o in decided if o.verdict == "adopted"}

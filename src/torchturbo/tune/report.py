@@ -46,15 +46,33 @@ def incremental_table(results: dict) -> Table:
     return table
 
 
-def read_previous(out_dir: Path) -> dict | None:
-    """The results.json a previous run left in ``out_dir``, or None (none there, or unreadable:
-    then the run starts afresh, as it would without one)."""
-    path = Path(out_dir) / "results.json"
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
+#: What an interrupted run measured (see ``tune.search.TuneInterrupted``); the next run in the
+#: same directory reads it before results.json, and a finished run removes it.
+INTERRUPTED = "interrupted.json"
+
+
+def read_previous(out_dir: Path) -> tuple[dict | None, Path]:
+    """What a previous run left in ``out_dir`` and the file it came from: an interrupted run's
+    interrupted.json (it also holds what it reused), else results.json; None when neither is
+    there or readable (the run then starts afresh, as it would without one)."""
+    for name in (INTERRUPTED, "results.json"):
+        path = Path(out_dir) / name
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(data, dict):
+            return data, path
+    return None, Path(out_dir) / "results.json"
+
+
+def keep_interrupted(out_dir: Path, partial: dict) -> Path:
+    """Write what an interrupted run measured to ``out_dir``/interrupted.json; return its path."""
+    out_dir = Path(out_dir)
+    prepare_dir(out_dir)
+    path = out_dir / INTERRUPTED
+    write_atomic(path, (json.dumps(partial, indent=2) + "\n").encode())
+    return path
 
 
 def write_report(out_dir: Path, results: dict, config_toml: str) -> dict[str, Path]:
@@ -74,6 +92,7 @@ def write_report(out_dir: Path, results: dict, config_toml: str) -> dict[str, Pa
     paths = {"results": out_dir / "results.json", "config": out_dir / "turbo.toml"}
     # The record and the config first: if drawing fails later, the measurements are kept.
     write_atomic(paths["results"], record.encode())
+    (out_dir / INTERRUPTED).unlink(missing_ok=True)  # what it kept is in this record now
     write_atomic(paths["config"], config_toml.encode())
     paths.update(write_trainer_settings(out_dir, TurboConfig.from_toml(config_toml)))
 

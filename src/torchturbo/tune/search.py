@@ -17,7 +17,8 @@ as a procedure:
 The budget covers all of it: before each candidate the time for the confirmation and the report
 is held back, a running comparison stops when its next round would not fit, and a one-time cost
 that cannot be split (a compile) is announced with its estimate and started only when it fits.
-Tuning again with the previous results.json reuses what was measured (``previous``).
+Tuning again with the previous results.json reuses what was measured (``previous``); so does
+tuning again after Ctrl-C, from what the interrupted run kept (:class:`TuneInterrupted`).
 
 Under torchrun every rank runs the tuner, every trial is a DDP/FSDP trial, and every branch taken
 on a measurement follows rank 0's value (``distributed.consensus``), so the ranks' collectives
@@ -53,7 +54,7 @@ from torchturbo.tune.candidate import estimate, try_candidate
 from torchturbo.tune.confirm import confirm
 from torchturbo.tune.loader_stage import loader_stage
 from torchturbo.tune.outcome import Confirmation, Outcome, TuneResult
-from torchturbo.tune.previous import Previous, fingerprint
+from torchturbo.tune.previous import Previous, fingerprint, is_reusable
 from torchturbo.tune.stages import STAGES, Candidate, StageContext
 from torchturbo.tune.state import (
     NUM_BATCHES,
@@ -66,10 +67,25 @@ from torchturbo.tune.state import (
     TuneOptions,
 )
 
-__all__ = ["TuneOptions", "select_stages", "tune"]
+__all__ = ["TuneInterrupted", "TuneOptions", "select_stages", "tune"]
 
 #: The stage that measures the loader rather than proposing trial candidates.
 LOADER_STAGE = "data_loader"
+
+
+class TuneInterrupted(KeyboardInterrupt):
+    """Ctrl-C during :func:`tune` once candidates are being measured: ``partial`` holds every
+    candidate decided so far and the adoptions in order, in the shape of a results.json, so
+    that ``tune(..., previous=partial)`` reuses them and measures only the rest."""
+
+    def __init__(self, partial: dict[str, Any]) -> None:
+        super().__init__()
+        self.partial = partial
+
+    @property
+    def measured(self) -> int:
+        """How many of the candidates the next run will reuse."""
+        return sum(is_reusable(r["verdict"], r["stage"]) for r in self.partial["candidates"])
 
 
 def tune(
@@ -121,22 +137,25 @@ def tune(
             baseline_step_s=trial.step_seconds,
             reference_losses=trial.loss_curve()[:PARITY_STEPS],
         )
-        loader = None
-        if LOADER_STAGE in selected:
-            outcome, loader, data = loader_stage(run, baseline)
-            run.outcomes.append(outcome)
-            if data is not None:
-                baseline.config = base_config.replace(data=data)
         parameters = sum(p.numel() for p in trial.model.parameters())
         current = fingerprint(recipe, options, device, parameters)
         reuse, reuse_note = Previous.parse(previous, current, previous_source)
         if reuse_note:
             say("reuse", reuse_note, budget.left())
-        best = _replay(run, reuse, baseline)
-        trial_stages = {k: v for k, v in selected.items() if k != LOADER_STAGE}
-        best = _search(run, trial_stages, best, baseline)
-        say("confirmation", best.name, budget.left())
-        confirmation, best = confirm(run, baseline, best)
+        try:
+            loader = None
+            if LOADER_STAGE in selected:
+                outcome, loader, data = loader_stage(run, baseline)
+                run.outcomes.append(outcome)
+                if data is not None:
+                    baseline.config = base_config.replace(data=data)
+            best = _replay(run, reuse, baseline)
+            trial_stages = {k: v for k, v in selected.items() if k != LOADER_STAGE}
+            best = _search(run, trial_stages, best, baseline)
+            say("confirmation", best.name, budget.left())
+            confirmation, best = confirm(run, baseline, best)
+        except KeyboardInterrupt as interrupt:
+            raise TuneInterrupted(_partial(run, current, reuse)) from interrupt
         result = _result(run, baseline, best, confirmation, loader, reuse, reuse_note, current)
     finally:
         for incumbent in {id(baseline): baseline, id(best): best}.values():
@@ -183,6 +202,23 @@ def _facts(recipe: Recipe, trial: Any, device: torch.device, phases: PhaseRecord
         optimizer_share=optimizer,
     )
     return agree(facts)
+
+
+def _partial(run: Run, current: dict[str, Any], reuse: Previous | None) -> dict[str, Any]:
+    """What an interrupted run measured, as much of a results.json as ``Previous`` reads; with
+    what it was reusing even when interrupted before replaying it, so that nothing is lost."""
+    outcomes = list(run.outcomes)
+    adopted = [a.name for a in run.adoptions]
+    if reuse is not None and reuse.outcomes and not any(o.reused for o in outcomes):  # not replayed
+        outcomes += reuse.outcomes
+        adopted = [o.name for o in reuse.adopted]
+    return {
+        "recipe": run.recipe.name,
+        "interrupted": True,
+        "fingerprint": current,
+        "candidates": [o.to_dict() for o in outcomes],
+        "adopted": adopted,
+    }
 
 
 def _replay(run: Run, reuse: Previous | None, baseline: Incumbent) -> Incumbent:
