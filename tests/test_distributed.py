@@ -199,8 +199,9 @@ def test_flush_after_no_sync_micro_step_is_refused(two_ranks):
 @pytest.mark.slow
 def test_tuner_ranks_follow_rank_zero_and_end_with_one_config(two_ranks):
     rank0, rank1 = (result["tune"] for result in two_ranks[0])
-    # Rank 1's own budget was spent and its clock made every step look 1000x slower: alone it
-    # would have measured nothing. It followed rank 0 to the same rows and config.
+    # Rank 1's own budget was spent and its clock made every step look 1000x faster: alone it
+    # would have measured nothing, and timed rounds of other lengths. It followed rank 0 to the
+    # same rounds, rows and config.
     assert rank1 == rank0
     assert rank0["processes"] == 2
     rows = rank0["rows"]

@@ -348,9 +348,14 @@ def mlp_recipe(**overrides: object) -> Recipe:
 
 def check_tune(rank: int) -> dict:
     """The tuner's DDP stages with ranks that disagree: rank 1's budget is already spent and its
-    clock runs a thousand times fast (every step it times looks 1000x slower), so on its own it
-    would measure nothing while rank 0 measures; rank 0 decides. A candidate that fails on every
-    rank is rejected on every rank."""
+    clock runs a thousand times slow, so on its own it would measure nothing while rank 0
+    measures, and its steps (10 ms of sleep each) look 10 us long: it would fit 8 steps in a
+    round where rank 0 fits 5, and the ranks' all-reduces would stop pairing up. Rank 0 decides.
+    A candidate that fails on every rank is rejected on every rank."""
+
+    def slow_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        time.sleep(0.01)
+        return F.cross_entropy(model(batch[0]), batch[1])
 
     def unbuildable() -> nn.Module:
         raise RuntimeError("no kernel for this op")
@@ -359,9 +364,9 @@ def check_tune(rank: int) -> dict:
         return [Candidate("broken", ctx.best, 2.0, recipe=mlp_recipe(model=unbuildable))]
 
     options = TuneOptions(time_budget_s=600.0 if rank == 0 else 1e-9, device="cpu", max_rounds=4)
-    clock = time.perf_counter if rank == 0 else (lambda: 1e3 * time.perf_counter())
+    clock = time.perf_counter if rank == 0 else (lambda: 1e-3 * time.perf_counter())
     stages = {"broken": broken_stage, "comm_hook": comm_hook_stage, "ddp_buckets": bucket_stage}
-    config, result = tune(mlp_recipe(), options, stages=stages, clock=clock)
+    config, result = tune(mlp_recipe(loss_fn=slow_loss), options, stages=stages, clock=clock)
     results = result.to_dict()
     return {
         "config": config.to_dict(),

@@ -122,11 +122,13 @@ def try_candidate(
             candidate.recipe or run.recipe, candidate.config, batches, run.clock
         )
         warm = 0.0
+        # Each rank holds its own batches: every rank steps as often as rank 0 (DDP collectives).
+        shapes = agree(len({shape_key(b) for b in batches}))
         if cost.compile_s:  # every batch shape once: recompiling is a one-time cost too
-            for _ in range(len({shape_key(b) for b in batches}) - 1):
+            for _ in range(shapes - 1):
                 warm += time_once(trial.step, run.device, run.clock)
         seconds = [time_once(trial.step, run.device, run.clock) for _ in range(WARM_STEPS)]
-        trial.step_seconds = min(seconds)
+        trial.step_seconds = agree(min(seconds))
         held_back = reserve(run, trial.step_seconds)
         measured = compare(
             best.trial,
@@ -140,7 +142,7 @@ def try_candidate(
         while len(trial.losses) < PARITY_STEPS * candidate.config.accumulation.steps:
             trial.step()
         memory_bytes = trial.memory_footprint()[0]
-        warm_steps = 1 + (len({shape_key(b) for b in batches}) - 1 if cost.compile_s else 0)
+        warm_steps = 1 + (shapes - 1 if cost.compile_s else 0)
         one_time = max(0.0, first + warm - warm_steps * (trial.step_seconds or 0.0))
     except Exception as err:  # a technique that fails on this model is a finding, not a crash
         error = err

@@ -87,7 +87,9 @@ def compare(
     step_s = min(s for s in (reference.step_seconds, candidate.step_seconds, math.inf) if s)
     if cycle is None:
         cycle = batch_cycle(reference.recipe, len(reference.batches), len(candidate.batches))
-    per_round = steps_per_round(step_s, cycle)
+    # Step times are this rank's: under torchrun every rank must run rank 0's count of steps,
+    # or their DDP collectives stop pairing up (a busy machine made the ranks' counts differ).
+    per_round = agree(steps_per_round(step_s, cycle))
     reference.align_with(candidate)
     cut_short = False
 
