@@ -27,7 +27,11 @@ def _offline(monkeypatch):
 
 @pytest.mark.slow
 def test_the_tuner_measures_and_adopts_length_buckets_on_a_transformers_encoder():
-    options = TuneOptions(time_budget_s=120, device="cpu", only=("dynamic_batching",))
+    # Up to 40 rounds: on a machine other jobs load (CI's), 15 rounds of a 2x gain ended with
+    # an interval of 0.86-4.68x, which honestly does not decide; more rounds narrow it.
+    options = TuneOptions(
+        time_budget_s=120, device="cpu", only=("dynamic_batching",), max_rounds=40
+    )
     config, result = tune(load_recipe(RECIPE), options)
     buckets = next(o for o in result.candidates if o.name == "length buckets")
     assert buckets.expected_gain > 1.5  # ~66% padding in random batches, ~3% in buckets
