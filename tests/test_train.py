@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -12,7 +15,7 @@ from torchturbo.config import ConfigError
 from torchturbo.guard import NonFiniteError
 from torchturbo.oom import MemoryBudgetError
 from torchturbo.recipe import load_recipe
-from torchturbo.train import train
+from torchturbo.train import TrainInterrupted, train
 
 TINY = str(Path(__file__).parent / "recipes" / "tiny.py") + ":recipe"
 CONFIG = TurboConfig(device="cpu")
@@ -26,6 +29,45 @@ def test_resumed_run_ends_where_the_uninterrupted_one_does(tmp_path):
     rest = train(recipe, CONFIG, steps=10, checkpoint_dir=tmp_path, resume=True)
     assert rest.resumed_from == first.saved and rest.optimizer_steps == 10
     assert rest.last_loss == full.last_loss  # bit-identical training gives the same float
+
+
+def _ctrl_c_in_step(recipe, step: int, times: int = 1):
+    """The recipe, with Ctrl-C pressed ``times`` during the forward of step ``step``."""
+    calls = [0]
+
+    def loss_fn(model, batch):
+        calls[0] += 1
+        if calls[0] == step:
+            for _ in range(times):
+                os.kill(os.getpid(), signal.SIGINT)
+        return recipe.loss_fn(model, batch)
+
+    return dataclasses.replace(recipe, loss_fn=loss_fn)
+
+
+def test_ctrl_c_finishes_the_step_saves_it_and_resuming_ends_where_an_unbroken_run_does(
+    tmp_path,
+):
+    recipe = load_recipe(TINY)
+    full = train(recipe, CONFIG, steps=10)
+    handler = signal.getsignal(signal.SIGINT)
+    with pytest.raises(TrainInterrupted) as caught:
+        train(_ctrl_c_in_step(recipe, 4), CONFIG, steps=10, checkpoint_dir=tmp_path)
+    assert signal.getsignal(signal.SIGINT) is handler
+    assert caught.value.optimizer_steps == 4 and caught.value.saved.name == "ckpt-0000000004"
+    rest = train(recipe, CONFIG, steps=10, checkpoint_dir=tmp_path, resume=True)
+    assert rest.resumed_from == caught.value.saved
+    assert rest.last_loss == full.last_loss  # the saved step was whole
+
+
+@pytest.mark.parametrize("times, checkpoints", [(2, True), (1, False)])
+def test_a_second_ctrl_c_or_no_checkpoint_directory_stops_at_once(tmp_path, times, checkpoints):
+    recipe = _ctrl_c_in_step(load_recipe(TINY), 4, times)
+    directory = tmp_path if checkpoints else None
+    with pytest.raises(KeyboardInterrupt) as caught:
+        train(recipe, CONFIG, steps=10, checkpoint_dir=directory)
+    assert not isinstance(caught.value, TrainInterrupted)
+    assert not list(tmp_path.iterdir())  # stopped inside step 4: nothing whole to save
 
 
 def test_a_budget_below_the_default_micro_batch_completes_and_reports_it():

@@ -334,7 +334,13 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--steps", type=int, required=True, metavar="N", help="optimizer steps to train"
     )
-    train.add_argument("--checkpoint-dir", type=Path, metavar="DIR", help="where checkpoints go")
+    train.add_argument(
+        "--checkpoint-dir",
+        type=Path,
+        metavar="DIR",
+        help="where checkpoints go; with it, Ctrl-C finishes the step under way and saves it "
+        "(a second Ctrl-C stops at once)",
+    )
     train.add_argument(
         "--save-every",
         type=int,
@@ -662,7 +668,7 @@ def _run_export(args: argparse.Namespace) -> int:
 def _run_train(args: argparse.Namespace) -> int:
     from torchturbo.config import INT64_MAX
     from torchturbo.distributed import is_main_process, launched, main_print
-    from torchturbo.train import train
+    from torchturbo.train import TrainInterrupted, train
 
     if not 1 <= args.steps <= INT64_MAX:
         raise ValueError(f"--steps {args.steps} is invalid: expected 1 to 2**63 - 1 steps")
@@ -680,16 +686,23 @@ def _run_train(args: argparse.Namespace) -> int:
     # Under torchrun every rank trains its share of each batch (the engine wraps the model per
     # [distributed]); rank 0 writes the checkpoints, the logs and prints.
     with launched(config.device), _train_loggers(args.log_dir) as logger:
-        result = train(
-            load_target(args),
-            config,
-            steps=args.steps,
-            checkpoint_dir=args.checkpoint_dir,
-            save_every=args.save_every,
-            resume=args.resume,
-            on_event=main_print,
-            logger=logger,
-        )
+        try:
+            result = train(
+                load_target(args),
+                config,
+                steps=args.steps,
+                checkpoint_dir=args.checkpoint_dir,
+                save_every=args.save_every,
+                resume=args.resume,
+                on_event=main_print,
+                logger=logger,
+            )
+        except TrainInterrupted as stopped:
+            print(
+                f"interrupted after optimizer step {stopped.optimizer_steps}: saved "
+                f"{stopped.saved}; the same command with --resume goes on from it"
+            )
+            raise
         if not is_main_process():
             return 0
     loss = "n/a" if result.last_loss is None else f"{result.last_loss:.4f}"

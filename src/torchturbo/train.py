@@ -6,18 +6,24 @@ reports the micro-batch the run settled on when out-of-memory (or the activation
 the engine split batches. The loop is the one ``docs/reliability.md`` shows, so that a resumed
 run continues bit-identically. With a ``logger`` (``metrics_log``), every optimizer step's loss,
 throughput, MFU, memory, learning rate, skipped steps and micro-batch split are logged
-(``step_meter``).
+(``step_meter``). With a checkpoint directory, in one process, Ctrl-C finishes the optimizer
+step under way and saves it before stopping (:class:`TrainInterrupted`); a second Ctrl-C stops
+at once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import signal
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from torchturbo.checkpoint import checkpoint_name
 from torchturbo.config import INT64_MAX, ConfigError, TurboConfig
 from torchturbo.data.length import length_or_none
+from torchturbo.distributed.launch import current_env
 from torchturbo.engine import Turbo
 from torchturbo.metrics_log import MetricsLogger
 from torchturbo.recipe import Recipe
@@ -41,6 +47,41 @@ class TrainResult:
     micro_batch_split: int
     micro_batch_size: int | None
     events: tuple[str, ...]
+
+
+class TrainInterrupted(KeyboardInterrupt):
+    """Ctrl-C stopped :func:`train` between optimizer steps, after saving checkpoint ``saved``
+    at step ``optimizer_steps``: ``resume=True`` continues from it exactly."""
+
+    def __init__(self, saved: Path | None, optimizer_steps: int) -> None:
+        super().__init__(f"stopped after optimizer step {optimizer_steps}, saved {saved}")
+        self.saved = saved
+        self.optimizer_steps = optimizer_steps
+
+
+@contextlib.contextmanager
+def _stop_between_steps(enabled: bool) -> Iterator[threading.Event]:
+    """An event the first Ctrl-C sets instead of interrupting (a second one interrupts).
+
+    Interrupted inside a step, a run would be saved with half its gradients, or not at all: the
+    loop checks the event once each optimizer step is done. Only in the main thread of a single
+    process: under torchrun the ranks would stop at different steps, out of step with DDP.
+    """
+    stop = threading.Event()
+    if not enabled or threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+    previous = signal.getsignal(signal.SIGINT)
+
+    def first_ctrl_c(signum: int, frame: object) -> None:
+        stop.set()
+        signal.signal(signal.SIGINT, previous)
+
+    signal.signal(signal.SIGINT, first_ctrl_c)
+    try:
+        yield stop
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def train(
@@ -90,27 +131,29 @@ def train(
             check_steps(steps, turbo.optimizer_steps, resumed_from)
         saved, last_loss, seen_events, first_step = None, None, 0, turbo.optimizer_steps
         meter = recipe_meter(turbo, recipe, logger) if logger is not None else None
-        while turbo.optimizer_steps < steps:
-            yielded = 0
-            for batch in loader:
-                yielded += 1
-                metrics = turbo.step(recipe.loss_fn, batch)
-                if meter is not None:
-                    meter.update(metrics)
-                for event in microbatcher.events[seen_events:]:
-                    if on_event is not None:
-                        on_event(event)
-                seen_events = len(microbatcher.events)
-                if not metrics.optimizer_stepped:
-                    continue
-                last_loss = float(metrics.loss)
-                if save_every and turbo.optimizer_steps % save_every == 0:
-                    assert checkpoint_dir is not None  # _check_arguments: save_every needs one
-                    saved = turbo.save(checkpoint_dir)
-                if turbo.optimizer_steps >= steps:
-                    break
-            if not yielded:
-                raise ValueError(f"recipe {recipe.name!r}: the data loader yields no batch")
+        graceful = checkpoint_dir is not None and not current_env().is_distributed
+        with _stop_between_steps(graceful) as stop:
+            while turbo.optimizer_steps < steps and not stop.is_set():
+                yielded = 0
+                for batch in loader:
+                    yielded += 1
+                    metrics = turbo.step(recipe.loss_fn, batch)
+                    if meter is not None:
+                        meter.update(metrics)
+                    for event in microbatcher.events[seen_events:]:
+                        if on_event is not None:
+                            on_event(event)
+                    seen_events = len(microbatcher.events)
+                    if not metrics.optimizer_stepped:
+                        continue
+                    last_loss = float(metrics.loss)
+                    if save_every and turbo.optimizer_steps % save_every == 0:
+                        assert checkpoint_dir is not None  # _check_arguments: needs one
+                        saved = turbo.save(checkpoint_dir)
+                    if turbo.optimizer_steps >= steps or stop.is_set():
+                        break
+                if not yielded:
+                    raise ValueError(f"recipe {recipe.name!r}: the data loader yields no batch")
         turbo.guard.raise_if_ending_nonfinite(model, turbo.optimizer_steps)
         just_saved = saved is not None and saved.name == checkpoint_name(turbo.optimizer_steps)
         trained = turbo.optimizer_steps > first_step
@@ -118,6 +161,8 @@ def train(
             saved = turbo.save(checkpoint_dir)
     finally:
         turbo.close()
+    if stop.is_set() and turbo.optimizer_steps < steps:
+        raise TrainInterrupted(saved, turbo.optimizer_steps)
     return TrainResult(
         optimizer_steps=turbo.optimizer_steps,
         last_loss=last_loss,
