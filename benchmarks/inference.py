@@ -36,6 +36,7 @@ from torch import nn
 
 from torchturbo.measure import measure_interleaved, noise_band, time_once
 from torchturbo.results import write_results
+from torchturbo.table_fit import print_table
 from torchturbo.techniques.export import capture_model_inputs
 from torchturbo.techniques.fusion import fuse_for_inference
 from torchturbo.workloads import WORKLOADS, get_workload
@@ -140,7 +141,7 @@ def measure_batch(
     return rows
 
 
-def print_table(rows: list[dict[str, Any]], unit: str) -> None:
+def print_results(rows: list[dict[str, Any]], unit: str) -> None:
     table = Table(title="inference (ratio = eager fp32 median / variant median, same batch)")
     for header in (
         "variant",
@@ -162,8 +163,7 @@ def print_table(rows: list[dict[str, Any]], unit: str) -> None:
             "-" if r["compile_s"] is None else f"{r['compile_s']:.1f}",
             f"{r['max_rel_diff']:.1e}",
         )
-    console = Console()
-    (console if console.is_terminal else Console(width=140)).print(table)
+    print_table(Console(), table)  # the terminal's width (80 columns when piped), in parts
 
 
 def main() -> int:
@@ -193,7 +193,7 @@ def main() -> int:
         # The hook stops before forward runs, so CPU batches are fine for a model on the device.
         inputs = to_device(capture_model_inputs(model, recipe, batch), args.device)
         rows += measure_batch(variants, inputs, batch, args.device, repeats, small_steps)
-    print_table(rows, "samples/s")
+    print_results(rows, "samples/s")
     if args.json:
         payload = {
             "benchmark": "inference",
