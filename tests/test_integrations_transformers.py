@@ -334,6 +334,8 @@ def test_recipe_from_trainer_with_model_init_and_a_given_optimizer(tmp_path):
 class TaggingStream(torch.utils.data.IterableDataset):
     """The tagging samples as a stream, as a ``datasets.IterableDataset`` gives them."""
 
+    column_names = ("input_ids", "labels")  # as a stream with known features has them
+
     def __iter__(self):
         yield from tagging_samples()
 

@@ -16,7 +16,8 @@ from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 
 from torchturbo.bench import fixed_batches
-from torchturbo.config import TurboConfig
+from torchturbo.config import ConfigError, TurboConfig
+from torchturbo.doctor import diagnose
 from torchturbo.doctor.data_facts import dataset_facts
 from torchturbo.recipe import Recipe
 from torchturbo.train import train
@@ -91,6 +92,12 @@ def test_training_on_a_stream_over_several_epochs_computes_what_a_plain_loop_doe
     assert result.last_loss == loss.item()
 
 
+def test_more_accumulation_steps_than_a_stream_has_batches_is_refused_after_its_first_pass():
+    config = TurboConfig(device="cpu").replace(accumulation__steps=8)  # the stream holds 4
+    with pytest.raises(ConfigError, match=r"steps = 8 is more than the 4 batches of an epoch"):
+        train(stream_recipe(), config, steps=3)
+
+
 def test_training_on_an_empty_stream_is_a_clear_error():
     with pytest.raises(ValueError, match="the data loader yields no batch"):
         train(stream_recipe(samples=0), TurboConfig(device="cpu"), steps=2)
@@ -99,6 +106,14 @@ def test_training_on_an_empty_stream_is_a_clear_error():
 def test_the_doctor_describes_a_stream_without_a_length():
     facts = dataset_facts(Stream(32))
     assert facts.kind == "Stream" and facts.num_samples is None and facts.nbytes is None
+
+
+def test_the_doctor_tells_an_input_bound_stream_to_split_itself(tmp_path):
+    recipe = stream_recipe(samples=256, delay_s=0.002)  # 16 ms to load a batch, ~1 ms to train
+    diagnosis = diagnose(recipe, device="cpu", trace_dir=tmp_path, profile_steps=3)
+    loader = next(i for i in diagnosis.items if i.name == "DataLoader configuration")
+    assert loader.state == "recommended" and "get_worker_info" in loader.evidence
+    assert "tune measures worker counts" not in loader.evidence  # it does not, on a stream
 
 
 def test_the_tuner_tries_no_worker_setting_on_a_stream():

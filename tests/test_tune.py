@@ -318,6 +318,36 @@ def test_ctrl_c_keeps_what_was_measured_and_the_next_run_measures_only_the_rest(
     assert rows["clip 20"].comparison is not None  # measured in this run
 
 
+def test_ctrl_c_while_a_reused_config_is_rebuilt_keeps_its_adoptions(monkeypatch):
+    _, first = tune(tiny_recipe(), QUICK, stages={"clipping": clipping_stage})
+    results = first.to_dict()
+    rows = [r for r in results["candidates"] if r["verdict"] in ("adopted", "rejected")]
+    rows[0]["verdict"], results["adopted"] = "adopted", [rows[0]["name"]]
+    calls = []
+
+    def rebuild_interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:  # the baseline's trial first, then the rebuild of the adoption
+            raise KeyboardInterrupt
+        return start_trial(*args, **kwargs)
+
+    monkeypatch.setattr(search, "start_trial", rebuild_interrupted)
+    with pytest.raises(TuneInterrupted) as caught:
+        tune(tiny_recipe(), QUICK, stages={"clipping": clipping_stage}, previous=results)
+    assert caught.value.partial["adopted"] == [rows[0]["name"]]
+    assert caught.value.measured == len(rows)
+
+
+def test_the_first_previous_run_made_for_this_one_is_reused():
+    _, first = tune(tiny_recipe(), dataclasses.replace(QUICK, only=("precision",)))
+    other = {**first.to_dict(), "fingerprint": {**first.fingerprint, "recipe": "another"}}
+    sources = [(other, "interrupted.json"), (first.to_dict(), "results.json")]
+    reuse, note = Previous.first(sources, first.fingerprint)
+    assert reuse is not None and note.endswith("from results.json")
+    reuse, note = Previous.first(sources[:1], first.fingerprint)
+    assert reuse is None and note.startswith("interrupted.json was made with another recipe")
+
+
 def test_a_previous_run_is_rebuilt_from_its_last_adoption_not_its_last_row():
     """Rows are in stage order, adoptions in the order they happened: the chosen config is the
     config of the last adoption, which contains the ones before it."""

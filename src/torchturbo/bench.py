@@ -51,7 +51,8 @@ def fixed_batches(recipe: Recipe, count: int, *, seed: int | None = None) -> lis
 
     The default seed is the recipe's plus the process's rank, so that under torchrun each rank
     trains on different batches, as data-parallel ranks do. A stream (an ``IterableDataset``)
-    owns its order: its first ``count`` batches, as it yields them.
+    owns its order: its first ``count`` batches, as it yields them (on every rank, unless the
+    stream splits itself by rank).
     """
     seed = recipe.seed + current_env().rank if seed is None else seed
     generator = torch.Generator().manual_seed(seed)

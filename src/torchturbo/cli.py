@@ -338,8 +338,8 @@ def _parser() -> argparse.ArgumentParser:
         "--checkpoint-dir",
         type=Path,
         metavar="DIR",
-        help="where checkpoints go; with it, Ctrl-C finishes the step under way and saves it "
-        "(a second Ctrl-C stops at once)",
+        help="where checkpoints go; with it, in one process, Ctrl-C finishes the step under way "
+        "and saves it (a second Ctrl-C stops at once)",
     )
     train.add_argument(
         "--save-every",
@@ -549,7 +549,7 @@ def _run_tune(args: argparse.Namespace) -> int:
         skip=args.skip,
     )
     check_writable(args.out)
-    previous, previous_path = read_previous(args.out)
+    previous = read_previous(args.out)
     recipe = load_target(args)
     console = Console()  # the terminal's width; 80 columns when piped
     say_emulated(
@@ -566,10 +566,9 @@ def _run_tune(args: argparse.Namespace) -> int:
                     options,
                     on_progress=line.report,
                     previous=previous,
-                    previous_source=str(previous_path),
                 )
         except TuneInterrupted as interrupted:
-            if is_main_process():
+            if is_main_process() and interrupted.measured:
                 kept = keep_interrupted(args.out, interrupted.partial)
                 console.print(
                     Text(
@@ -698,10 +697,11 @@ def _run_train(args: argparse.Namespace) -> int:
                 logger=logger,
             )
         except TrainInterrupted as stopped:
-            print(
-                f"interrupted after optimizer step {stopped.optimizer_steps}: saved "
-                f"{stopped.saved}; the same command with --resume goes on from it"
-            )
+            if stopped.saved is not None:
+                print(
+                    f"interrupted after optimizer step {stopped.optimizer_steps}: saved "
+                    f"{stopped.saved}; the same command with --resume goes on from it"
+                )
             raise
         if not is_main_process():
             return 0

@@ -54,7 +54,8 @@ class TrainInterrupted(KeyboardInterrupt):
     at step ``optimizer_steps``: ``resume=True`` continues from it exactly."""
 
     def __init__(self, saved: Path | None, optimizer_steps: int) -> None:
-        super().__init__(f"stopped after optimizer step {optimizer_steps}, saved {saved}")
+        where = "nothing new to save" if saved is None else f"saved {saved}"
+        super().__init__(f"stopped after optimizer step {optimizer_steps}, {where}")
         self.saved = saved
         self.optimizer_steps = optimizer_steps
 
@@ -65,13 +66,16 @@ def _stop_between_steps(enabled: bool) -> Iterator[threading.Event]:
 
     Interrupted inside a step, a run would be saved with half its gradients, or not at all: the
     loop checks the event once each optimizer step is done. Only in the main thread of a single
-    process: under torchrun the ranks would stop at different steps, out of step with DDP.
+    process (under torchrun the ranks would stop at different steps, out of step with DDP), and
+    only where Ctrl-C has Python's default handler: an ignored SIGINT or another handler is left
+    as it is.
     """
     stop = threading.Event()
-    if not enabled or threading.current_thread() is not threading.main_thread():
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGINT) if main_thread else None
+    if not enabled or previous is not signal.default_int_handler:
         yield stop
         return
-    previous = signal.getsignal(signal.SIGINT)
 
     def first_ctrl_c(signum: int, frame: object) -> None:
         stop.set()
@@ -103,6 +107,8 @@ def train(
     :class:`~torchturbo.guard.NonFiniteError` instead of returning, and saves nothing.
     ``logger`` receives each optimizer step's metrics (under torchrun, pass it on every rank: the
     meter all-reduces the counts; ``metrics_log.open_loggers`` gives rank 0 the only writers).
+    With ``checkpoint_dir`` in one process, Ctrl-C finishes the optimizer step under way, saves
+    it and raises :class:`TrainInterrupted`.
     """
     _check_arguments(steps, save_every, checkpoint_dir, resume)
     turbo = Turbo(config)
@@ -152,8 +158,13 @@ def train(
                         saved = turbo.save(checkpoint_dir)
                     if turbo.optimizer_steps >= steps or stop.is_set():
                         break
-                if not yielded:
-                    raise ValueError(f"recipe {recipe.name!r}: the data loader yields no batch")
+                else:  # the epoch ended
+                    if not yielded:
+                        raise ValueError(f"recipe {recipe.name!r}: the data loader yields no batch")
+                    if batches_per_epoch is None:  # a stream: its length is known now
+                        batches_per_epoch = loader.batches
+                        _check_accumulation(config, recipe, batches_per_epoch)
+            interrupted = stop.is_set() and turbo.optimizer_steps < steps
         turbo.guard.raise_if_ending_nonfinite(model, turbo.optimizer_steps)
         just_saved = saved is not None and saved.name == checkpoint_name(turbo.optimizer_steps)
         trained = turbo.optimizer_steps > first_step
@@ -161,7 +172,7 @@ def train(
             saved = turbo.save(checkpoint_dir)
     finally:
         turbo.close()
-    if stop.is_set() and turbo.optimizer_steps < steps:
+    if interrupted:
         raise TrainInterrupted(saved, turbo.optimizer_steps)
     return TrainResult(
         optimizer_steps=turbo.optimizer_steps,

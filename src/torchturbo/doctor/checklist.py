@@ -88,6 +88,11 @@ def _dataloader(f: Findings) -> Verdict:
     if not problems:
         return "ok", f"{settings}; {wait}: the loader keeps up", None
     advice = "tune by measurement (torchturbo tune measures worker counts and their memory)"
+    if f.dataset.num_samples is None:  # a stream: the tuner tries no worker setting on it
+        advice = (
+            "a stream must split itself among workers (torch.utils.data.get_worker_info), "
+            "else each yields all of it: once yours does, set [data] num_workers yourself"
+        )
     if f.device.type == "cpu" and f.loader_matters:
         advice += "; on a CPU device workers take cores from compute"
     gain = None

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from torch.utils.data import IterableDataset
+
 from torchturbo.data.length import length_or_none
 
 
@@ -19,6 +21,8 @@ def sample_lengths(
 ) -> list[int] | None:
     """One length per sample: the length column if there is one, else ``len(input_ids)``;
     None when the dataset has neither (or no ``__len__``)."""
+    if isinstance(dataset, IterableDataset):  # a stream, even one that knows its columns
+        return None
     columns = getattr(dataset, "column_names", None)
     if isinstance(columns, Sequence):
         if length_column in columns:

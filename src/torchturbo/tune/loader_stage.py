@@ -48,30 +48,17 @@ def loader_stage(
         f"loading a batch takes {load_s * 1e3:.1f} ms in the main process, "
         f"a step {step_s * 1e3:.0f} ms"
     )
-    compute_bound = agree(load_s < COMPUTE_BOUND_SHARE * step_s)
-    if compute_bound or isinstance(recipe.dataset, IterableDataset):
-        if compute_bound:
-            reason = f"compute-bound: {figures}; worker settings cannot speed the step up"
-        else:
-            reason = (
-                f"a stream (IterableDataset): {figures}; each DataLoader worker yields the whole "
-                "stream unless the dataset splits itself with get_worker_info(), which cannot be "
-                "checked from outside, so no worker setting is tried: set [data] num_workers "
-                "yourself once yours splits"
-            )
-        verdict = "compute-bound" if compute_bound else "stream"
-        record: dict[str, Any] = {"verdict": verdict, "reason": reason, "chosen": None}
-        return (
-            Outcome(
-                stage="data_loader",
-                name="loader settings",
-                config=config,
-                verdict="not applicable",
-                reason=reason,
-            ),
-            record,
-            None,
+    if agree(load_s < COMPUTE_BOUND_SHARE * step_s):
+        reason = f"compute-bound: {figures}; worker settings cannot speed the step up"
+        return _without_grid("compute-bound", reason, config)
+    if isinstance(recipe.dataset, IterableDataset):
+        reason = (
+            f"a stream (IterableDataset): {figures}; each DataLoader worker yields the whole "
+            "stream unless the dataset splits itself with get_worker_info(), which cannot be "
+            "checked from outside, so no worker setting is tried: set [data] num_workers "
+            "yourself once yours splits"
         )
+        return _without_grid("stream", reason, config)
     grid = default_candidates(run.device)
     estimate = len(grid) * GRID_REPEATS * (WORKER_START_S + (GRID_BATCHES + 2) * load_s)
     free = agree(run.budget.left())
@@ -80,7 +67,7 @@ def loader_stage(
             f"budget: the loader grid needs ~{estimate:.0f} s, {max(free, 0):.0f} s left "
             f"({figures})"
         )
-        record = {"verdict": "not measured", "reason": reason, "chosen": None}
+        record: dict[str, Any] = {"verdict": "not measured", "reason": reason, "chosen": None}
         return (
             Outcome(
                 stage="data_loader",
@@ -124,6 +111,20 @@ def loader_stage(
         estimate_s=estimate,
     )
     return outcome, record, tuning.chosen if tuning.input_bound else None
+
+
+def _without_grid(
+    verdict: str, reason: str, config: dict[str, Any]
+) -> tuple[Outcome, dict[str, Any], None]:
+    """The stage's result when no worker setting is tried: not applicable, and why."""
+    outcome = Outcome(
+        stage="data_loader",
+        name="loader settings",
+        config=config,
+        verdict="not applicable",
+        reason=reason,
+    )
+    return outcome, {"verdict": verdict, "reason": reason, "chosen": None}, None
 
 
 def _probe(run: Run) -> float:

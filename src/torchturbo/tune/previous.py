@@ -10,7 +10,7 @@ config it chose, which is rebuilt first.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -94,3 +94,17 @@ class Previous:
         adopted = tuple(by_name[n] for n in previous.get("adopted") or [] if n in by_name)
         note = f"reused {len(decided)} measured candidates from {source}"
         return Previous(source, decided, adopted), note
+
+    @staticmethod
+    def first(
+        sources: Sequence[tuple[Mapping[str, Any], str]], current: dict[str, Any]
+    ) -> tuple[Previous | None, str]:
+        """The first of ``sources`` (a results.json and its name) made for this run; else None
+        and why the first was not."""
+        notes = []
+        for previous, source in sources:
+            reuse, note = Previous.parse(previous, current, source)
+            if reuse is not None:
+                return reuse, note
+            notes.append(note)
+        return None, next(iter(notes), "")

@@ -51,10 +51,11 @@ def incremental_table(results: dict) -> Table:
 INTERRUPTED = "interrupted.json"
 
 
-def read_previous(out_dir: Path) -> tuple[dict | None, Path]:
-    """What a previous run left in ``out_dir`` and the file it came from: an interrupted run's
-    interrupted.json (it also holds what it reused), else results.json; None when neither is
-    there or readable (the run then starts afresh, as it would without one)."""
+def read_previous(out_dir: Path) -> list[tuple[dict, str]]:
+    """What previous runs left in ``out_dir``, each with its path: an interrupted run's
+    interrupted.json first (it also holds what that run reused), then results.json. A file that
+    is missing or unreadable is left out: the run then starts afresh, as it would without it."""
+    found = []
     for name in (INTERRUPTED, "results.json"):
         path = Path(out_dir) / name
         try:
@@ -62,8 +63,8 @@ def read_previous(out_dir: Path) -> tuple[dict | None, Path]:
         except (OSError, ValueError):
             continue
         if isinstance(data, dict):
-            return data, path
-    return None, Path(out_dir) / "results.json"
+            found.append((data, str(path)))
+    return found
 
 
 def keep_interrupted(out_dir: Path, partial: dict) -> Path:

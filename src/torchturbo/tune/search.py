@@ -32,7 +32,7 @@ import datetime
 import math
 import statistics
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -79,8 +79,8 @@ class TuneInterrupted(KeyboardInterrupt):
     that ``tune(..., previous=partial)`` reuses them and measures only the rest."""
 
     def __init__(self, partial: dict[str, Any]) -> None:
-        super().__init__()
         self.partial = partial
+        super().__init__(f"{self.measured} measured candidate(s) kept in .partial")
 
     @property
     def measured(self) -> int:
@@ -94,7 +94,7 @@ def tune(
     *,
     stages: Mapping[str, Stage] | None = None,
     on_progress: Callable[[str, str, float], None] | None = None,
-    previous: Mapping[str, Any] | None = None,
+    previous: Mapping[str, Any] | Sequence[tuple[Mapping[str, Any], str]] | None = None,
     previous_source: str = "the previous results.json",
     clock: Callable[[], float] = time.perf_counter,
 ) -> tuple[TurboConfig, TuneResult]:
@@ -102,7 +102,8 @@ def tune(
 
     ``previous`` is an earlier run's results (its results.json, named by ``previous_source``):
     candidates it decided for the same recipe, machine and options are reused and the budget goes
-    to the others. ``on_progress(stage, candidate, seconds_left)`` is called as the work moves on;
+    to the others. Several (results, name) pairs may be given: the first made for this run is
+    reused. ``on_progress(stage, candidate, seconds_left)`` is called as the work moves on;
     ``clock`` is what the budget is counted on.
     """
     options = options or TuneOptions()
@@ -139,7 +140,9 @@ def tune(
         )
         parameters = sum(p.numel() for p in trial.model.parameters())
         current = fingerprint(recipe, options, device, parameters)
-        reuse, reuse_note = Previous.parse(previous, current, previous_source)
+        if isinstance(previous, Mapping):
+            previous = [(previous, previous_source)]
+        reuse, reuse_note = Previous.first(previous or [], current)
         if reuse_note:
             say("reuse", reuse_note, budget.left())
         try:
@@ -225,8 +228,8 @@ def _replay(run: Run, reuse: Previous | None, baseline: Incumbent) -> Incumbent:
     """Take a previous run's outcomes and rebuild the config it chose as the current best."""
     if reuse is None:
         return baseline
-    run.outcomes.extend(reuse.outcomes)
     if not reuse.adopted:
+        run.outcomes.extend(reuse.outcomes)
         return baseline
     names = ", ".join(o.name for o in reuse.adopted)
     run.say("reuse", f"rebuilding {names}", run.budget.left())
@@ -243,6 +246,8 @@ def _replay(run: Run, reuse: Previous | None, baseline: Incumbent) -> Incumbent:
         run.adoptions.append(Incumbent(outcome.name, adopted, trial, None, outcome=outcome))
     best = Incumbent(last.name, config, trial, agree(trial.memory_footprint()[0]), outcome=last)
     run.adoptions[-1] = best
+    # Only now: a rebuild interrupted before this keeps them through _partial, adoptions too.
+    run.outcomes.extend(reuse.outcomes)
     return best
 
 
