@@ -100,6 +100,21 @@ def test_ctrl_c_in_tune_keeps_the_measurements_and_the_same_command_goes_on(
     assert [r["name"] for r in rows if r["reused"]] == ["clip 10"]
 
 
+def test_ctrl_c_before_any_candidate_is_measured_leaves_the_directory_as_it_was(
+    tmp_path, capsys, monkeypatch
+):
+    from torchturbo.tune import search
+
+    def interrupted_at_once(*args, **kwargs):
+        raise search.TuneInterrupted({"candidates": [], "adopted": []})
+
+    monkeypatch.setattr(search, "tune", interrupted_at_once)
+    out = tmp_path / "report"
+    argv = ["tune", TINY, "--device", "cpu", "--time-budget", "40s", "--out", str(out)]
+    assert main(argv) == 130
+    assert "kept" not in capsys.readouterr().out and not (out / "interrupted.json").exists()
+
+
 def test_doctor_prints_the_checklist_and_writes_json(tmp_path, capsys):
     out = tmp_path / "doctor.json"
     assert main(["doctor", TINY, "--device", "cpu", "--steps", "2", "--json", str(out)]) == 0
