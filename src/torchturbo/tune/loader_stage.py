@@ -67,18 +67,8 @@ def loader_stage(
             f"budget: the loader grid needs ~{estimate:.0f} s, {max(free, 0):.0f} s left "
             f"({figures})"
         )
-        record: dict[str, Any] = {"verdict": "not measured", "reason": reason, "chosen": None}
-        return (
-            Outcome(
-                stage="data_loader",
-                name="loader settings",
-                config=config,
-                verdict="not measured",
-                reason=reason,
-                estimate_s=estimate,
-            ),
-            record,
-            None,
+        return _without_grid(
+            "not measured", reason, config, state="not measured", estimate_s=estimate
         )
     run.say("data_loader", f"measuring {len(grid)} loader settings", run.budget.left())
     tuning = agree(
@@ -95,7 +85,7 @@ def loader_stage(
         )
     )
     verdict = "input-bound" if tuning.input_bound else "compute-bound"
-    record = {
+    record: dict[str, Any] = {
         "verdict": verdict,
         "reason": tuning.reason,
         "chosen": tuning.chosen.__dict__ if tuning.input_bound else None,
@@ -114,15 +104,22 @@ def loader_stage(
 
 
 def _without_grid(
-    verdict: str, reason: str, config: dict[str, Any]
+    verdict: str,
+    reason: str,
+    config: dict[str, Any],
+    *,
+    state: State = "not applicable",
+    estimate_s: float | None = None,
 ) -> tuple[Outcome, dict[str, Any], None]:
-    """The stage's result when no worker setting is tried: not applicable, and why."""
+    """The stage's result when no worker setting is tried (``state``), and why; the loader
+    record's ``verdict`` says which case it was."""
     outcome = Outcome(
         stage="data_loader",
         name="loader settings",
         config=config,
-        verdict="not applicable",
+        verdict=state,
         reason=reason,
+        estimate_s=estimate_s,
     )
     return outcome, {"verdict": verdict, "reason": reason, "chosen": None}, None
 
