@@ -19,7 +19,7 @@ TINY = str(Path(__file__).parent / "recipes" / "tiny.py") + ":recipe"
 def test_version_prints_versions_and_bf16_support(capsys):
     assert main(["version"]) == 0
     out = capsys.readouterr().out
-    for key in ("torchturbo", "torch", "cuda", "device", "cpu bf16 instructions"):
+    for key in ("torchturbo", "torch", "cuda", "device", "cpu bf16 instructions", "measured"):
         assert key in out
 
 

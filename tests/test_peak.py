@@ -18,7 +18,14 @@ from torchturbo.bench import compare_configs
 from torchturbo.cli import main
 from torchturbo.config import TurboConfig
 from torchturbo.measure.datasheet import TABLE, datasheet_peak_flops, known_gpu
-from torchturbo.measure.native import emulated, emulation_notice, native_dtypes
+from torchturbo.measure.native import (
+    CPU_INSTRUCTIONS,
+    NATIVE_SPEEDUP,
+    emulated,
+    emulation_notice,
+    gemm_speedup,
+    native_dtypes,
+)
 from torchturbo.measure.peak import measured_peak_flops, mfu, stated_peak
 from torchturbo.report import OVER_PEAK_NOTE, format_mfu, peak_notes
 from torchturbo.system import cpu_flags
@@ -28,15 +35,24 @@ peak = importlib.import_module("torchturbo.measure.peak")
 TINY = str(Path(__file__).parent / "recipes" / "tiny.py") + ":recipe"
 #: What an AVX2-only CPU looks like to PyTorch: oneDNN and ATen capped below AVX-512.
 AVX2_ONLY = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
-has_bf16_instructions = bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
 
 
 @pytest.fixture
 def fresh_checks():
-    """Emulation checks are cached per process: clear around tests that fake the hardware."""
-    native._emulated.cache_clear()
+    """Emulation checks and GEMM ratios are cached per process: clear them around tests that
+    fake the hardware."""
+    caches = (native._emulated, native._speedup, native._gemm_speedup)
+    for cached in caches:
+        cached.cache_clear()
     yield
-    native._emulated.cache_clear()
+    for cached in caches:
+        cached.cache_clear()
+
+
+def _fake_gemm_rates(monkeypatch, flags: set[str], gflops: dict[torch.dtype, float]) -> None:
+    """This CPU as the decision sees it: its flag list and the GEMM rate of each dtype."""
+    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset(flags))
+    monkeypatch.setattr(native, "gemm_rate", lambda device, dtype, n, **_: gflops[dtype] * 1e9)
 
 
 # --- the datasheet table -------------------------------------------------------------------------
@@ -106,23 +122,78 @@ def test_a_cpu_flag_list_without_bf16_instructions_decides_without_measuring(
     assert emulated("cpu", "bf16") == "no avx512_bf16 or amx_bf16 instructions"
 
 
-@pytest.mark.parametrize(("speedup", "is_native"), [(0.02, False), (0.9, False), (4.0, True)])
+#: GEMM rates (GFLOP/s, fp32 then the low format) of the CPUs seen so far: an EPYC with native
+#: bf16 (4x), an Intel VM whose flags list avx512_bf16 and avx512_fp16 while bf16 runs at half the
+#: fp32 rate and fp16 at its rate, and emulation with AVX-512 conversions (just above fp32's).
+@pytest.mark.parametrize(
+    ("fmt", "flags", "fp32", "low", "reason"),
+    [
+        ("bf16", {"avx512_bf16"}, 100.0, 400.0, None),
+        ("bf16", {"amx_bf16"}, 100.0, 1500.0, None),
+        ("bf16", {"avx512_bf16", "avx_vnni"}, 319.0, 166.0, "a bf16 matmul ran at 0.52x"),
+        ("fp16", {"avx512_fp16"}, 319.0, 315.0, "a fp16 matmul ran at 0.99x"),
+        ("bf16", {"avx512_bf16"}, 100.0, 110.0, "a bf16 matmul ran at 1.10x"),
+        ("bf16", {"avx512_bf16"}, 220.0, 1.3, "a bf16 matmul ran at 0.0059x"),
+    ],
+    ids=[
+        "native-avx512",
+        "native-amx",
+        "flags-but-slow",
+        "fp16-at-fp32-rate",
+        "conversions",
+        "capped",
+    ],
+)
 def test_present_instructions_are_confirmed_by_a_gemm_against_fp32(
-    monkeypatch, fresh_checks, speedup, is_native
+    monkeypatch, fresh_checks, fmt, flags, fp32, low, reason
 ) -> None:
-    # Instructions can be present and unused (ONEDNN_MAX_CPU_ISA): the GEMM ratio decides, and
-    # emulation with AVX-512 conversions (about fp32's rate) is not a native unit either.
-    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"avx512_bf16"}))
-    monkeypatch.setattr(native, "_speedup", lambda device, dtype: speedup)
-    reason = emulated("cpu", "bf16")
-    assert (reason is None) is is_native
-    if not is_native:
-        assert reason == f"a bf16 matmul ran at {speedup:.2f}x the fp32 rate"
+    # A flag says the instructions exist, not that oneDNN uses them or that they are fast here:
+    # the measured ratio decides, and the reason quotes it.
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[fmt]
+    _fake_gemm_rates(monkeypatch, flags, {torch.float32: fp32, dtype: low})
+    verdict = emulated("cpu", fmt)
+    if reason is None:
+        assert verdict is None
+    else:
+        assert verdict == f"{reason} the fp32 rate"
+    assert gemm_speedup("cpu", fmt) == pytest.approx(low / fp32)
 
 
-@pytest.mark.skipif(not has_bf16_instructions, reason="needs a CPU with avx512_bf16 or amx_bf16")
-def test_this_cpus_bf16_is_native() -> None:
+def test_no_flag_list_at_all_is_decided_by_the_gemm(monkeypatch, fresh_checks) -> None:
+    # ARM and macOS give no x86 flags: the probe alone decides, both ways.
+    _fake_gemm_rates(monkeypatch, set(), {torch.float32: 100.0, torch.bfloat16: 300.0})
     assert emulated("cpu", "bf16") is None
+    for cached in (native._emulated, native._speedup):
+        cached.cache_clear()
+    _fake_gemm_rates(monkeypatch, set(), {torch.float32: 100.0, torch.bfloat16: 40.0})
+    assert emulated("cpu", "bf16") == "a bf16 matmul ran at 0.40x the fp32 rate"
+
+
+def test_this_cpus_bf16_verdict_agrees_with_the_ratio_it_measured(fresh_checks) -> None:
+    # Whatever this machine is: no instructions means emulated without measuring; otherwise the
+    # verdict is native exactly when the ratio it measured (cached, so the same measurement
+    # gemm_speedup reads) reaches the threshold, and an emulated verdict quotes that ratio.
+    flags = cpu_flags()
+    verdict = emulated("cpu", "bf16")
+    if flags and not flags & set(CPU_INSTRUCTIONS["bf16"]):
+        assert verdict == "no avx512_bf16 or amx_bf16 instructions"
+        return
+    ratio = gemm_speedup("cpu", "bf16")
+    assert (verdict is None) is (ratio >= NATIVE_SPEEDUP), (verdict, ratio)
+    if verdict is not None:
+        shown = f"{ratio:.2f}" if ratio >= 0.1 else f"{ratio:.2g}"
+        assert verdict == f"a bf16 matmul ran at {shown}x the fp32 rate"
+
+
+def test_the_flag_list_can_be_replaced_for_the_whole_process(monkeypatch) -> None:
+    system = importlib.import_module("torchturbo.system")
+    monkeypatch.setenv("TORCHTURBO_CPU_FLAGS", "avx2 fma avx512_bf16")
+    system.cpu_flags.cache_clear()
+    try:
+        assert system.cpu_flags() == {"avx2", "fma", "avx512_bf16"}
+    finally:
+        monkeypatch.delenv("TORCHTURBO_CPU_FLAGS")
+        system.cpu_flags.cache_clear()
 
 
 @pytest.mark.slow

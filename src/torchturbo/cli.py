@@ -184,8 +184,9 @@ def _parser() -> argparse.ArgumentParser:
         help="versions, device and bf16 support",
         description=(
             "Print the versions of torchturbo, torch and CUDA, the device torchturbo would use, "
-            "and which bf16 instructions the CPU has (bf16 autocast is only fast with them). "
-            "Quote this with any figure you report."
+            "the bf16 instructions the CPU's flags list, and whether bf16 is native here as a "
+            "GEMM probe measures it (flags alone do not tell: bf16 autocast pays off only where "
+            "it is native). Quote this with any figure you report."
         ),
     )
     version.set_defaults(run=_run_version)
