@@ -1,0 +1,179 @@
+"""Stopping a training run between optimizer steps on a signal: preemption and Ctrl-C alike.
+
+Clusters stop jobs with SIGTERM (SLURM before the time limit, or SIGUSR1/SIGUSR2 with
+``--signal``; Kubernetes eviction; spot instances) and SIGKILL a grace period later. Stopped
+inside a step, a run could only save half a window of gradients, so the first signal only *asks*
+to stop (:class:`StopRequest`); the loop asks :func:`agree_to_stop` at every optimizer step
+boundary and, once it says so, saves that step and stops. Under torchrun each rank receives the
+signal at its own moment: the flag is all-reduced (MAX) at each boundary, so every rank stops
+after the same step and saves the same checkpoint.
+
+A second signal stops at once (:class:`StopNow` is raised wherever the main thread is; a
+checkpoint being written is abandoned, and the one before it stays intact, see
+``torchturbo.checkpoint``). So does the grace period (``grace_s``) running out; should the main
+thread be stuck in native code, the process exits 5 s later with ``os._exit``. A repeat of the
+*same* signal within :data:`SAME_SIGNAL_S` counts as the first one: torchrun's agent forwards to
+its workers the signal that a terminal or a scheduler already sent to the whole job.
+
+Handlers are installed only in the main thread and only over the default disposition (SIG_DFL,
+Python's Ctrl-C handler, or torchrun's own handler in a process that inherited it): an ignored
+signal or a user's handler is left alone. Why hand-written: Lightning and Composer do this
+inside their trainers, not as a piece usable by another loop.
+"""
+
+from __future__ import annotations
+
+import _thread
+import contextlib
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from torchturbo.distributed.consensus import any_rank
+
+#: Signals that ask a run to stop after the step under way.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+#: A repeat of the same signal this soon after it is the same request (torchrun forwarding).
+SAME_SIGNAL_S = 2.0
+#: How long the main thread has to unwind after a stop at once before the process exits.
+HARD_EXIT_S = 5.0
+#: The exit status of a run that stopped on a signal after saving its last step: BSD's
+#: EX_TEMPFAIL, "try again later": a requeue script tests for it. Stopping at once exits with
+#: 128 + the signal's number, as a process killed by it would.
+EXIT_STOPPED = 75
+
+
+class StopNow(KeyboardInterrupt):
+    """A second signal (or the grace period) stopped the run at once, inside a step: the step
+    under way is lost, the checkpoint saved before it is intact. A KeyboardInterrupt, so that
+    code written for Ctrl-C stops on it too."""
+
+    def __init__(self, signum: int, why: str) -> None:
+        super().__init__(f"{signal.Signals(signum).name}: {why}")
+        self.signum = signum
+        self.exit_status = 128 + signum
+
+
+class StopRequest:
+    """Set by the first stop signal; read between steps through :func:`agree_to_stop`."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        #: The signal that asked first (None while nobody asked).
+        self.signum: int | None = None
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    def set(self, signum: int) -> None:
+        if self.signum is None:
+            self.signum = signum
+        self._event.set()
+
+    @property
+    def signal_name(self) -> str | None:
+        return None if self.signum is None else signal.Signals(self.signum).name
+
+
+def agree_to_stop(request: StopRequest, device: torch.device | str = "cpu") -> bool:
+    """Whether to stop now: True on every rank as soon as any rank's ``request`` is set.
+
+    Call it on every rank at every optimizer step boundary (under torchrun it is a one-element
+    all-reduce, and every rank must call it equally often); ``device`` suits the backend (the
+    engine's device: CUDA for NCCL). In one process it reads the flag and communicates nothing.
+    """
+    return any_rank(request.is_set(), device)
+
+
+@contextlib.contextmanager
+def stop_on_signals(
+    enabled: bool = True, *, grace_s: float = 0.0, announce: bool = True
+) -> Iterator[StopRequest]:
+    """Within the block, the first of :data:`STOP_SIGNALS` sets the yielded request instead of
+    stopping the process; a second one raises :class:`StopNow`.
+
+    ``grace_s`` > 0: that long after the first signal, stop at once as a second signal would.
+    ``announce`` writes one line to stderr on the first signal (rank 0 only). The previous
+    handlers are back after the block. ``enabled=False`` yields a request nothing sets.
+    """
+    request = StopRequest()
+    main_thread = threading.current_thread() is threading.main_thread()
+    if not (enabled and main_thread):
+        yield request
+        return
+    first_at: list[float] = []
+    timers: list[threading.Timer] = []
+    grace_over = threading.Event()
+
+    def end_grace(signum: int) -> None:
+        grace_over.set()
+        _thread.interrupt_main(signal.Signals(signum))  # runs on_signal in the main thread
+
+    def stop_at_once(signum: int, why: str) -> None:
+        # Should the main thread not unwind (stuck in native code), leave anyway.
+        hard = threading.Timer(HARD_EXIT_S, os._exit, (128 + signum,))
+        hard.daemon = True
+        timers.append(hard)
+        hard.start()
+        raise StopNow(signum, why)
+
+    def on_signal(signum: int, frame: Any) -> None:
+        now = time.monotonic()
+        if not request.is_set():
+            first_at.append(now)
+            request.set(signum)
+            if announce:
+                _announce(signum, grace_s)
+            if grace_s > 0:
+                grace = threading.Timer(grace_s, end_grace, (signum,))
+                grace.daemon = True
+                timers.append(grace)
+                grace.start()
+            return
+        if grace_over.is_set():
+            stop_at_once(signum, f"the grace period of {grace_s:g} s ran out")
+        if signum == request.signum and now - first_at[0] < SAME_SIGNAL_S:
+            return  # the same request, forwarded (torchrun's agent) or repeated at once
+        stop_at_once(signum, "a second stop signal")
+
+    installed = {}
+    for signum in STOP_SIGNALS:
+        previous = signal.getsignal(signum)
+        if _is_default(signum, previous):
+            installed[signum] = previous
+            signal.signal(signum, on_signal)
+    try:
+        yield request
+    finally:
+        for timer in timers:
+            timer.cancel()
+        for signum, previous in installed.items():
+            signal.signal(signum, previous)
+
+
+def _is_default(signum: int, handler: Any) -> bool:
+    """SIG_DFL, Python's Ctrl-C handler, or torchrun's agent handler (inherited by a process
+    that runs the agent's code itself): dispositions that would end the run mid-step."""
+    if handler is signal.SIG_DFL or handler is signal.default_int_handler:
+        return True
+    return getattr(handler, "__qualname__", "") == "_terminate_process_handler" and getattr(
+        handler, "__module__", ""
+    ).startswith("torch.distributed.elastic")
+
+
+def _announce(signum: int, grace_s: float) -> None:
+    if os.environ.get("RANK", "0") != "0":
+        return
+    limit = f"; stopping at once after {grace_s:g} s" if grace_s > 0 else ""
+    line = (
+        f"{signal.Signals(signum).name}: stopping after the optimizer step under way and saving "
+        f"it (a second signal, {SAME_SIGNAL_S:g} s or more later, stops at once{limit})\n"
+    )
+    # os.write, not print: a handler may run while the main thread is inside print itself.
+    with contextlib.suppress(OSError):
+        os.write(2, line.encode())
