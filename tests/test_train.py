@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from torchturbo import TurboConfig
-from torchturbo import preemption
+from torchturbo import TurboConfig, preemption
 from torchturbo.checkpoint import CheckpointError, read_checkpoint
 from torchturbo.config import ConfigError
 from torchturbo.guard import NonFiniteError
@@ -120,7 +119,7 @@ def test_a_second_signal_stops_at_once_keeping_the_previous_checkpoint(
 def test_the_grace_period_running_out_stops_at_once(tmp_path):
     config = CONFIG.replace(reliability__stop_grace_s=0.1)
     recipe = _signals_in_step(load_recipe(TINY), 4, signal.SIGTERM, pause_s=3.0)
-    with pytest.raises(StopNow, match="grace period of 0.1 s ran out"):
+    with pytest.raises(StopNow, match=r"grace period of 0\.1 s ran out"):
         train(recipe, config, steps=10, checkpoint_dir=tmp_path)
     assert not list(tmp_path.iterdir())
     # Negative control: a grace period longer than the step lets it finish and save.

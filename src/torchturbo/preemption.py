@@ -33,8 +33,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from torchturbo.distributed.consensus import any_rank
+from torchturbo.distributed.launch import current_env
 
 #: Signals that ask a run to stop after the step under way.
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
@@ -64,8 +65,10 @@ class StopRequest:
 
     def __init__(self) -> None:
         self._event = threading.Event()
-        #: The signal that asked first (None while nobody asked).
+        #: The signal this process received first (None while none came).
         self.signum: int | None = None
+        #: The signal the ranks agreed to stop on (another rank's, when this one got none).
+        self.agreed_signum: int | None = None
 
     def is_set(self) -> bool:
         return self._event.is_set()
@@ -77,7 +80,8 @@ class StopRequest:
 
     @property
     def signal_name(self) -> str | None:
-        return None if self.signum is None else signal.Signals(self.signum).name
+        signum = self.signum or self.agreed_signum
+        return None if signum is None else signal.Signals(signum).name
 
 
 def agree_to_stop(request: StopRequest, device: torch.device | str = "cpu") -> bool:
@@ -87,7 +91,16 @@ def agree_to_stop(request: StopRequest, device: torch.device | str = "cpu") -> b
     all-reduce, and every rank must call it equally often); ``device`` suits the backend (the
     engine's device: CUDA for NCCL). In one process it reads the flag and communicates nothing.
     """
-    return any_rank(request.is_set(), device)
+    if not current_env().is_distributed:
+        return request.is_set()
+    # The signal's number, 0 for none: the MAX says whether any rank asked, and with what.
+    value = torch.tensor(request.signum or 0, device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    agreed = int(value.item())
+    if agreed:
+        # Named, not set: this rank's own signal, if it comes later, is still its first.
+        request.agreed_signum = agreed
+    return agreed > 0
 
 
 @contextlib.contextmanager
