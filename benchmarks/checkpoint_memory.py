@@ -8,7 +8,8 @@ model. The growth is the high-water mark after the operation less the resident s
 what the operation held on top of the live state. Saves and loads alternate (save, load, save,
 load...) so that a busy machine slows both alike; medians and spreads are reported.
 
-    python benchmarks/checkpoint_memory.py --mib 128 --json benchmarks/results/checkpoint_memory.json
+    python benchmarks/checkpoint_memory.py --mib 128 \
+        --json benchmarks/results/checkpoint_memory.json
 
 Run it from the commit to measure: the figures of a previous implementation come from running
 this same script on that commit (``PYTHONPATH=<its src>``).
