@@ -23,7 +23,13 @@ import pytest
 import torch
 
 from torchturbo.checkpoint import list_checkpoints, read_checkpoint
-from torchturbo.preemption import EXIT_STOPPED, StopRequest, agree_to_stop, stop_on_signals
+from torchturbo.preemption import (
+    EXIT_STOPPED,
+    StopRequest,
+    agree_to_stop,
+    leave_stop_signals_to_the_trainer,
+    stop_on_signals,
+)
 
 MARKED = str(Path(__file__).parent / "recipes" / "marked.py") + ":recipe"
 STALLED_SAVE = Path(__file__).parent / "scripts" / "stalled_save.py"
@@ -231,3 +237,41 @@ def test_in_one_process_agreeing_reads_the_flag():
     assert not agree_to_stop(request)
     request.set(signal.SIGTERM)
     assert agree_to_stop(request)
+
+
+def _worker(ready, init) -> None:
+    import time
+
+    if init:
+        leave_stop_signals_to_the_trainer()
+    ready.set()
+    time.sleep(60)
+
+
+@pytest.mark.parametrize("init", [True, False])
+def test_a_loader_worker_ends_quietly_on_a_stop_signal(init):
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    ready = context.Event()
+    worker = context.Process(target=_worker, args=(ready, init))
+    worker.start()
+    assert ready.wait(TIMEOUT_S)
+    os.kill(worker.pid, signal.SIGTERM)
+    worker.join(TIMEOUT_S)
+    # Status 0, not "killed by SIGTERM", which the DataLoader's SIGCHLD handler raises on at
+    # once, inside the trainer's step under way (negative control: without the init function).
+    assert worker.exitcode == (0 if init else -signal.SIGTERM)
+
+
+def test_sigterm_to_the_whole_job_with_loader_workers_still_saves_the_step(tmp_path):
+    config = tmp_path / "workers.toml"
+    config.write_text("[data]\nnum_workers = 2\npersistent_workers = true\n")
+    at = random.Random().randint(2, STEPS - 5)
+    ck = tmp_path / "ck"
+    run = _train("--checkpoint-dir", str(ck), "--config", str(config), launcher=ONE)
+    run.wait_for(rf"^micro-step {at} ")
+    os.killpg(run.process.pid, signal.SIGTERM)  # as SLURM does: the trainer and its workers
+    assert run.finish() == EXIT_STOPPED, run.output[-4000:]
+    saved = int(run.wait_for(r"^SIGTERM: stopped after optimizer step (\d+) and saved it")[1])
+    assert at <= saved < STEPS and list_checkpoints(ck)[0].name == f"ckpt-{saved:010d}"
