@@ -676,6 +676,15 @@ PROGRESS_EVERY_S = 30.0
 
 
 def _run_train(args: argparse.Namespace) -> int:
+    from torchturbo.preemption import stop_on_signals
+
+    # From here on, not only once training runs: importing torch and building the recipe take
+    # seconds, and a SIGTERM then would kill the run instead of stopping it after one step.
+    with stop_on_signals(args.checkpoint_dir is not None):
+        return _train_command(args)
+
+
+def _train_command(args: argparse.Namespace) -> int:
     from torchturbo.config import INT64_MAX
     from torchturbo.distributed import is_main_process, launched, main_print
     from torchturbo.preemption import EXIT_STOPPED, StopNow

@@ -30,12 +30,10 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-import torch.distributed as dist
-
-from torchturbo.distributed.launch import current_env
+if TYPE_CHECKING:
+    import torch
 
 #: Signals that ask a run to stop after the step under way.
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
@@ -91,6 +89,12 @@ def agree_to_stop(request: StopRequest, device: torch.device | str = "cpu") -> b
     all-reduce, and every rank must call it equally often); ``device`` suits the backend (the
     engine's device: CUDA for NCCL). In one process it reads the flag and communicates nothing.
     """
+    # Imported here: the CLI installs the handlers before torch is imported (seconds).
+    import torch
+    import torch.distributed as dist
+
+    from torchturbo.distributed.launch import current_env
+
     if not current_env().is_distributed:
         return request.is_set()
     # The signal's number, 0 for none: the MAX says whether any rank asked, and with what.
@@ -103,6 +107,68 @@ def agree_to_stop(request: StopRequest, device: torch.device | str = "cpu") -> b
     return agreed > 0
 
 
+class _Stopper:
+    """The handler behind one :func:`stop_on_signals` block, and what it remembers."""
+
+    def __init__(self, announce: bool) -> None:
+        self.request = StopRequest()
+        self.announce = announce
+        self.grace_s = 0.0
+        self.first_at: float | None = None
+        self.timers: list[threading.Timer] = []
+        self.grace_over = threading.Event()
+
+    def set_grace(self, grace_s: float) -> None:
+        """Limit the time from the first signal to the stop (also when it came already)."""
+        self.grace_s = grace_s
+        if grace_s > 0 and self.first_at is not None and self.request.signum is not None:
+            self._start_grace(self.request.signum, grace_s - (time.monotonic() - self.first_at))
+
+    def _start_grace(self, signum: int, delay_s: float) -> None:
+        if self.timers:  # started already
+            return
+        timer = threading.Timer(max(0.0, delay_s), self._end_grace, (signum,))
+        timer.daemon = True
+        self.timers.append(timer)
+        timer.start()
+
+    def _end_grace(self, signum: int) -> None:
+        self.grace_over.set()
+        _thread.interrupt_main(signal.Signals(signum))  # runs on_signal in the main thread
+
+    def on_signal(self, signum: int, frame: Any) -> None:
+        now = time.monotonic()
+        if self.first_at is None:
+            self.first_at = now
+            self.request.set(signum)
+            if self.announce:
+                _announce(signum, self.grace_s)
+            if self.grace_s > 0:
+                self._start_grace(signum, self.grace_s)
+            return
+        if self.grace_over.is_set():
+            self._stop_at_once(signum, f"the grace period of {self.grace_s:g} s ran out")
+        if signum == self.request.signum and now - self.first_at < SAME_SIGNAL_S:
+            return  # the same request, forwarded (torchrun's agent) or repeated at once
+        self._stop_at_once(signum, "a second stop signal")
+
+    def _stop_at_once(self, signum: int, why: str) -> None:
+        # Should the main thread not unwind (stuck in native code), leave anyway.
+        hard = threading.Timer(HARD_EXIT_S, os._exit, (128 + signum,))
+        hard.daemon = True
+        self.timers.append(hard)
+        hard.start()
+        raise StopNow(signum, why)
+
+    def cancel(self) -> None:
+        for timer in self.timers:
+            timer.cancel()
+
+
+#: The blocks of :func:`stop_on_signals` that are open, innermost last.
+_OPEN: list[_Stopper] = []
+
+
 @contextlib.contextmanager
 def stop_on_signals(
     enabled: bool = True, *, grace_s: float = 0.0, announce: bool = True
@@ -112,61 +178,38 @@ def stop_on_signals(
 
     ``grace_s`` > 0: that long after the first signal, stop at once as a second signal would.
     ``announce`` writes one line to stderr on the first signal (rank 0 only). The previous
-    handlers are back after the block. ``enabled=False`` yields a request nothing sets.
+    handlers are back after the block. ``enabled=False`` yields a request nothing sets. Inside
+    an open block (the CLI opens one before the slow imports, ``train`` another), a nested one
+    yields the same request, with its own ``grace_s``: a signal that came before it counts.
     """
-    request = StopRequest()
-    main_thread = threading.current_thread() is threading.main_thread()
-    if not (enabled and main_thread):
-        yield request
+    if not (enabled and threading.current_thread() is threading.main_thread()):
+        yield StopRequest()
         return
-    first_at: list[float] = []
-    timers: list[threading.Timer] = []
-    grace_over = threading.Event()
-
-    def end_grace(signum: int) -> None:
-        grace_over.set()
-        _thread.interrupt_main(signal.Signals(signum))  # runs on_signal in the main thread
-
-    def stop_at_once(signum: int, why: str) -> None:
-        # Should the main thread not unwind (stuck in native code), leave anyway.
-        hard = threading.Timer(HARD_EXIT_S, os._exit, (128 + signum,))
-        hard.daemon = True
-        timers.append(hard)
-        hard.start()
-        raise StopNow(signum, why)
-
-    def on_signal(signum: int, frame: Any) -> None:
-        now = time.monotonic()
-        if not request.is_set():
-            first_at.append(now)
-            request.set(signum)
-            if announce:
-                _announce(signum, grace_s)
-            if grace_s > 0:
-                grace = threading.Timer(grace_s, end_grace, (signum,))
-                grace.daemon = True
-                timers.append(grace)
-                grace.start()
-            return
-        if grace_over.is_set():
-            stop_at_once(signum, f"the grace period of {grace_s:g} s ran out")
-        if signum == request.signum and now - first_at[0] < SAME_SIGNAL_S:
-            return  # the same request, forwarded (torchrun's agent) or repeated at once
-        stop_at_once(signum, "a second stop signal")
-
+    if _OPEN:
+        outer = _OPEN[-1]
+        previous = outer.grace_s
+        outer.set_grace(grace_s)
+        try:
+            yield outer.request
+        finally:
+            outer.grace_s = previous
+        return
+    stopper = _Stopper(announce)
+    stopper.set_grace(grace_s)
     installed = {}
     for signum in STOP_SIGNALS:
-        previous = signal.getsignal(signum)
-        if _is_default(signum, previous):
-            installed[signum] = previous
-            signal.signal(signum, on_signal)
+        previous_handler = signal.getsignal(signum)
+        if _is_default(signum, previous_handler):
+            installed[signum] = previous_handler
+            signal.signal(signum, stopper.on_signal)
+    _OPEN.append(stopper)
     try:
-        yield request
+        yield stopper.request
     finally:
-        for timer in timers:
-            timer.cancel()
-        for signum, previous in installed.items():
-            signal.signal(signum, previous)
+        _OPEN.remove(stopper)
+        stopper.cancel()
+        for signum, previous_handler in installed.items():
+            signal.signal(signum, previous_handler)
 
 
 def leave_stop_signals_to_the_trainer(worker_id: int = 0) -> None:
