@@ -676,18 +676,27 @@ PROGRESS_EVERY_S = 30.0
 
 
 def _run_train(args: argparse.Namespace) -> int:
-    from torchturbo.preemption import stop_on_signals
+    from torchturbo.preemption import StopNow, stop_on_signals
 
     # From here on, not only once training runs: importing torch and building the recipe take
     # seconds, and a SIGTERM then would kill the run instead of stopping it after one step.
-    with stop_on_signals(args.checkpoint_dir is not None):
-        return _train_command(args)
+    try:
+        with stop_on_signals(args.checkpoint_dir is not None):
+            return _train_command(args)
+    except StopNow as stop:
+        from torchturbo.distributed import main_print
+
+        main_print(
+            f"{stop}: stopped at once, inside a step; the checkpoints already in "
+            f"{args.checkpoint_dir} are intact, --resume goes on from the newest"
+        )
+        return stop.exit_status
 
 
 def _train_command(args: argparse.Namespace) -> int:
     from torchturbo.config import INT64_MAX
     from torchturbo.distributed import is_main_process, launched, main_print
-    from torchturbo.preemption import EXIT_STOPPED, StopNow
+    from torchturbo.preemption import EXIT_STOPPED
     from torchturbo.train import TrainInterrupted, train
 
     if not 1 <= args.steps <= INT64_MAX:
@@ -706,41 +715,34 @@ def _train_command(args: argparse.Namespace) -> int:
     recipe = load_target(args)
     # Under torchrun every rank trains its share of each batch (the engine wraps the model per
     # [distributed]); rank 0 writes the checkpoints, the logs and prints.
-    try:
-        with (
-            launched(config.device),
-            _train_loggers(args.log_dir) as logger,
-            _train_progress(f"train {recipe.name}", args.steps) as on_progress,
-        ):
-            try:
-                result = train(
-                    recipe,
-                    config,
-                    steps=args.steps,
-                    checkpoint_dir=args.checkpoint_dir,
-                    save_every=args.save_every,
-                    resume=args.resume,
-                    on_event=main_print,
-                    logger=logger,
-                    on_progress=on_progress,
-                )
-            except TrainInterrupted as stopped:
-                again = "again" if args.resume else "with --resume"
-                main_print(
-                    f"{stopped.signal_name}: stopped after optimizer step "
-                    f"{stopped.optimizer_steps} and saved it in {stopped.saved}; run the same "
-                    f"command {again} to go on from there",
-                    flush=True,  # a peer's exit may make torchrun end this process any moment
-                )
-                return EXIT_STOPPED
-            if not is_main_process():
-                return 0
-    except StopNow as stop:
-        main_print(
-            f"{stop}: stopped at once, inside a step; the checkpoints already in "
-            f"{args.checkpoint_dir} are intact, --resume goes on from the newest"
-        )
-        return stop.exit_status
+    with (
+        launched(config.device),
+        _train_loggers(args.log_dir) as logger,
+        _train_progress(f"train {recipe.name}", args.steps) as on_progress,
+    ):
+        try:
+            result = train(
+                recipe,
+                config,
+                steps=args.steps,
+                checkpoint_dir=args.checkpoint_dir,
+                save_every=args.save_every,
+                resume=args.resume,
+                on_event=main_print,
+                logger=logger,
+                on_progress=on_progress,
+            )
+        except TrainInterrupted as stopped:
+            again = "again" if args.resume else "with --resume"
+            main_print(
+                f"{stopped.signal_name}: stopped after optimizer step "
+                f"{stopped.optimizer_steps} and saved it in {stopped.saved}; run the same "
+                f"command {again} to go on from there",
+                flush=True,  # a peer's exit may make torchrun end this process any moment
+            )
+            return EXIT_STOPPED
+        if not is_main_process():
+            return 0
     loss = "n/a" if result.last_loss is None else f"{result.last_loss:.4f}"
     print(
         f"trained to optimizer step {result.optimizer_steps}, last loss {loss}"

@@ -1,8 +1,10 @@
 """The tiny recipe (tiny.py), announcing each micro-step on stdout: a marker that signal tests
 wait for before they send a signal (a busy machine makes fixed sleeps unreliable). Each step also
-waits ``MARKED_STEP_S`` seconds (default 0.02) so that a run lasts long enough to interrupt."""
+waits ``MARKED_STEP_S`` seconds (default 0.02) so that a run lasts long enough to interrupt;
+``MARKED_SIGTERMS=N:K`` sends this process K SIGTERMs during micro-step N."""
 
 import os
+import signal
 import time
 
 import torch
@@ -31,6 +33,10 @@ def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch
     print(
         f"micro-step {_calls[0]} rank {os.environ.get('RANK', '0')} pid {os.getpid()}", flush=True
     )
+    at, _, times = os.environ.get("MARKED_SIGTERMS", "0:0").partition(":")
+    if _calls[0] == int(at):
+        for _ in range(int(times)):
+            os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(float(os.environ.get("MARKED_STEP_S", "0.02")))
     images, labels = batch
     return nn.functional.cross_entropy(model(images), labels)
