@@ -214,6 +214,47 @@ def test_a_pickled_callable_is_refused_even_with_a_valid_checksum(tmp_path):
         read_checkpoint(path)
 
 
+SAVED_BY_TWO = [
+    "model.pt", "optimizer.pt", "state.json", "config.toml", "replicas.json",
+    "rng.pt", "random.json", "rng.rank1.pt", "random.rank1.json",
+]  # fmt: skip
+SHARDED_BY_TWO = ["state.json", "rng.pt", "rng.rank1.pt", "shards/.metadata"] + [
+    f"shards/__{rank}_0.distcp" for rank in range(4)
+]
+
+
+@pytest.mark.parametrize(
+    ("rank", "world", "names", "reads"),
+    [
+        (0, 2, SAVED_BY_TWO, set(SAVED_BY_TWO) - {"rng.rank1.pt", "random.rank1.json"}),
+        (1, 2, SAVED_BY_TWO, set(SAVED_BY_TWO) - {"rng.pt", "random.json"}),
+        # A third process, where two saved: rank 0's random state stands in for its own.
+        (2, 3, SAVED_BY_TWO, set(SAVED_BY_TWO) - {"rng.rank1.pt", "random.rank1.json"}),
+        (1, 2, SHARDED_BY_TWO, {"state.json", "rng.rank1.pt", "shards/.metadata"}
+         | {"shards/__1_0.distcp", "shards/__3_0.distcp"}),
+    ],
+)  # fmt: skip
+def test_each_rank_reads_and_verifies_only_its_files(rank, world, names, reads):
+    from torchturbo.distributed.launch import DistEnv
+    from torchturbo.distributed.strategy import Strategy
+
+    strategy = Strategy(CONFIG, torch.device("cpu"), DistEnv(rank, rank, world))
+    assert strategy._files_read_here(names) == reads
+
+
+def test_a_corrupt_file_this_rank_does_not_read_is_not_its_concern(tmp_path):
+    files = {"state.json": {"n": 1}, "rng.pt": torch.ones(3), "rng.rank1.pt": torch.zeros(3)}
+    path = write_checkpoint(tmp_path, 1, files, keep_last=1)
+    (path / "rng.pt").write_bytes(b"corrupt")
+    own = read_checkpoint(path, select=lambda names: {"state.json", "rng.rank1.pt"})
+    assert own.keys() == {"state.json", "rng.rank1.pt"} and torch.equal(
+        own["rng.rank1.pt"], files["rng.rank1.pt"]
+    )
+    # Negative control: the rank that reads it finds it corrupt.
+    with pytest.raises(CheckpointError, match=r"rng\.pt fails its checksum"):
+        read_checkpoint(path, select=lambda names: {"rng.pt"})
+
+
 def test_resume_from_a_directory_without_checkpoint_is_a_clear_error(tmp_path):
     turbo, *_ = _workload("shuffled", init_seed=0)
     with pytest.raises(CheckpointError, match="holds no checkpoint"):

@@ -145,6 +145,40 @@ def test_train_checkpoints_and_resumes(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "trained to optimizer step 4" in out and "resumed from" in out
     assert "resumed from None" not in out.splitlines()[-1]
+    # The resume line says how the loader reached its position: 2 of 8 batches, by index.
+    assert (
+        f"resumed from {ckpt / 'ckpt-0000000002'} at optimizer step 2; data: epoch 0, 2 "
+        "batches in: the batch sampler's indices skipped, no sample loaded"
+    ) in out
+
+
+@pytest.mark.parametrize(("times", "status"), [(1, 75), (2, 128 + 15)])
+def test_train_exits_75_after_saving_or_128_plus_the_signal_when_stopped_at_once(
+    tmp_path, monkeypatch, capsys, times, status
+):
+    from torchturbo import preemption
+
+    monkeypatch.setattr(preemption, "SAME_SIGNAL_S", 0.0)  # the repeat is a second signal
+    monkeypatch.setenv("MARKED_SIGTERMS", f"3:{times}")
+    marked = str(Path(__file__).parent / "recipes" / "marked.py") + ":recipe"
+    argv = ["train", marked, "--device", "cpu", "--steps", "8", "--checkpoint-dir", str(tmp_path)]
+    assert main([*argv, "--save-every", "2"]) == status
+    out = capsys.readouterr().out
+    if times == 1:
+        assert f"SIGTERM: stopped after optimizer step 3 and saved it in {tmp_path}" in out
+    else:
+        assert "SIGTERM: a second stop signal: stopped at once, inside a step" in out
+        assert [p.name for p in tmp_path.iterdir()] == ["ckpt-0000000002"]
+
+
+def test_train_prints_plain_progress_lines_when_its_output_is_no_terminal(monkeypatch, capsys):
+    from torchturbo import cli
+
+    monkeypatch.setattr(cli, "PROGRESS_EVERY_S", 0.0)  # every step, for the test
+    assert main(["train", TINY, "--device", "cpu", "--steps", "3"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("train ")]
+    assert [line.split(" · ")[0] for line in lines] == [f"train tiny step {n}/3" for n in (1, 2, 3)]
+    assert " samples/s · ETA 0:00 · saved nothing" in lines[-1]
 
 
 @pytest.mark.parametrize(

@@ -7,11 +7,12 @@ import io
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from rich.console import Console
 
-from torchturbo.live import StatusLine, TuneLine, fmt_clock
+from torchturbo.live import StatusLine, TrainLine, TuneLine, fmt_clock
 
 
 class _Clock:
@@ -60,6 +61,29 @@ def test_a_status_line_counts_up_from_its_last_report() -> None:
     line.report("timing [interleaved]")
     clock.now += 42
     assert "bench vision: timing [interleaved]" in _render(line) and "0:42" in _render(line)
+
+
+def test_the_train_line_shows_step_loss_throughput_eta_and_the_last_checkpoint() -> None:
+    from torchturbo.train import TrainProgress
+
+    clock = _Clock()
+    line = TrainLine("train tiny", steps=400, clock=clock)
+    assert line.plain() == (
+        "train tiny step 0/400 · loss n/a · - samples/s · ETA - · saved nothing"
+    )
+    # Resumed at step 100: throughput and ETA count from this process's first step on.
+    line.report(TrainProgress(101, 400, 0.9, 8, None))
+    clock.now += 10
+    saved = Path("ck") / "ckpt-0000000120"
+    line.report(TrainProgress(120, 400, 0.4321, 8 + 19 * 8, saved))
+    assert line.plain() == (
+        "train tiny step 120/400 · loss 0.4321 · 15 samples/s · ETA 2:27 · saved ckpt-0000000120"
+    )  # 19 steps in 10 s: 280 steps left take 147 s
+    text = _render(line)
+    assert len(text.rstrip("\n").splitlines()) == 1 and len(text.rstrip("\n")) <= 80
+    assert line.due(30) is False
+    clock.now += 30
+    assert line.due(30) is True and line.due(30) is False  # once per period
 
 
 _SCRIPT = r"""

@@ -5,15 +5,18 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
-from torchturbo import TurboConfig
-from torchturbo.checkpoint import CheckpointError
+from torchturbo import TurboConfig, preemption
+from torchturbo.checkpoint import CheckpointError, read_checkpoint
 from torchturbo.config import ConfigError
 from torchturbo.guard import NonFiniteError
 from torchturbo.oom import MemoryBudgetError
+from torchturbo.preemption import StopNow
 from torchturbo.recipe import load_recipe
 from torchturbo.train import TrainInterrupted, train
 
@@ -31,44 +34,109 @@ def test_resumed_run_ends_where_the_uninterrupted_one_does(tmp_path):
     assert rest.last_loss == full.last_loss  # bit-identical training gives the same float
 
 
-def _ctrl_c_in_step(recipe, step: int, times: int = 1):
-    """The recipe, with Ctrl-C pressed ``times`` during the forward of step ``step``."""
+def _signals_in_step(recipe, step: int, *signals: int, pause_s: float = 0.0):
+    """The recipe, with ``signals`` sent to this process during the forward of micro-step
+    ``step``, then ``pause_s`` spent in that forward (in short sleeps a handler can run between)."""
     calls = [0]
 
     def loss_fn(model, batch):
         calls[0] += 1
         if calls[0] == step:
-            for _ in range(times):
-                os.kill(os.getpid(), signal.SIGINT)
+            for signum in signals:
+                os.kill(os.getpid(), signum)
+            for _ in range(int(pause_s / 0.02)):
+                time.sleep(0.02)
         return recipe.loss_fn(model, batch)
 
     return dataclasses.replace(recipe, loss_fn=loss_fn)
 
 
-def test_ctrl_c_finishes_the_step_saves_it_and_resuming_ends_where_an_unbroken_run_does(
-    tmp_path,
-):
+def _ctrl_c_in_step(recipe, step: int, times: int = 1):
+    return _signals_in_step(recipe, step, *[signal.SIGINT] * times)
+
+
+def _final_state(directory: Path, step: int) -> dict:
+    files = read_checkpoint(directory / f"ckpt-{step:010d}")
+    return {"model": files["model.pt"], "optimizer": files["optimizer.pt"]}
+
+
+def assert_bit_equal(a, b) -> None:
+    """Nested state dicts hold the same keys and bit-identical tensors."""
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert_bit_equal(a[key], b[key])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            assert_bit_equal(x, y)
+    else:
+        assert a == b
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2])
+def test_a_stop_signal_finishes_the_step_saves_it_and_resuming_ends_bit_equal(tmp_path, signum):
     recipe = load_recipe(TINY)
-    full = train(recipe, CONFIG, steps=10)
-    handler = signal.getsignal(signal.SIGINT)
+    full = train(recipe, CONFIG, steps=10, checkpoint_dir=tmp_path / "full")
+    handler = signal.getsignal(signum)
     with pytest.raises(TrainInterrupted) as caught:
-        train(_ctrl_c_in_step(recipe, 4), CONFIG, steps=10, checkpoint_dir=tmp_path)
-    assert signal.getsignal(signal.SIGINT) is handler
+        train(_signals_in_step(recipe, 4, signum), CONFIG, steps=10, checkpoint_dir=tmp_path)
+    assert signal.getsignal(signum) is handler
     assert caught.value.optimizer_steps == 4 and caught.value.saved.name == "ckpt-0000000004"
+    assert caught.value.signal_name == signal.Signals(signum).name
     rest = train(recipe, CONFIG, steps=10, checkpoint_dir=tmp_path, resume=True)
     assert rest.resumed_from == caught.value.saved
     assert rest.last_loss == full.last_loss  # the saved step was whole
+    assert_bit_equal(_final_state(tmp_path, 10), _final_state(tmp_path / "full", 10))
 
 
-@pytest.mark.parametrize("times, checkpoints", [(2, True), (1, False)])
-def test_a_second_ctrl_c_or_no_checkpoint_directory_stops_at_once(tmp_path, times, checkpoints):
-    recipe = _ctrl_c_in_step(load_recipe(TINY), 4, times)
-    directory = tmp_path if checkpoints else None
+def test_a_forwarded_repeat_of_the_signal_is_the_same_request(tmp_path):
+    # torchrun's agent forwards to its workers the SIGTERM the scheduler sent the whole job.
+    recipe = _signals_in_step(load_recipe(TINY), 4, signal.SIGTERM, signal.SIGTERM)
+    with pytest.raises(TrainInterrupted) as caught:
+        train(recipe, CONFIG, steps=10, checkpoint_dir=tmp_path)
+    assert caught.value.optimizer_steps == 4
+
+
+@pytest.mark.parametrize(
+    "signals", [(signal.SIGTERM, signal.SIGINT), (signal.SIGINT, signal.SIGINT)], ids=str
+)
+def test_a_second_signal_stops_at_once_keeping_the_previous_checkpoint(
+    tmp_path, monkeypatch, signals
+):
+    monkeypatch.setattr(preemption, "SAME_SIGNAL_S", 0.0)  # the repeat counts as a second one
+    recipe = _signals_in_step(load_recipe(TINY), 4, *signals)
+    with pytest.raises(StopNow, match="a second stop signal") as caught:
+        train(recipe, CONFIG, steps=10, checkpoint_dir=tmp_path, save_every=2)
+    assert caught.value.exit_status == 128 + signals[1]
+    # Stopped inside step 4: its checkpoint never started; step 2's is whole and resumes.
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt-0000000002"]
+    assert train(load_recipe(TINY), CONFIG, steps=3, checkpoint_dir=tmp_path, resume=True)
+
+
+def test_the_grace_period_running_out_stops_at_once(tmp_path):
+    config = CONFIG.replace(reliability__stop_grace_s=0.1)
+    recipe = _signals_in_step(load_recipe(TINY), 4, signal.SIGTERM, pause_s=3.0)
+    with pytest.raises(StopNow, match=r"grace period of 0\.1 s ran out"):
+        train(recipe, config, steps=10, checkpoint_dir=tmp_path)
+    assert not list(tmp_path.iterdir())
+    # Negative control: a grace period longer than the step lets it finish and save.
+    recipe = _signals_in_step(load_recipe(TINY), 4, signal.SIGTERM, pause_s=0.3)
+    with pytest.raises(TrainInterrupted):
+        train(
+            recipe,
+            config.replace(reliability__stop_grace_s=60.0),
+            steps=10,
+            checkpoint_dir=tmp_path,
+        )
+
+
+def test_without_a_checkpoint_directory_ctrl_c_stops_at_once(tmp_path):
     with pytest.raises(KeyboardInterrupt) as caught:
-        train(recipe, CONFIG, steps=10, checkpoint_dir=directory)
-    assert not isinstance(caught.value, TrainInterrupted)
-    if checkpoints:
-        assert not list(tmp_path.iterdir())  # stopped inside step 4: nothing whole to save
+        train(_ctrl_c_in_step(load_recipe(TINY), 4), CONFIG, steps=10)
+    assert type(caught.value) is KeyboardInterrupt
 
 
 def test_an_ignored_ctrl_c_is_left_ignored(tmp_path):

@@ -8,9 +8,13 @@ A checkpoint is a directory ``<root>/ckpt-<step>/`` of named files (``*.pt`` wri
   crash at any moment leaves either a complete checkpoint or a temporary directory that is
   ignored (and removed by the next save); a write that fails removes its temporary directory at
   once, and older checkpoints are pruned only after the new one is in place.
-- **Checked**: loading hashes every file and compares it with the manifest, so a truncated or
-  corrupted checkpoint is detected; :func:`read_latest` then falls back to the previous one with
-  a warning.
+- **Checked**: loading hashes every file it reads and compares it with the manifest, so a
+  truncated or corrupted checkpoint is detected; :func:`read_latest` then falls back to the
+  previous one with a warning. Under torchrun each rank reads (and verifies) only its files
+  (``select``), and the ranks fall back together (``any_failed``).
+- **Streamed**: each file is written straight to its temporary path while its SHA-256 is
+  computed, and ``.pt`` files are loaded with ``torch.load(mmap=True)``: the state is never
+  held a second time in memory (``benchmarks/checkpoint_memory.py`` measures it).
 - **Safe**: ``.pt`` files are read with ``torch.load(weights_only=True)``, which rebuilds tensors
   and plain containers only: a checkpoint never executes code (a pickled callable is refused).
 
@@ -22,15 +26,14 @@ files; safetensors holds flat tensors only, not optimizer state.
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import re
 import shutil
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
@@ -40,6 +43,7 @@ MANIFEST = "manifest.json"
 SHARDS = "shards"
 _NAME = re.compile(r"^ckpt-(\d{10})$")
 _FORMAT = 1
+_CHUNK = 4 * 2**20  # bytes hashed at a time when verifying
 
 
 class CheckpointError(ValueError):
@@ -75,13 +79,13 @@ def write_checkpoint(
             f"cannot write a checkpoint in {str(root)!r}: {err.strerror or err}"
         ) from err
     try:
-        digests = {name: _write_file(tmp / name, _encode(name, obj)) for name, obj in files.items()}
+        digests = {name: _write_file(tmp / name, obj) for name, obj in files.items()}
         if shards is not None:
             shards.rename(tmp / SHARDS)
             for shard in sorted((tmp / SHARDS).iterdir()):
-                digests[f"{SHARDS}/{shard.name}"] = hashlib.sha256(shard.read_bytes()).hexdigest()
+                digests[f"{SHARDS}/{shard.name}"] = file_digest(shard)
         manifest = {"format": _FORMAT, "step": step, "files": digests}
-        _write_file(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
+        _write_file(tmp / MANIFEST, manifest)
         _fsync_dir(tmp)
         _rename_into_place(tmp, final)
     except BaseException as err:
@@ -128,9 +132,14 @@ def list_checkpoints(root: str | Path) -> list[Path]:
     return sorted(found, key=lambda p: p.name, reverse=True)
 
 
-def read_checkpoint(path: str | Path) -> dict[str, Any]:
+#: Chooses, from the names a manifest lists, those this process reads (all by default).
+Select = Callable[[Collection[str]], Collection[str]]
+
+
+def read_checkpoint(path: str | Path, select: Select | None = None) -> dict[str, Any]:
     """Verify and read one checkpoint directory: ``{file name: object}`` (the manifest excluded;
-    files under ``SHARDS/`` are verified, not returned)."""
+    files under ``SHARDS/`` are verified, not returned). ``select`` limits both to the names it
+    returns: what this rank reads."""
     path = Path(path)
     try:
         manifest = json.loads((path / MANIFEST).read_bytes())
@@ -139,27 +148,39 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
             raise ValueError(f"unknown manifest format {manifest.get('format')!r}")
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise CheckpointError(f"checkpoint {str(path)!r} has no readable manifest: {err}") from err
-    out: dict[str, Any] = {}
-    for name, expected in digests.items():
+    for name in digests:
         if not _is_member(name):
             # A hand-edited manifest must not make loading read outside the checkpoint.
             raise CheckpointError(
                 f"checkpoint {str(path)!r}: its manifest lists {name!r}, which is not a file "
                 "name of the checkpoint"
             )
+    wanted = set(digests) if select is None else set(select(list(digests)))
+    out: dict[str, Any] = {}
+    for name, expected in digests.items():
+        if name not in wanted:
+            continue
         try:
-            data = (path / name).read_bytes()
+            actual = file_digest(path / name)
         except OSError as err:
             raise CheckpointError(f"checkpoint {str(path)!r}: cannot read {name}: {err}") from err
-        actual = hashlib.sha256(data).hexdigest()
         if actual != expected:
             raise CheckpointError(
                 f"checkpoint {str(path)!r}: {name} fails its checksum (SHA-256 {actual[:12]}..., "
                 f"manifest says {str(expected)[:12]}...): the file is truncated or corrupt"
             )
         if not name.startswith(f"{SHARDS}/"):
-            out[name] = _decode(path / name, data)
+            out[name] = _decode(path / name)
     return out
+
+
+def file_digest(path: Path) -> str:
+    """The SHA-256 of the file at ``path``, read in chunks (never the whole file at once)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def _is_member(name: Any) -> bool:
@@ -171,67 +192,92 @@ def _is_member(name: Any) -> bool:
     return plain and folder in ("", SHARDS)
 
 
-def read_latest(root: str | Path) -> tuple[Path, dict[str, Any]]:
+def read_latest(
+    root: str | Path,
+    select: Select | None = None,
+    any_failed: Callable[[bool], bool] = bool,
+) -> tuple[Path, dict[str, Any]]:
     """The newest checkpoint under ``root`` that verifies, warning about each one skipped.
 
-    ``root`` may also be one checkpoint directory, which is then read strictly.
+    ``root`` may also be one checkpoint directory, which is then read strictly. ``select`` is
+    :func:`read_checkpoint`'s; ``any_failed`` turns this process's verdict on a checkpoint into
+    everyone's (under torchrun: whether any rank found its files corrupt), so that all ranks
+    fall back to the same one.
     """
     root = Path(root)
     if (root / MANIFEST).exists():
-        return root, read_checkpoint(root)
+        return root, read_checkpoint(root, select)
     candidates = list_checkpoints(root)
     if not candidates:
         where = "does not exist" if not root.exists() else "holds no checkpoint (ckpt-*/)"
         raise CheckpointError(f"cannot resume: {str(root)!r} {where}")
     failures = []
     for path in candidates:
+        failure, state = None, {}
         try:
-            state = read_checkpoint(path)
+            state = read_checkpoint(path, select)
         except CheckpointError as err:
-            failures.append(str(err))
+            failure = str(err)
+        if any_failed(failure is not None):
+            failures.append(failure or f"checkpoint {str(path)!r} failed to verify on another rank")
             continue
-        for failure in failures:
-            warnings.warn(f"{failure}; falling back to {path.name}", RuntimeWarning, stacklevel=3)
+        for skipped in failures:
+            warnings.warn(f"{skipped}; falling back to {path.name}", RuntimeWarning, stacklevel=3)
         return path, state
     raise CheckpointError(
         f"cannot resume from {str(root)!r}: no checkpoint verifies: " + "; ".join(failures)
     )
 
 
-def _encode(name: str, obj: Any) -> bytes:
-    if name.endswith(".pt"):
-        buffer = io.BytesIO()
-        torch.save(obj, buffer)
-        return buffer.getvalue()
-    if name.endswith(".json"):
-        return json.dumps(obj, indent=1).encode()
-    if name.endswith(".toml"):
-        return str(obj).encode()
-    raise ValueError(f"checkpoint file {name!r}: expected a .pt, .json or .toml name")
+class _HashingWriter:
+    """A binary file that hashes what it writes: ``torch.save`` streams into it."""
+
+    def __init__(self, handle: BinaryIO) -> None:
+        self.handle = handle
+        self.digest = hashlib.sha256()
+
+    def write(self, data: Any) -> int:
+        self.digest.update(data)
+        return self.handle.write(data)
+
+    def flush(self) -> None:
+        self.handle.flush()
 
 
-def _decode(path: Path, data: bytes) -> Any:
+def _write_file(path: Path, obj: Any) -> str:
+    """Encode ``obj`` by the file name's suffix (``.pt``: ``torch.save``, ``.json``, ``.toml``:
+    text) straight into ``path``, fsync it and return its SHA-256."""
+    if path.suffix not in (".pt", ".json", ".toml"):
+        raise ValueError(f"checkpoint file {path.name!r}: expected a .pt, .json or .toml name")
+    with open(path, "wb") as handle:
+        writer = _HashingWriter(handle)
+        if path.suffix == ".pt":
+            torch.save(obj, writer)  # type: ignore[arg-type]  # any object with write()
+        else:
+            text = json.dumps(obj, indent=1) if path.suffix == ".json" else str(obj)
+            writer.write(text.encode())
+        handle.flush()
+        os.fsync(handle.fileno())
+    return writer.digest.hexdigest()
+
+
+def _decode(path: Path) -> Any:
     if path.suffix == ".pt":
         try:
-            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+            # mmap: tensors are views of the file's pages, not a second copy read into memory.
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         except Exception as err:  # weights_only refuses anything but tensors and plain data
             raise CheckpointError(
                 f"checkpoint file {str(path)!r} was refused by torch.load(weights_only=True): it "
                 f"holds something other than tensors and plain data ({err})"
             ) from err
     try:
+        data = path.read_bytes()
         return json.loads(data) if path.suffix == ".json" else data.decode()
+    except OSError as err:
+        raise CheckpointError(f"checkpoint {str(path)!r}: cannot read {path.name}: {err}") from err
     except ValueError as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise CheckpointError(f"checkpoint file {str(path)!r} cannot be read: {err}") from err
-
-
-def _write_file(path: Path, data: bytes) -> str:
-    """Write and fsync ``data``; return its SHA-256."""
-    with open(path, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-    return hashlib.sha256(data).hexdigest()
 
 
 def _fsync_dir(path: Path) -> None:

@@ -327,7 +327,13 @@ def _parser() -> argparse.ArgumentParser:
             "continues from the newest valid checkpoint there (falling back to the previous one "
             "if the newest is corrupt) and reproduces the uninterrupted run bit for bit. Under "
             "`torchrun --nproc-per-node N -m torchturbo train ...` every rank trains its share "
-            "of the data as DDP or FSDP per [distributed]; rank 0 writes and prints."
+            "of the data as DDP or FSDP per [distributed]; rank 0 writes and prints. "
+            "Preemption: with --checkpoint-dir, SIGTERM, SIGUSR1, SIGUSR2 or Ctrl-C finishes "
+            "the optimizer step under way (every rank the same one) and saves it; a second "
+            "signal, or [reliability] stop_grace_s running out, stops at once and keeps the "
+            "checkpoints already saved. Exit status: 0 trained to --steps; 75 stopped by a "
+            "signal after saving (run again with --resume); 128+N stopped at once by signal N; "
+            "2 a problem with the input, printed in one line."
         ),
     )
     _add_target_arguments(train)
@@ -339,8 +345,9 @@ def _parser() -> argparse.ArgumentParser:
         "--checkpoint-dir",
         type=Path,
         metavar="DIR",
-        help="where checkpoints go; with it, in one process, Ctrl-C finishes the step under way "
-        "and saves it (a second Ctrl-C stops at once)",
+        help="where checkpoints go; with it, SIGTERM, SIGUSR1, SIGUSR2 or Ctrl-C finishes the "
+        "step under way, saves it and exits with status 75 (a second signal, 2 s or more "
+        "later, stops at once)",
     )
     train.add_argument(
         "--save-every",
@@ -665,9 +672,32 @@ def _run_export(args: argparse.Namespace) -> int:
     return 0
 
 
+#: Seconds between plain progress lines of ``train`` when its output is not a terminal.
+PROGRESS_EVERY_S = 30.0
+
+
 def _run_train(args: argparse.Namespace) -> int:
+    from torchturbo.preemption import StopNow, stop_on_signals
+
+    # From here on, not only once training runs: importing torch and building the recipe take
+    # seconds, and a SIGTERM then would kill the run instead of stopping it after one step.
+    try:
+        with stop_on_signals(args.checkpoint_dir is not None):
+            return _train_command(args)
+    except StopNow as stop:
+        from torchturbo.distributed import main_print
+
+        main_print(
+            f"{stop}: stopped at once, inside a step; the checkpoints already in "
+            f"{args.checkpoint_dir} are intact, --resume goes on from the newest"
+        )
+        return stop.exit_status
+
+
+def _train_command(args: argparse.Namespace) -> int:
     from torchturbo.config import INT64_MAX
     from torchturbo.distributed import is_main_process, launched, main_print
+    from torchturbo.preemption import EXIT_STOPPED
     from torchturbo.train import TrainInterrupted, train
 
     if not 1 <= args.steps <= INT64_MAX:
@@ -683,12 +713,17 @@ def _run_train(args: argparse.Namespace) -> int:
     config = chosen_config(args)
     if args.activation_budget:
         config = config.replace(reliability__memory_budget_bytes=args.activation_budget)
+    recipe = load_target(args)
     # Under torchrun every rank trains its share of each batch (the engine wraps the model per
     # [distributed]); rank 0 writes the checkpoints, the logs and prints.
-    with launched(config.device), _train_loggers(args.log_dir) as logger:
+    with (
+        launched(config.device),
+        _train_loggers(args.log_dir) as logger,
+        _train_progress(f"train {recipe.name}", args.steps) as on_progress,
+    ):
         try:
             result = train(
-                load_target(args),
+                recipe,
                 config,
                 steps=args.steps,
                 checkpoint_dir=args.checkpoint_dir,
@@ -696,14 +731,17 @@ def _run_train(args: argparse.Namespace) -> int:
                 resume=args.resume,
                 on_event=main_print,
                 logger=logger,
+                on_progress=on_progress,
             )
         except TrainInterrupted as stopped:
-            if stopped.saved is not None:
-                print(
-                    f"interrupted after optimizer step {stopped.optimizer_steps}: saved "
-                    f"{stopped.saved}; the same command with --resume goes on from it"
-                )
-            raise
+            again = "again" if args.resume else "with --resume"
+            main_print(
+                f"{stopped.signal_name}: stopped after optimizer step "
+                f"{stopped.optimizer_steps} and saved it in {stopped.saved}; run the same "
+                f"command {again} to go on from there",
+                flush=True,  # a peer's exit may make torchrun end this process any moment
+            )
+            return EXIT_STOPPED
         if not is_main_process():
             return 0
     loss = "n/a" if result.last_loss is None else f"{result.last_loss:.4f}"
@@ -715,6 +753,31 @@ def _run_train(args: argparse.Namespace) -> int:
         f"resumed from {result.resumed_from}; last checkpoint {result.saved}"
     )
     return 0
+
+
+@contextlib.contextmanager
+def _train_progress(title: str, steps: int) -> Iterator[Callable[[Any], None]]:
+    """``train``'s ``on_progress`` on rank 0: a live line on a terminal, else a plain line every
+    :data:`PROGRESS_EVERY_S` seconds (and nothing on other ranks)."""
+    from rich.console import Console
+
+    from torchturbo.distributed import is_main_process
+    from torchturbo.live import TrainLine, live
+
+    line = TrainLine(title, steps)
+    if not is_main_process():
+        yield lambda progress: None
+    elif Console(stderr=True).is_terminal:
+        with live(line):
+            yield line.report
+    else:
+
+        def report(progress: Any) -> None:
+            line.report(progress)
+            if line.due(PROGRESS_EVERY_S):
+                print(line.plain(), flush=True)
+
+        yield report
 
 
 def format_of(config: Any) -> str:

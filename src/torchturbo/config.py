@@ -406,6 +406,11 @@ class ReliabilityConfig:
     #: Stop after this many consecutive optimizer steps whose loss, inputs or applied gradients
     #: are non-finite (fp16 overflow that the GradScaler skips does not count). 0 = never.
     nonfinite_patience: int = _between(3, 0)
+    #: Seconds a run stopped by SIGTERM/SIGUSR1/SIGUSR2/Ctrl-C may take to finish the step
+    #: under way and save it; past them it stops at once, keeping the previous checkpoint.
+    #: Set it below the scheduler's kill delay (SLURM KillWait, Kubernetes
+    #: terminationGracePeriodSeconds, torchrun's 30 s). 0 = no limit.
+    stop_grace_s: float = _between(0.0, 0, high=86_400, why="a day")
 
     def __post_init__(self) -> None:
         _validate(self)

@@ -35,6 +35,7 @@ from torchturbo.epochs import EpochLoader
 from torchturbo.guard import NonFiniteGuard, call_loss_fn
 from torchturbo.measure.breakdown import NullRecorder, Recorder
 from torchturbo.oom import MicroBatcher, leading_size
+from torchturbo.preemption import StopRequest, agree_to_stop
 from torchturbo.random_state import capture_random_state, restore_random_state
 from torchturbo.resume import load_training_state, save_training_state
 from torchturbo.techniques.accumulation import (
@@ -379,6 +380,13 @@ class Turbo:
         assert self.strategy is not None and self.microbatcher is not None
         one_piece = self._window.micro_steps == 1 and self.microbatcher.split == 1
         return one_piece and not self.strategy.env.is_distributed
+
+    def agree_to_stop(self, request: StopRequest) -> bool:
+        """Whether the loop should stop now: True on every rank once any rank's stop ``request``
+        (``torchturbo.preemption.stop_on_signals``) is set. Call it on every rank after each step
+        whose metrics say ``optimizer_stepped`` (under torchrun it is one small all-reduce), then
+        ``save`` and leave the loop when it says so."""
+        return agree_to_stop(request, self.device)
 
     # -- state --------------------------------------------------------------------------------
 

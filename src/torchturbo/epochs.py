@@ -8,11 +8,25 @@ to the training loop, so that a checkpoint can say where in the epoch training s
 
 Resuming mid-epoch replays the epoch's shuffle rather than storing it: the loader's random state
 (its ``generator``, or the global torch RNG when it has none) is captured when each epoch starts,
-and on resume it is restored, the iterator is rebuilt and the batches already trained are skipped:
-by the sampler's own ``load_state_dict`` for :class:`BucketBatchSampler` (no data is loaded), by
-drawing and discarding them otherwise. The loader's position counts batches *trained*, not
-batches the DataLoader (or its workers) fetched ahead. Why hand-written: torchdata's
-``StatefulDataLoader`` does this but replaces the DataLoader the user built and adds a dependency.
+and on resume it is restored, the iterator is rebuilt and the batches already trained are
+skipped, without loading them wherever the data allows (:meth:`EpochLoader.resume_note` says
+which way was taken):
+
+1. a loader that saves its own position (``state_dict()``/``load_state_dict()``, as torchdata's
+   ``StatefulDataLoader``) gets its state back;
+2. a :class:`BucketBatchSampler` is fast-forwarded by its own ``load_state_dict``;
+3. a map-style dataset: the batch sampler's indices of the trained batches are drawn (so the
+   shuffle is the one of the interrupted run) and thrown away; no sample is loaded;
+4. a stream (``IterableDataset``) that saves its position, read in the main process, gets its
+   state back;
+5. only a stream without state is drained: its trained batches are fetched again and discarded.
+
+Per-sample random augmentation that runs in loader *worker* processes draws from the workers'
+own generators, which skipping no longer advances: after a skipping resume those draws differ
+from the uninterrupted run's (in the main process, or on the device, they do not). The position
+counts batches *trained*, not batches the DataLoader (or its workers) fetched ahead. Why
+hand-written: torchdata's ``StatefulDataLoader`` does 1 but replaces the DataLoader the user
+built and adds a dependency.
 """
 
 from __future__ import annotations
@@ -22,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset, Sampler
 
 from torchturbo.data.bucketing import BucketBatchSampler
 
@@ -38,6 +52,9 @@ class LoaderPosition:
     batches: int
     generator_state: torch.Tensor | None
     torch_state: torch.Tensor
+    #: The ``state_dict()`` of a loader or stream that saves its own position, after the last
+    #: trained batch (None for any other loader, and at the start of an epoch).
+    source_state: Any = None
 
 
 class EpochLoader:
@@ -54,6 +71,9 @@ class EpochLoader:
         self._start_state = self._random_state()
         self._resume: LoaderPosition | None = None
         self._after_resume: Any = None
+        #: The state of a self-positioning source after the batch last handed out.
+        self._source_state: Any = None
+        self._stateful = _stateful_source(loader)
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -70,7 +90,9 @@ class EpochLoader:
             return self._resume
         if self._in_epoch and not self._epoch_done():
             generator_state, torch_state = self._start_state
-            return LoaderPosition(self.epoch - 1, self.batches, generator_state, torch_state)
+            return LoaderPosition(
+                self.epoch - 1, self.batches, generator_state, torch_state, self._source_state
+            )
         # Nothing of the next epoch has been drawn yet: its random state is today's.
         generator_state, torch_state = self._random_state()
         return LoaderPosition(self.epoch, 0, generator_state, torch_state)
@@ -84,6 +106,40 @@ class EpochLoader:
         self.epoch, self.batches, self._in_epoch = position.epoch, 0, False
         self._resume, self._after_resume = position, after
 
+    @property
+    def resume_note(self) -> str:
+        """How the next ``iter()`` reaches the resumed position, in words (for the resume line)."""
+        position = self._resume
+        if position is None or not position.batches:
+            epoch = "" if position is None else f"epoch {position.epoch}, "
+            return f"{epoch}at the start of an epoch: nothing to skip"
+        where = f"epoch {position.epoch}, {position.batches} batches in"
+        how = {
+            "loader_state": "the loader's own load_state_dict(), no batch loaded",
+            "stream_state": "the stream's own load_state_dict(), no batch loaded",
+            "bucket_sampler": "the bucketing sampler fast-forwarded, no sample loaded",
+            "indices": "the batch sampler's indices skipped, no sample loaded",
+            "drain": f"drained: {position.batches} batches fetched again and discarded "
+            f"({self._why_drained()})",
+        }[self._skip_method(position)]
+        return f"{where}: {how}"
+
+    def _why_drained(self) -> str:
+        if not isinstance(self.loader.dataset, IterableDataset):
+            return f"a {type(self.loader).__name__}, whose sampler cannot be swapped"
+        if _has_state(self.loader.dataset):
+            return "a stream whose state lives in its loader worker processes"
+        return "a stream without state_dict()/load_state_dict()"
+
+    def _skip_method(self, position: LoaderPosition) -> str:
+        if position.source_state is not None and self._stateful is not None:
+            return self._stateful
+        if isinstance(self.loader.batch_sampler, BucketBatchSampler):
+            return "bucket_sampler"
+        if type(self.loader) is DataLoader and not isinstance(self.loader.dataset, IterableDataset):
+            return "indices"
+        return "drain"
+
     def __iter__(self) -> Iterator[Any]:
         resume, self._resume = self._resume, None
         if resume is not None:
@@ -95,15 +151,20 @@ class EpochLoader:
         if sampler is not None:
             sampler.set_epoch(self.epoch)  # a new shuffle each epoch, the same on every rank
         skip = resume.batches if resume is not None else 0
-        if skip and isinstance(sampler, BucketBatchSampler):
-            sampler.load_state_dict({**sampler.state_dict(), "batches_yielded": skip})
-            skip_by_drawing = 0
-        else:
-            skip_by_drawing = skip
+        method = self._skip_method(resume) if resume is not None and skip else None
+        loader: Any = self.loader
+        if method in ("loader_state", "stream_state"):
+            assert resume is not None
+            self._source().load_state_dict(resume.source_state)
+        elif method == "bucket_sampler":
+            batches: Any = self.loader.batch_sampler
+            batches.load_state_dict({**batches.state_dict(), "batches_yielded": skip})
+        elif method == "indices":
+            loader = _fast_forwarded(self.loader, skip)
         self.epoch += 1
         self.batches, self._in_epoch = skip, True
-        iterator = iter(self.loader)
-        for _ in range(skip_by_drawing):
+        iterator = iter(loader)
+        for _ in range(skip if method == "drain" else 0):
             next(iterator, None)
         current = next(iterator, _END)
         if resume is not None and self._after_resume is not None:
@@ -114,17 +175,30 @@ class EpochLoader:
         yield from self._yield_ahead(iterator, current)
 
     def _yield_ahead(self, iterator: Iterator[Any], current: Any) -> Iterator[Any]:
-        for upcoming in iterator:
+        while True:
+            # Taken before the next batch is fetched: the state with ``current`` the last one.
+            state = self._capture()
+            upcoming = next(iterator, _END)
+            if upcoming is _END:
+                break
             self.batches += 1
+            self._source_state = state
             yield current
             current = upcoming
         self._at_last_batch = True
         self.batches += 1
+        self._source_state = state
         try:
             yield current
         finally:
             self._at_last_batch = False
         self._in_epoch = False
+
+    def _source(self) -> Any:
+        return self.loader if self._stateful == "loader_state" else self.loader.dataset
+
+    def _capture(self) -> Any:
+        return self._source().state_dict() if self._stateful is not None else None
 
     def _epoch_done(self) -> bool:
         try:
@@ -145,6 +219,66 @@ class EpochLoader:
     def _random_state(self) -> tuple[torch.Tensor | None, torch.Tensor]:
         generator = self.loader.generator
         return (generator.get_state() if generator is not None else None), torch.get_rng_state()
+
+
+def _stateful_source(loader: DataLoader) -> str | None:
+    """Which part of ``loader`` saves its own position: the loader itself, a stream read in the
+    main process (a stream's state in worker processes is out of reach), or none."""
+    if _has_state(loader):
+        return "loader_state"
+    if isinstance(loader.dataset, IterableDataset) and _has_state(loader.dataset):
+        return "stream_state" if loader.num_workers == 0 else None
+    return None
+
+
+def _has_state(thing: Any) -> bool:
+    return callable(getattr(thing, "state_dict", None)) and callable(
+        getattr(thing, "load_state_dict", None)
+    )
+
+
+class _SkipFirst(Sampler[Any]):
+    """``sampler`` without its first ``count`` items, drawn lazily on the first ``next()`` so
+    that random numbers are drawn in the order the unskipped sampler draws them."""
+
+    def __init__(self, sampler: Any, count: int) -> None:
+        self.sampler, self.count = sampler, count
+
+    def __iter__(self) -> Iterator[Any]:
+        items = iter(self.sampler)
+        for _ in range(self.count):
+            next(items, None)
+        yield from items
+
+    def __len__(self) -> int:
+        return max(0, len(self.sampler) - self.count)
+
+
+def _fast_forwarded(loader: DataLoader, skip: int) -> DataLoader:
+    """A DataLoader like ``loader`` (same dataset, workers, collate, generator) whose batches
+    start after its first ``skip``: their indices are drawn, their samples are not loaded.
+    For one epoch: a DataLoader's sampler cannot be replaced once it is built."""
+    batched = loader.batch_sampler is not None
+    samplers: dict[str, Any] = (
+        {"batch_sampler": _SkipFirst(loader.batch_sampler, skip)}
+        if batched
+        else {"sampler": _SkipFirst(loader.sampler, skip), "batch_size": None}
+    )
+    return DataLoader(
+        loader.dataset,
+        **samplers,
+        num_workers=loader.num_workers,
+        collate_fn=loader.collate_fn,
+        pin_memory=loader.pin_memory,
+        timeout=loader.timeout,
+        worker_init_fn=loader.worker_init_fn,
+        multiprocessing_context=loader.multiprocessing_context,
+        generator=loader.generator,
+        prefetch_factor=loader.prefetch_factor,
+        persistent_workers=loader.persistent_workers,
+        pin_memory_device=loader.pin_memory_device,
+        in_order=loader.in_order,
+    )
 
 
 _END = object()

@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from rich.console import Console, RenderableType
 from rich.live import Live
@@ -86,6 +87,60 @@ class StatusLine:
         return _line(self.spinner, words, Text(fmt_clock(self.clock() - self.reported_at)))
 
 
+class TrainLine:
+    """``train tiny step 120/400 · loss 0.4321 · 812 samples/s · ETA 0:34 · saved ckpt-…100``.
+
+    ``report(progress)`` is ``train``'s ``on_progress`` (a ``train.TrainProgress``). Throughput
+    and ETA are measured from the first step this process trained onwards, so that start-up
+    (and a first step that compiles) does not count, nor steps a resumed run did not train.
+    Where the output is no terminal, :meth:`plain` gives the same words for a log, which the
+    caller prints every so often (:meth:`due`).
+    """
+
+    def __init__(self, title: str, steps: int, clock: Clock = time.monotonic) -> None:
+        self.title, self.steps, self.clock = title, steps, clock
+        self.step, self.samples = 0, 0
+        self.loss: float | None = None
+        self.checkpoint = "nothing"
+        #: (clock, step, samples) at the first report.
+        self.first: tuple[float, int, int] | None = None
+        self.printed_at = clock()
+        self.spinner = Spinner("dots")
+
+    def report(self, progress: Any) -> None:
+        self.step, self.steps = progress.optimizer_steps, progress.steps
+        self.loss, self.samples = progress.loss, progress.samples
+        if self.first is None:
+            self.first = (self.clock(), self.step, self.samples)
+        if progress.checkpoint is not None:
+            self.checkpoint = progress.checkpoint.name
+
+    def due(self, every_s: float) -> bool:
+        """Whether ``every_s`` seconds passed since the last time this said so."""
+        if self.clock() - self.printed_at < every_s:
+            return False
+        self.printed_at = self.clock()
+        return True
+
+    def plain(self) -> str:
+        loss = "n/a" if self.loss is None else f"{self.loss:.4g}"
+        rate, eta = "- samples/s", "ETA -"
+        if self.first is not None:
+            at, step, samples = self.first
+            elapsed = self.clock() - at
+            if self.step > step and elapsed > 0:
+                rate = f"{(self.samples - samples) / elapsed:,.0f} samples/s"
+                eta = f"ETA {fmt_clock((self.steps - self.step) * elapsed / (self.step - step))}"
+        return (
+            f"{self.title} step {self.step}/{self.steps} · loss {loss} · {rate} · {eta} · "
+            f"saved {self.checkpoint}"
+        )
+
+    def __rich__(self) -> RenderableType:
+        bar = ProgressBar(total=self.steps, completed=self.step, width=10)
+        return _line(self.spinner, Text(self.plain()), bar)
+
+
 def _line(spinner: Spinner, words: Text, *rest: RenderableType) -> Table:
     """One row: the words take the room the rest leaves, cut with an ellipsis, never wrapped."""
     grid = Table.grid(padding=(0, 1), expand=True)
@@ -98,7 +153,7 @@ def _line(spinner: Spinner, words: Text, *rest: RenderableType) -> Table:
 
 
 @contextlib.contextmanager
-def live(line: TuneLine | StatusLine) -> Iterator[None]:
+def live(line: TuneLine | StatusLine | TrainLine) -> Iterator[None]:
     """Draw ``line`` on stderr while the block runs, when stderr is a terminal; else nothing.
 
     The line is transient: it disappears when the block ends, leaving what was printed above.

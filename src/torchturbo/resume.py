@@ -70,6 +70,9 @@ def save_training_state(turbo: Turbo, directory: str | Path, scheduler: Any = No
         },
         "random.json": {"numpy": random_state["numpy"], "python": random_state["python"]},
     }
+    if position is not None and position.source_state is not None:
+        # A loader or stream that saves its own position: each rank's, after its last batch.
+        per_rank["loader_state.pt"] = position.source_state
     return turbo.strategy.save_checkpoint(
         directory,
         turbo.optimizer_steps,
@@ -114,7 +117,11 @@ def load_training_state(turbo: Turbo, directory: str | Path, scheduler: Any = No
     if saved["loader"] is not None:
         epoch, batches = saved["loader"]
         state["loader"] = LoaderPosition(
-            epoch, batches, rng["loader_generator"], rng["loader_torch"]
+            epoch,
+            batches,
+            rng["loader_generator"],
+            rng["loader_torch"],
+            files.get("loader_state.pt"),
         )
     turbo.load_state_dict(state)
     return path

@@ -6,17 +6,14 @@ reports the micro-batch the run settled on when out-of-memory (or the activation
 the engine split batches. The loop is the one ``docs/reliability.md`` shows, so that a resumed
 run continues bit-identically. With a ``logger`` (``metrics_log``), every optimizer step's loss,
 throughput, MFU, memory, learning rate, skipped steps and micro-batch split are logged
-(``step_meter``). With a checkpoint directory, in one process, Ctrl-C finishes the optimizer
-step under way and saves it before stopping (:class:`TrainInterrupted`); a second Ctrl-C stops
-at once.
+(``step_meter``). With a checkpoint directory, a stop signal (SIGTERM, SIGUSR1, SIGUSR2,
+Ctrl-C: ``torchturbo.preemption``) finishes the optimizer step under way, on every rank the same
+one, and saves it before stopping (:class:`TrainInterrupted`); a second signal stops at once.
 """
 
 from __future__ import annotations
 
-import contextlib
-import signal
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +23,8 @@ from torchturbo.data.length import length_or_none
 from torchturbo.distributed.launch import current_env
 from torchturbo.engine import Turbo
 from torchturbo.metrics_log import MetricsLogger
+from torchturbo.oom import leading_size
+from torchturbo.preemption import StopRequest, stop_on_signals
 from torchturbo.recipe import Recipe
 from torchturbo.resume_checks import check_steps
 from torchturbo.step_meter import recipe_meter
@@ -50,42 +49,30 @@ class TrainResult:
 
 
 class TrainInterrupted(KeyboardInterrupt):
-    """Ctrl-C stopped :func:`train` between optimizer steps, after saving checkpoint ``saved``
-    at step ``optimizer_steps``: ``resume=True`` continues from it exactly."""
+    """A stop signal (SIGTERM, SIGUSR1, SIGUSR2 or Ctrl-C) stopped :func:`train` between
+    optimizer steps, after saving checkpoint ``saved`` at step ``optimizer_steps``:
+    ``resume=True`` continues from it exactly. A KeyboardInterrupt, so that code written for
+    Ctrl-C stops on it too."""
 
-    def __init__(self, saved: Path | None, optimizer_steps: int) -> None:
+    def __init__(self, saved: Path | None, optimizer_steps: int, signal_name: str) -> None:
         where = "nothing new to save" if saved is None else f"saved {saved}"
-        super().__init__(f"stopped after optimizer step {optimizer_steps}, {where}")
+        super().__init__(f"{signal_name}: stopped after optimizer step {optimizer_steps}, {where}")
         self.saved = saved
         self.optimizer_steps = optimizer_steps
+        self.signal_name = signal_name
 
 
-@contextlib.contextmanager
-def _stop_between_steps(enabled: bool) -> Iterator[threading.Event]:
-    """An event the first Ctrl-C sets instead of interrupting (a second one interrupts).
+@dataclass(frozen=True)
+class TrainProgress:
+    """What :func:`train` reports after each optimizer step (``on_progress``)."""
 
-    Interrupted inside a step, a run would be saved with half its gradients, or not at all: the
-    loop checks the event once each optimizer step is done. Only in the main thread of a single
-    process (under torchrun the ranks would stop at different steps, out of step with DDP), and
-    only where Ctrl-C has Python's default handler: an ignored SIGINT or another handler is left
-    as it is.
-    """
-    stop = threading.Event()
-    main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.getsignal(signal.SIGINT) if main_thread else None
-    if not enabled or previous is not signal.default_int_handler:
-        yield stop
-        return
-
-    def first_ctrl_c(signum: int, frame: object) -> None:
-        stop.set()
-        signal.signal(signal.SIGINT, previous)
-
-    signal.signal(signal.SIGINT, first_ctrl_c)
-    try:
-        yield stop
-    finally:
-        signal.signal(signal.SIGINT, previous)
+    optimizer_steps: int
+    steps: int
+    loss: float
+    #: Samples (leading batch size) trained by this run so far, all ranks together.
+    samples: int
+    #: The last checkpoint written or resumed from (None before the first).
+    checkpoint: Path | None
 
 
 def train(
@@ -98,6 +85,7 @@ def train(
     resume: bool = False,
     on_event: Callable[[str], None] | None = None,
     logger: MetricsLogger | None = None,
+    on_progress: Callable[[TrainProgress], None] | None = None,
 ) -> TrainResult:
     """Train ``recipe`` for ``steps`` optimizer steps (counted across resumes).
 
@@ -107,10 +95,44 @@ def train(
     :class:`~torchturbo.guard.NonFiniteError` instead of returning, and saves nothing.
     ``logger`` receives each optimizer step's metrics (under torchrun, pass it on every rank: the
     meter all-reduces the counts; ``metrics_log.open_loggers`` gives rank 0 the only writers).
-    With ``checkpoint_dir`` in one process, Ctrl-C finishes the optimizer step under way, saves
-    it and raises :class:`TrainInterrupted`.
+    ``on_event`` receives the micro-batcher's events and how the loader resumed;
+    ``on_progress`` a :class:`TrainProgress` after each optimizer step.
+
+    With ``checkpoint_dir``, a stop signal (``torchturbo.preemption``: SIGTERM, SIGUSR1,
+    SIGUSR2, Ctrl-C) finishes the optimizer step under way, saves it and raises
+    :class:`TrainInterrupted`; under torchrun the ranks agree on that step. A second signal, or
+    ``[reliability] stop_grace_s`` running out, raises :class:`~torchturbo.preemption.StopNow`.
     """
     _check_arguments(steps, save_every, checkpoint_dir, resume)
+    graceful = checkpoint_dir is not None
+    with stop_on_signals(graceful, grace_s=config.reliability.stop_grace_s) as stop:
+        return _train(
+            recipe,
+            config,
+            stop,
+            steps=steps,
+            checkpoint_dir=checkpoint_dir,
+            save_every=save_every,
+            resume=resume,
+            on_event=on_event or (lambda event: None),
+            logger=logger,
+            on_progress=on_progress,
+        )
+
+
+def _train(
+    recipe: Recipe,
+    config: TurboConfig,
+    stop: StopRequest,
+    *,
+    steps: int,
+    checkpoint_dir: str | Path | None,
+    save_every: int,
+    resume: bool,
+    on_event: Callable[[str], None],
+    logger: MetricsLogger | None,
+    on_progress: Callable[[TrainProgress], None] | None,
+) -> TrainResult:
     turbo = Turbo(config)
     model, optimizer = recipe.build()
     model, _, loader = turbo.setup(
@@ -125,6 +147,7 @@ def train(
     # Given a dataset, setup builds the loader; it always builds the micro-batcher.
     assert loader is not None and turbo.microbatcher is not None
     microbatcher = turbo.microbatcher
+    world_size = current_env().world_size
     try:  # from here on turbo.close() restores what setup switched (TF32), whatever happens
         batches_per_epoch = length_or_none(loader)  # None for a stream
         if batches_per_epoch is not None:
@@ -135,36 +158,46 @@ def train(
             resumed_from = turbo.load(checkpoint_dir)
         if resumed_from is not None:
             check_steps(steps, turbo.optimizer_steps, resumed_from)
+            on_event(
+                f"resumed from {resumed_from} at optimizer step {turbo.optimizer_steps}; "
+                f"data: {loader.resume_note}"
+            )
         saved, last_loss, seen_events, first_step = None, None, 0, turbo.optimizer_steps
         meter = recipe_meter(turbo, recipe, logger) if logger is not None else None
-        graceful = checkpoint_dir is not None and not current_env().is_distributed
-        with _stop_between_steps(graceful) as stop:
-            while turbo.optimizer_steps < steps and not stop.is_set():
-                yielded = 0
-                for batch in loader:
-                    yielded += 1
-                    metrics = turbo.step(recipe.loss_fn, batch)
-                    if meter is not None:
-                        meter.update(metrics)
-                    for event in microbatcher.events[seen_events:]:
-                        if on_event is not None:
-                            on_event(event)
-                    seen_events = len(microbatcher.events)
-                    if not metrics.optimizer_stepped:
-                        continue
-                    last_loss = float(metrics.loss)
-                    if save_every and turbo.optimizer_steps % save_every == 0:
-                        assert checkpoint_dir is not None  # _check_arguments: needs one
-                        saved = turbo.save(checkpoint_dir)
-                    if turbo.optimizer_steps >= steps or stop.is_set():
-                        break
-                else:  # the epoch ended
-                    if not yielded:
-                        raise ValueError(f"recipe {recipe.name!r}: the data loader yields no batch")
-                    if batches_per_epoch is None:  # a stream: its length is known now
-                        batches_per_epoch = loader.batches
-                        _check_accumulation(config, recipe, batches_per_epoch)
-            interrupted = stop.is_set() and turbo.optimizer_steps < steps
+        samples, stopping = 0, False
+        while turbo.optimizer_steps < steps and not stopping:
+            yielded = 0
+            for batch in loader:
+                yielded += 1
+                samples += leading_size(batch) * world_size
+                metrics = turbo.step(recipe.loss_fn, batch)
+                if meter is not None:
+                    meter.update(metrics)
+                for event in microbatcher.events[seen_events:]:
+                    on_event(event)
+                seen_events = len(microbatcher.events)
+                if not metrics.optimizer_stepped:
+                    continue
+                last_loss = float(metrics.loss)
+                # Every rank asks at every step boundary, so that they all stop after this one.
+                stopping = turbo.agree_to_stop(stop)
+                if save_every and turbo.optimizer_steps % save_every == 0:
+                    assert checkpoint_dir is not None  # _check_arguments: needs one
+                    saved = turbo.save(checkpoint_dir)
+                if on_progress is not None:
+                    checkpoint = saved or resumed_from
+                    on_progress(
+                        TrainProgress(turbo.optimizer_steps, steps, last_loss, samples, checkpoint)
+                    )
+                if turbo.optimizer_steps >= steps or stopping:
+                    break
+            else:  # the epoch ended
+                if not yielded:
+                    raise ValueError(f"recipe {recipe.name!r}: the data loader yields no batch")
+                if batches_per_epoch is None:  # a stream: its length is known now
+                    batches_per_epoch = loader.batches
+                    _check_accumulation(config, recipe, batches_per_epoch)
+        interrupted = stopping and turbo.optimizer_steps < steps
         turbo.guard.raise_if_ending_nonfinite(model, turbo.optimizer_steps)
         just_saved = saved is not None and saved.name == checkpoint_name(turbo.optimizer_steps)
         trained = turbo.optimizer_steps > first_step
@@ -173,7 +206,7 @@ def train(
     finally:
         turbo.close()
     if interrupted:
-        raise TrainInterrupted(saved, turbo.optimizer_steps)
+        raise TrainInterrupted(saved, turbo.optimizer_steps, stop.signal_name or "a signal")
     return TrainResult(
         optimizer_steps=turbo.optimizer_steps,
         last_loss=last_loss,

@@ -34,6 +34,7 @@ from torchturbo.config import ConfigError, DataConfig
 from torchturbo.data.length import length_or_none
 from torchturbo.measure.timing import Timing, sync
 from torchturbo.nested import iter_tensors, map_tensors
+from torchturbo.preemption import leave_stop_signals_to_the_trainer
 from torchturbo.system import usable_cores
 from torchturbo.techniques.memory_format import is_image
 
@@ -76,6 +77,8 @@ def build_loader(
       is ignored there (no error: one config file serves both devices).
     - ``persistent_workers`` and ``prefetch_factor`` are passed only with ``num_workers > 0``
       (torch rejects them otherwise; ``DataConfig`` already refuses such a config).
+    - workers ignore the stop signals (``torchturbo.preemption``), which the training process
+      handles; it ends its workers itself.
     - ``seed`` fixes the shuffle order and the workers' base seed through a dedicated generator,
       without touching the global RNG.
     - ``batch_sampler`` yields whole batches and owns their order and size, so it excludes
@@ -94,6 +97,9 @@ def build_loader(
     }
     if config.num_workers > 0:
         kwargs["persistent_workers"] = config.persistent_workers
+        # A scheduler's SIGTERM to the whole job would kill the workers, and the DataLoader
+        # would fail the step under way: the training process decides when to stop.
+        kwargs["worker_init_fn"] = leave_stop_signals_to_the_trainer
         if config.prefetch_factor is not None:
             kwargs["prefetch_factor"] = config.prefetch_factor
     if seed is not None:

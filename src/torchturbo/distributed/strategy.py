@@ -23,6 +23,8 @@ backward; use :func:`~torchturbo.distributed.pipeline.build_pipeline` directly.
 from __future__ import annotations
 
 import contextlib
+import re
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -40,10 +42,14 @@ from torchturbo.checkpoint import (
 )
 from torchturbo.config import TurboConfig
 from torchturbo.distributed.comm import CommStats
+from torchturbo.distributed.consensus import any_rank
 from torchturbo.distributed.launch import DistEnv
 from torchturbo.distributed.normalize import Reference, global_count
 
 _NULL = contextlib.nullcontext()
+#: ``rng.rank1.pt``: a file of rank 1; ``shards/__1_0.distcp``: the shard rank 1 wrote.
+_RANK_FILE = re.compile(r"\.rank(\d+)\.[^.]+$")
+_SHARD = re.compile(r"/__(\d+)_\d+\.distcp$")
 
 
 class Strategy:
@@ -138,8 +144,32 @@ class Strategy:
     def read_checkpoint(self, root: str | Path) -> tuple[Path, dict[str, Any]]:
         """(path, files) of the newest checkpoint under ``root`` that verifies, with this rank's
         ``per_rank`` files under their plain names. Nothing is restored yet."""
-        path, files = read_latest(root)
+        if not self.env.is_distributed:
+            return read_latest(root)
+        path, files = read_latest(root, self._files_read_here, self._any_rank_failed)
         return path, self._own_rank_files(files)
+
+    def _files_read_here(self, names: Collection[str]) -> set[str]:
+        """Of a checkpoint's ``names``, those this rank reads, the only ones it verifies: the
+        shared files, its own per-rank files (rank 0's when it has none: more processes than
+        when it was saved) and, of FSDP shards, the metadata and every world-size-th shard
+        from its rank on, so that the ranks verify every shard once between them."""
+        rank, world = self.env.rank, self.env.world_size
+        chosen = set()
+        for name in names:
+            if name.startswith(f"{SHARDS}/"):
+                shard = _SHARD.search(name)
+                if shard is None or int(shard[1]) % world == rank:
+                    chosen.add(name)
+            elif (owner := _RANK_FILE.search(name)) is not None:
+                if int(owner[1]) == rank:
+                    chosen.add(name)
+            elif rank == 0 or rank_file(name, rank) not in names:
+                chosen.add(name)
+        return chosen
+
+    def _any_rank_failed(self, failed: bool) -> bool:
+        return any_rank(failed, self.device)
 
     def load_tensors(
         self, path: Path, files: dict[str, Any], live: dict[str, Any]
