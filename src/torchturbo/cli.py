@@ -4,6 +4,16 @@ Every command's work lives in its own module; this one maps arguments onto it. A
 user can fix (bad argument, config, recipe code or data, checkpoint, file system) prints one
 readable line, ``torchturbo CMD: error: ...``, and exits with code 2; warnings print one line
 each. ``--debug`` shows the traceback instead; a bug of torchturbo always shows it (exit 1).
+
+Every command that takes a config (bench, train, doctor, config show) takes every config field
+as ``--section.field`` too (:mod:`torchturbo.config_options`), over ``--config`` and
+``--preset`` (:mod:`torchturbo.config_resolve`).
+
+Why hand-written on argparse: argparse is in the standard library, costs nothing at start-up
+(``--help`` must not wait for torch), and shtab turns it into bash and zsh completion. Click and
+Typer would be a dependency for the same subcommands and options, and none of the libraries
+that build a CLI from dataclasses gives what the config options need (see
+:mod:`torchturbo.config_options`); what is left by hand is the one-line error reporting below.
 """
 
 from __future__ import annotations
@@ -115,10 +125,22 @@ def _warnings_as_lines(command: str) -> Iterator[None]:
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse with its errors on one line (no usage block), exit code 2."""
+    """argparse with its errors on one line (no usage block), exit code 2; a misspelt
+    ``--section.field`` is refused with the closest option's name."""
 
     def error(self, message: str) -> NoReturn:
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+    def parse_known_args(  # type: ignore[override]  # typeshed overloads it on the namespace
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        from torchturbo.config_options import unknown_option
+
+        tokens = list(sys.argv[1:] if args is None else args)
+        problem = unknown_option(tokens, self._option_string_actions)
+        if problem is not None:
+            self.error(problem)
+        return super().parse_known_args(tokens, namespace)
 
 
 # The source article, named once here; help texts below say "the article".
@@ -127,15 +149,43 @@ ARTICLE = "PyTorch深度学习性能优化10大实战技巧 (10 practical tips f
 # keeps them equal), listed here so that --help does not import torch.
 WORKLOADS = ("vision", "segmentation", "text")
 EXPORT_METHODS = ("export", "torchscript")
+#: The preset each command that takes a config starts from when neither --preset nor --config is
+#: given (None: the defaults, fp32 eager); `config show COMMAND` resolves as COMMAND does.
+DEFAULT_PRESETS = {"bench": "fast", "train": "baseline", "doctor": None}
+COMPLETION_SHELLS = ("bash", "zsh")
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Appends each option's default to its help, except where there is none to show."""
+    """Appends each option's default to its help, except where there is none to show; the
+    usage line sums the config fields up as one ``[--SECTION.FIELD VALUE ...]``."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         if action.default is None or action.default is False:
             return action.help
-        return super()._get_help_string(action)
+        from torchturbo.config_options import is_config_option
+
+        return action.help if is_config_option(action) else super()._get_help_string(action)
+
+    def _format_action_invocation(self, action: argparse.Action) -> str:
+        from torchturbo.config_options import FlagOption
+
+        if isinstance(action, FlagOption):
+            return action.invocation
+        return super()._format_action_invocation(action)
+
+    def add_usage(
+        self,
+        usage: str | None,
+        actions: Any,
+        groups: Any,
+        prefix: str | None = None,
+    ) -> None:
+        from torchturbo.config_options import is_config_option
+
+        shown = [a for a in actions if not is_config_option(a)]
+        if len(shown) < len(actions):
+            shown.append(argparse.Action(["--SECTION.FIELD"], "config", metavar="VALUE ..."))
+        super().add_usage(usage, shown, groups, prefix)
 
 
 def _global_options(*, in_subcommand: bool) -> argparse.ArgumentParser:
@@ -204,7 +254,7 @@ def _parser() -> argparse.ArgumentParser:
         ),
     )
     _add_target_arguments(bench)
-    _add_config_arguments(bench, default_preset="fast")
+    _add_config_arguments(bench, default_preset=DEFAULT_PRESETS["bench"])
     bench.add_argument("--steps", type=int, default=15, metavar="N", help="timed steps per variant")
     bench.add_argument("--json", type=Path, metavar="FILE", help="also write the rows as JSON here")
     bench.set_defaults(run=_run_bench)
@@ -279,9 +329,7 @@ def _parser() -> argparse.ArgumentParser:
         ),
     )
     _add_target_arguments(doctor)
-    doctor.add_argument(
-        "--config", type=Path, metavar="FILE", help="TOML config to diagnose (default: fp32)"
-    )
+    _add_config_arguments(doctor, default_preset=DEFAULT_PRESETS["doctor"])
     doctor.add_argument(
         "--trace", type=Path, metavar="DIR", help="write a Perfetto/chrome://tracing trace here"
     )
@@ -330,7 +378,7 @@ def _parser() -> argparse.ArgumentParser:
         ),
     )
     _add_target_arguments(train)
-    _add_config_arguments(train, default_preset="baseline")
+    _add_config_arguments(train, default_preset=DEFAULT_PRESETS["train"])
     train.add_argument(
         "--steps", type=int, required=True, metavar="N", help="optimizer steps to train"
     )
@@ -364,7 +412,68 @@ def _parser() -> argparse.ArgumentParser:
         "metrics.csv; under torchrun only rank 0 writes",
     )
     train.set_defaults(run=_run_train)
+    _add_config_command(commands)
+
+    completion = commands.add_parser(
+        "completion",
+        help="print a bash or zsh completion script",
+        description=(
+            "Print the completion script of every command and option (config fields "
+            "included) for the shell. bash: `torchturbo completion bash > "
+            "~/.local/share/bash-completion/completions/torchturbo`; zsh: `torchturbo "
+            "completion zsh > ~/.zfunc/_torchturbo` with ~/.zfunc in $fpath before compinit."
+        ),
+    )
+    completion.add_argument("shell", choices=COMPLETION_SHELLS, help="the shell to complete in")
+    completion.set_defaults(run=_run_completion)
     return parser
+
+
+def _add_config_command(commands: Any) -> None:
+    config = commands.add_parser(
+        "config",
+        help="print the resolved config and where each value came from, or its JSON Schema",
+        description=(
+            "show: the config a command runs with, as TOML, each value followed by where it "
+            "came from (the defaults, --preset, the --config file or a --section.field option; "
+            "in that order, each over the last). schema: the JSON Schema of turbo.toml, for "
+            "editors to complete and check the file with."
+        ),
+    )
+    actions = config.add_subparsers(
+        dest="config_action", metavar="ACTION", parser_class=_CommandParser, required=True
+    )
+    show = actions.add_parser(
+        "show",
+        help="the resolved config as TOML, with the source of each value",
+        description=(
+            "Print the config that the given options resolve to, as TOML that --config reads "
+            "back; after each value, where it came from. With COMMAND, resolve as that command "
+            "does (bench starts from --preset fast)."
+        ),
+    )
+    show.add_argument(
+        "like",
+        nargs="?",
+        choices=tuple(DEFAULT_PRESETS),
+        metavar="COMMAND",
+        help=f"resolve as this command does: {', '.join(DEFAULT_PRESETS)}",
+    )
+    show.add_argument(
+        "--device", type=_device, metavar="DEVICE", help="cpu, cuda or cuda:N (default: auto)"
+    )
+    _add_config_arguments(show, default_preset=None)
+    show.set_defaults(run=_run_config_show, command="config show")
+    schema = actions.add_parser(
+        "schema",
+        help="the JSON Schema of turbo.toml (save it and point your editor at it)",
+        description=(
+            "Print the JSON Schema (draft 07) of turbo.toml: every key with its type, choices, "
+            "range, default and meaning. With Even Better TOML in VS Code, save it as "
+            "turbo.schema.json and start turbo.toml with the line `#:schema ./turbo.schema.json`."
+        ),
+    )
+    schema.set_defaults(run=_run_config_schema, command="config schema")
 
 
 def _add_target_arguments(parser: argparse.ArgumentParser) -> None:
@@ -406,27 +515,49 @@ def _device(text: str) -> str:
     return text
 
 
-def _add_config_arguments(parser: argparse.ArgumentParser, *, default_preset: str) -> None:
-    choice = parser.add_mutually_exclusive_group()
-    choice.add_argument(
+def _add_config_arguments(parser: argparse.ArgumentParser, *, default_preset: str | None) -> None:
+    """--preset, --config and every config field as --section.field, in that precedence."""
+    from torchturbo.config_options import add_config_options
+
+    default = f" (default: {default_preset})" if default_preset else ""
+    parser.add_argument(
         "--preset",
         choices=("baseline", "fast"),
-        default=default_preset,
-        help="a named config",
+        help=f"a named config{default}; --config's keys go over the one given, or over the "
+        "defaults when none is",
     )
-    choice.add_argument(
+    parser.add_argument(
         "--config", type=Path, metavar="FILE", help="a TOML config file, e.g. a tuned turbo.toml"
+    )
+    parser.set_defaults(default_preset=default_preset)
+    add_config_options(parser)
+
+
+def resolved_config(args: argparse.Namespace) -> Any:
+    """The config of the command line and where each value came from
+    (:class:`~torchturbo.config_resolve.Resolved`): the defaults, then --preset (the command's
+    own without --config), --config's keys, the --section.field options and --device."""
+    from torchturbo.config_resolve import resolve
+
+    preset = args.preset or (None if args.config else args.default_preset)
+    return resolve(
+        preset=preset,
+        config_file=args.config,
+        overrides=args.config_overrides,
+        device=args.device,
     )
 
 
 def chosen_config(args: argparse.Namespace) -> Any:
-    """The TurboConfig named by --config or --preset, with --device applied, checked against
-    this machine and launch: errors raise, warnings print one line each."""
-    from torchturbo.config import TurboConfig
+    """The TurboConfig of the command line (:func:`resolved_config`), checked against this
+    machine and launch: errors raise, warnings print one line each."""
+    return checked_against_environment(resolved_config(args).config, args)
 
-    config = TurboConfig.load(args.config) if args.config else TurboConfig.preset(args.preset)
-    config = config.replace(device=args.device) if args.device else config
-    return checked_against_environment(config, args)
+
+def config_label(args: argparse.Namespace) -> str:
+    """A config's name in a table: the file's or the preset's, with the options over it."""
+    base = args.config.name if args.config else (args.preset or args.default_preset or "fp32")
+    return " ".join([base, *(given.text for given in args.config_overrides)])
 
 
 def checked_against_environment(config: Any, args: argparse.Namespace) -> Any:
@@ -456,6 +587,36 @@ def load_target(args: argparse.Namespace) -> Any:
     return get_workload(args.workload, args.size)
 
 
+def _run_config_show(args: argparse.Namespace) -> int:
+    from torchturbo.config_resolve import annotated_toml
+
+    if args.like is not None:
+        args.default_preset = DEFAULT_PRESETS[args.like]
+    command = f"torchturbo {args.like}" if args.like else "a command"
+    heading = (
+        f"The config {command} runs with these options. After each value, where it came from:\n"
+        "default < --preset < the --config file < a --section.field option or --device."
+    )
+    print(annotated_toml(resolved_config(args), heading=heading), end="")
+    return 0
+
+
+def _run_config_schema(args: argparse.Namespace) -> int:
+    import json
+
+    from torchturbo.config_schema import config_schema
+
+    print(json.dumps(config_schema(), indent=2))
+    return 0
+
+
+def _run_completion(args: argparse.Namespace) -> int:
+    import shtab
+
+    print(shtab.complete(_parser(), shell=args.shell), end="")
+    return 0
+
+
 def _run_version(args: argparse.Namespace) -> int:
     from torchturbo.system import summary
 
@@ -476,7 +637,7 @@ def _run_bench(args: argparse.Namespace) -> int:
     chosen = chosen_config(args)
     baseline = TurboConfig(device=chosen.device)
     configs = {"baseline": baseline}
-    name = args.config.name if args.config else args.preset
+    name = config_label(args)
     if chosen != baseline:
         configs[name] = chosen
     recipe = load_target(args)
@@ -593,15 +754,14 @@ def _run_tune(args: argparse.Namespace) -> int:
 
 
 def _run_doctor(args: argparse.Namespace) -> int:
-    from torchturbo.config import TurboConfig
     from torchturbo.distributed import is_main_process, launched
     from torchturbo.doctor import diagnose, render
 
     if args.steps < 1:
         raise ValueError(f"--steps {args.steps} is too few: profile at least 1 step")
-    config = TurboConfig.load(args.config) if args.config else None
-    if config is not None:
-        checked_against_environment(config, args)
+    # Without --config, --preset or a config option the doctor diagnoses the fp32 baseline.
+    chosen = args.config or args.preset or args.config_overrides
+    config = chosen_config(args) if chosen else None
     if args.trace:
         check_writable(args.trace, "--trace")
     if args.json:
