@@ -408,8 +408,17 @@ def _parser() -> argparse.ArgumentParser:
         "--log-dir",
         type=Path,
         help="write each optimizer step's metrics (loss, throughput, MFU, memory, learning "
-        "rate, skipped steps, micro-batch split) here as TensorBoard event files and "
-        "metrics.csv; under torchrun only rank 0 writes",
+        "rate, skipped steps, micro-batch split) here, as TensorBoard event files and "
+        "metrics.csv unless --logger says otherwise; under torchrun only rank 0 writes",
+    )
+    train.add_argument(
+        "--logger",
+        type=_logger_list,
+        metavar="NAME,...",
+        help="where the metrics go, of tensorboard, csv (both into --log-dir), wandb (a W&B run; "
+        "WANDB_MODE=offline keeps it local) and mlflow (an MLflow run in --log-dir/mlruns, or "
+        "MLFLOW_TRACKING_URI's); the run's config goes along (default: tensorboard,csv with "
+        "--log-dir)",
     )
     train.set_defaults(run=_run_train)
     _add_config_command(commands)
@@ -675,6 +684,18 @@ def _run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _logger_list(text: str) -> tuple[str, ...]:
+    """``wandb,csv`` as a tuple of logger names, each one torchturbo.metrics_log can open."""
+    names = tuple(name.strip() for name in text.split(",") if name.strip())
+    choices = ("tensorboard", "csv", "wandb", "mlflow")  # metrics_log.LOGGER_NAMES; no torch
+    unknown = [name for name in names if name not in choices]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give logger names separated by commas, of {', '.join(choices)}"
+        )
+    return names
+
+
 def _stage_list(text: str) -> tuple[str, ...]:
     """``precision,compile`` as a tuple of stage names (checked against the stages by the tuner)."""
     names = tuple(name.strip() for name in text.split(",") if name.strip())
@@ -844,7 +865,8 @@ def _run_train(args: argparse.Namespace) -> int:
         config = config.replace(reliability__memory_budget_bytes=args.activation_budget)
     # Under torchrun every rank trains its share of each batch (the engine wraps the model per
     # [distributed]); rank 0 writes the checkpoints, the logs and prints.
-    with launched(config.device), _train_loggers(args.log_dir) as logger:
+    loggers = _train_loggers(args.log_dir, args.logger, config.to_dict())
+    with launched(config.device), loggers as logger:
         try:
             result = train(
                 load_target(args),
@@ -895,17 +917,19 @@ def say_emulated(device: str, formats: Sequence[str], show: Callable[[str], None
 
 
 @contextlib.contextmanager
-def _train_loggers(log_dir: Path | None) -> Iterator[Any]:
-    """``train --log-dir``'s loggers (rank 0 writes, other ranks log to nothing), closed at the
-    end; None without --log-dir."""
-    if log_dir is None:
+def _train_loggers(
+    log_dir: Path | None, names: Sequence[str] | None, config: dict[str, Any]
+) -> Iterator[Any]:
+    """``train --log-dir/--logger``'s loggers (rank 0 writes, other ranks log to nothing), with
+    the run's ``config``, closed at the end; None with neither option."""
+    if log_dir is None and names is None:
         yield None
         return
     from torchturbo.metrics_log import open_loggers
 
-    with open_loggers(log_dir) as loggers:
+    with open_loggers(log_dir, names, config=config) as loggers:
         for note in loggers.notes:
-            print(f"--log-dir: {note}")
+            print(f"{'--logger' if names else '--log-dir'}: {note}")
         yield loggers
 
 

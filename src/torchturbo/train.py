@@ -25,7 +25,7 @@ from torchturbo.config import INT64_MAX, ConfigError, TurboConfig
 from torchturbo.data.length import length_or_none
 from torchturbo.distributed.launch import current_env
 from torchturbo.engine import Turbo
-from torchturbo.metrics_log import MetricsLogger
+from torchturbo.metrics_log import AnyLogger
 from torchturbo.recipe import Recipe
 from torchturbo.resume_checks import check_steps
 from torchturbo.step_meter import recipe_meter
@@ -97,7 +97,7 @@ def train(
     save_every: int = 0,
     resume: bool = False,
     on_event: Callable[[str], None] | None = None,
-    logger: MetricsLogger | None = None,
+    logger: AnyLogger | None = None,
 ) -> TrainResult:
     """Train ``recipe`` for ``steps`` optimizer steps (counted across resumes).
 
