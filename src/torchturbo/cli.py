@@ -711,6 +711,7 @@ def _run_tune(args: argparse.Namespace) -> int:
     from torchturbo.distributed import is_main_process, launched
     from torchturbo.live import TuneLine
     from torchturbo.table_fit import print_table
+    from torchturbo.tune.plots import plots_left_out
     from torchturbo.tune.report import (
         incremental_table,
         keep_interrupted,
@@ -767,6 +768,8 @@ def _run_tune(args: argparse.Namespace) -> int:
     paths = write_report(args.out, results, config.to_toml())
     if result.reuse_note:
         console.print(Text(result.reuse_note))
+    if (left_out := plots_left_out()) is not None:
+        console.print(Text(f"plots left out of the report: {left_out}"))
     print_table(console, incremental_table(results))
     console.print(Text(headline(results)))
     console.print(Text(f"report: {paths['html']}"))
