@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from torchturbo.cli import DEFAULT_PRESETS, _Parser, _parser, main
+from torchturbo.cli import DEFAULT_PRESETS, _Parser, _parser, full_parser, main
 from torchturbo.config import ConfigError, TurboConfig
 from torchturbo.config_fields import config_fields
 from torchturbo.config_options import DEST
@@ -24,7 +24,7 @@ SECTION_FIELDS = [field for field in config_fields() if field.section]
 
 
 def _subcommand(*names: str) -> argparse.ArgumentParser:
-    parser: argparse.ArgumentParser = _parser()
+    parser: argparse.ArgumentParser = full_parser()
     for name in names:
         action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
         parser = action.choices[name]
@@ -82,6 +82,33 @@ def test_values_are_read_as_the_file_reads_them(argv, expected):
     for key, value in expected.items():
         section, name = key.split(".")
         assert getattr(getattr(config.config, section), name) == value
+
+
+def _as_typed(value: object) -> str:
+    """A field's value as a user types it after its option."""
+    if value is None:
+        return "none"
+    if isinstance(value, tuple):
+        return ",".join(map(str, value))
+    return str(value)
+
+
+@pytest.mark.parametrize("field", SECTION_FIELDS, ids=lambda f: f.key)
+def test_every_option_given_its_default_reads_back_the_default(field):
+    if field.value_type is bool and field.default is None:
+        # --x/--no-x set True/False; None ("as needed") is what leaving the option out keeps.
+        flags = [[f"--{field.key}"], [f"--no-{field.key}"]]
+        values = [_overrides(*flag)[field.key] for flag in flags]
+        assert values == [True, False]
+        return
+    if field.value_type is bool:
+        argv = [f"--{field.key}" if field.default else f"--no-{field.key}"]
+    else:
+        argv = [f"--{field.key}", _as_typed(field.default)]
+    given = _parser().parse_args(["config", "show", *argv]).config_overrides
+    resolved = resolve(overrides=given)
+    assert resolved.config == TurboConfig()
+    assert resolved.sources[field.key] == argv[0]
 
 
 @pytest.mark.parametrize(
@@ -290,12 +317,23 @@ def test_bash_completes_commands_config_options_and_their_choices(tmp_path):
 
 
 @pytest.mark.slow
-def test_zsh_reads_the_completion_and_it_names_the_config_options(tmp_path):
+def test_zsh_loads_the_completion_with_the_config_options_and_their_choices(tmp_path):
     zsh = shutil.which("zsh")
     if zsh is None:
         pytest.skip("no zsh on this machine (apt-get install zsh)")
     script = tmp_path / "_torchturbo"
     script.write_text(_completion("zsh"))
     subprocess.run([zsh, "-n", str(script)], check=True, timeout=60)
-    text = script.read_text()
-    assert "--precision.dtype" in text and "fp32 tf32 bf16 fp16" in text
+    # Sourced after compinit, the script defines each command's _arguments specs (its last line,
+    # a call that only a completion may make, fails outside one: that is expected).
+    load = (
+        'autoload -U compinit && compinit -u -D; source "$1"; '
+        'print -l -- "${_shtab_torchturbo_bench_options[@]}"'
+    )
+    result = subprocess.run(
+        [zsh, "-fc", load, "zsh", str(script)], capture_output=True, text=True, timeout=60
+    )
+    specs = result.stdout.splitlines()
+    (dtype,) = [spec for spec in specs if spec.startswith("--precision.dtype[")]
+    assert dtype.endswith(":(fp32 tf32 bf16 fp16)")
+    assert any(spec.startswith("--no-data.bucketing") for spec in specs)

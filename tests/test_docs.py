@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from torchturbo.cli import _parser
+from torchturbo.cli import full_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCUMENTS = [ROOT / "README.md", ROOT / "README.zh-CN.md", *sorted((ROOT / "docs").rglob("*.md"))]
@@ -44,7 +44,7 @@ def _options(parser: argparse.ArgumentParser) -> set[str]:
 
 
 def _subcommand_options() -> dict[str, set[str]]:
-    parser = _parser()
+    parser = full_parser()
     globals_ = {s for a in parser._actions for s in a.option_strings}
     action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     return {name: globals_ | _options(sub) for name, sub in action.choices.items()}

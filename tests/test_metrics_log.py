@@ -242,6 +242,13 @@ def test_lightning_loggers_receive_every_step(tmp_path):
     assert [step for step, _ in read_events(Path(board.log_dir))["train/loss"]] == [1, 2]
 
 
+def test_the_cli_lists_the_loggers_that_open_loggers_opens():
+    from torchturbo.cli import LOGGERS
+    from torchturbo.metrics_log import LOGGER_NAMES
+
+    assert LOGGERS == LOGGER_NAMES
+
+
 def test_an_unknown_logger_or_csv_without_a_log_dir_is_one_line(capsys):
     assert main(["train", TINY, "--steps", "1", "--logger", "neptune"]) == 2
     assert "'neptune': give logger names" in capsys.readouterr().err

@@ -126,7 +126,29 @@ def _warnings_as_lines(command: str) -> Iterator[None]:
 
 class _Parser(argparse.ArgumentParser):
     """argparse with its errors on one line (no usage block), exit code 2; a misspelt
-    ``--section.field`` is refused with the closest option's name."""
+    ``--section.field`` is refused with the closest option's name.
+
+    A command that takes a config gets its ``--section.field`` options when it parses or shows
+    its help (:meth:`with_config_options`): they import the config module, which every other
+    command, and ``torchturbo --help``, would otherwise wait for (0.2 s of start-up, measured).
+    """
+
+    #: Set by _add_config_arguments: the command has --section.field options, added once.
+    takes_config = False
+    config_options_pending = False
+
+    def with_config_options(self) -> _Parser:
+        """This parser with its config options added, if it takes them and has not got them."""
+        if self.config_options_pending:
+            from torchturbo.config_options import add_config_options
+
+            self.config_options_pending = False
+            add_config_options(self)
+        return self
+
+    def format_help(self) -> str:
+        self.with_config_options()
+        return super().format_help()
 
     def error(self, message: str) -> NoReturn:
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
@@ -134,21 +156,24 @@ class _Parser(argparse.ArgumentParser):
     def parse_known_args(  # type: ignore[override]  # typeshed overloads it on the namespace
         self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
     ) -> tuple[argparse.Namespace, list[str]]:
-        from torchturbo.config_options import unknown_option
-
         tokens = list(sys.argv[1:] if args is None else args)
-        problem = unknown_option(tokens, self._option_string_actions)
-        if problem is not None:
-            self.error(problem)
+        if self.takes_config:
+            from torchturbo.config_options import unknown_option
+
+            problem = unknown_option(tokens, self.with_config_options()._option_string_actions)
+            if problem is not None:
+                self.error(problem)
         return super().parse_known_args(tokens, namespace)
 
 
 # The source article, named once here; help texts below say "the article".
 ARTICLE = "PyTorch深度学习性能优化10大实战技巧 (10 practical tips for PyTorch performance)"
-# Names from torchturbo.workloads.WORKLOADS and torchturbo.techniques.export.METHODS (a test
-# keeps them equal), listed here so that --help does not import torch.
+# Names from torchturbo.workloads.WORKLOADS, torchturbo.techniques.export.METHODS and
+# torchturbo.metrics_log.LOGGER_NAMES (tests keep them equal), listed here so that --help does
+# not import torch.
 WORKLOADS = ("vision", "segmentation", "text")
 EXPORT_METHODS = ("export", "torchscript")
+LOGGERS = ("tensorboard", "csv", "wandb", "mlflow")
 #: The preset each command that takes a config starts from when neither --preset nor --config is
 #: given (None: the defaults, fp32 eager); `config show COMMAND` resolves as COMMAND does.
 DEFAULT_PRESETS = {"bench": "fast", "train": "baseline", "doctor": None}
@@ -160,18 +185,13 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     usage line sums the config fields up as one ``[--SECTION.FIELD VALUE ...]``."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default is None or action.default is False:
+        if action.default is None or action.default is False or _is_config_option(action):
             return action.help
-        from torchturbo.config_options import is_config_option
-
-        return action.help if is_config_option(action) else super()._get_help_string(action)
+        return super()._get_help_string(action)
 
     def _format_action_invocation(self, action: argparse.Action) -> str:
-        from torchturbo.config_options import FlagOption
-
-        if isinstance(action, FlagOption):
-            return action.invocation
-        return super()._format_action_invocation(action)
+        invocation = getattr(action, "invocation", None)  # config_options.FlagOption's
+        return invocation or super()._format_action_invocation(action)
 
     def add_usage(
         self,
@@ -180,12 +200,15 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         groups: Any,
         prefix: str | None = None,
     ) -> None:
-        from torchturbo.config_options import is_config_option
-
-        shown = [a for a in actions if not is_config_option(a)]
+        shown = [a for a in actions if not _is_config_option(a)]
         if len(shown) < len(actions):
             shown.append(argparse.Action(["--SECTION.FIELD"], "config", metavar="VALUE ..."))
         super().add_usage(usage, shown, groups, prefix)
+
+
+def _is_config_option(action: argparse.Action) -> bool:
+    """An option of torchturbo.config_options (told by its mark, not importing the module)."""
+    return getattr(action, "config_option", False)
 
 
 def _global_options(*, in_subcommand: bool) -> argparse.ArgumentParser:
@@ -211,6 +234,21 @@ class _CommandParser(_Parser):
         super().__init__(
             parents=[_global_options(in_subcommand=True)], formatter_class=_HelpFormatter, **kwargs
         )
+
+
+def full_parser() -> argparse.ArgumentParser:
+    """The parser with every command's config options in place: what completion and the tests
+    of the options and the docs read."""
+    parser = _parser()
+    pending = [parser]
+    while pending:
+        current = pending.pop()
+        if isinstance(current, _Parser):
+            current.with_config_options()
+        for action in current._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                pending.extend(action.choices.values())
+    return parser
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -525,9 +563,8 @@ def _device(text: str) -> str:
 
 
 def _add_config_arguments(parser: argparse.ArgumentParser, *, default_preset: str | None) -> None:
-    """--preset, --config and every config field as --section.field, in that precedence."""
-    from torchturbo.config_options import add_config_options
-
+    """--preset, --config and every config field as --section.field, in that precedence (the
+    fields are added when the command runs: :meth:`_Parser.with_config_options`)."""
     default = f" (default: {default_preset})" if default_preset else ""
     parser.add_argument(
         "--preset",
@@ -538,8 +575,9 @@ def _add_config_arguments(parser: argparse.ArgumentParser, *, default_preset: st
     parser.add_argument(
         "--config", type=Path, metavar="FILE", help="a TOML config file, e.g. a tuned turbo.toml"
     )
-    parser.set_defaults(default_preset=default_preset)
-    add_config_options(parser)
+    parser.set_defaults(default_preset=default_preset, config_overrides=[])
+    if isinstance(parser, _Parser):
+        parser.takes_config = parser.config_options_pending = True
 
 
 def resolved_config(args: argparse.Namespace) -> Any:
@@ -622,7 +660,7 @@ def _run_config_schema(args: argparse.Namespace) -> int:
 def _run_completion(args: argparse.Namespace) -> int:
     import shtab
 
-    print(shtab.complete(_parser(), shell=args.shell), end="")
+    print(shtab.complete(full_parser(), shell=args.shell), end="")
     return 0
 
 
@@ -687,11 +725,9 @@ def _run_bench(args: argparse.Namespace) -> int:
 def _logger_list(text: str) -> tuple[str, ...]:
     """``wandb,csv`` as a tuple of logger names, each one torchturbo.metrics_log can open."""
     names = tuple(name.strip() for name in text.split(",") if name.strip())
-    choices = ("tensorboard", "csv", "wandb", "mlflow")  # metrics_log.LOGGER_NAMES; no torch
-    unknown = [name for name in names if name not in choices]
-    if unknown or not names:
+    if not names or any(name not in LOGGERS for name in names):
         raise argparse.ArgumentTypeError(
-            f"{text!r}: give logger names separated by commas, of {', '.join(choices)}"
+            f"{text!r}: give logger names separated by commas, of {', '.join(LOGGERS)}"
         )
     return names
 

@@ -58,6 +58,9 @@ class _Shown(tuple[Any, ...]):
 class _SetValue(argparse.Action):
     """``--section.field VALUE``: the value converted to the field's type, appended to DEST."""
 
+    #: How the CLI's help formatter tells these options apart without importing this module.
+    config_option = True
+
     def __init__(self, *args: Any, field: ConfigField, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.field = field
@@ -124,11 +127,6 @@ def add_config_options(parser: argparse.ArgumentParser) -> None:
                 choices=_Shown(field.choices) if field.choices else None,
                 help=help_text,
             )
-    parser.set_defaults(**{DEST: []})
-
-
-def is_config_option(action: argparse.Action) -> bool:
-    return isinstance(action, _SetValue)
 
 
 def _metavar(field: ConfigField) -> str:
