@@ -223,12 +223,12 @@ def open_loggers(
     unknown = sorted(set(chosen) - set(LOGGER_NAMES))
     if unknown:
         raise ValueError(f"unknown logger(s) {unknown}; choose from {', '.join(LOGGER_NAMES)}")
+    needs_dir = [name for name in chosen if name in ("tensorboard", "csv")]
+    if log_dir is None and needs_dir:  # on every rank: one that went on alone would hang
+        raise ValueError(f"{' and '.join(needs_dir)} write into a log directory: give --log-dir")
     if logging_rank() != 0:
         return Loggers()
     directory = None if log_dir is None else Path(log_dir)
-    needs_dir = [name for name in chosen if name in ("tensorboard", "csv")]
-    if directory is None and needs_dir:
-        raise ValueError(f"{' and '.join(needs_dir)} write into a log directory: give --log-dir")
     if directory is not None:
         if directory.exists() and not directory.is_dir():
             raise NotADirectoryError(f"--log-dir {str(directory)!r} exists and is not a directory")
