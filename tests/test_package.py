@@ -183,6 +183,8 @@ def test_without_extras_tune_works_and_says_the_plots_were_left_out(
     python = str(lean_venv / "bin" / "python")
     missing = subprocess.run([python, "-c", "import matplotlib"], capture_output=True, cwd=cwd)
     assert missing.returncode != 0, "the lean venv can import matplotlib: the test tests nothing"
+    where = _run([python, "-c", "import torchturbo; print(torchturbo.__file__)"], cwd, 60)
+    assert Path(where.strip()).is_relative_to(lean_venv), where  # the wheel's, not the checkout's
     out = cwd / "report"
     tune = [str(lean_venv / "bin" / "torchturbo"), "tune", "--workload", "text", "--device", "cpu"]
     said = _run([*tune, "--time-budget", "15s", "--out", str(out)], cwd=cwd, timeout=300)
