@@ -96,19 +96,15 @@ def _as_typed(value: object) -> str:
 @pytest.mark.parametrize("field", SECTION_FIELDS, ids=lambda f: f.key)
 def test_every_option_given_its_default_reads_back_the_default(field):
     if field.value_type is bool and field.default is None:
-        # --x/--no-x set True/False; None ("as needed") is what leaving the option out keeps.
-        flags = [[f"--{field.key}"], [f"--no-{field.key}"]]
-        values = [_overrides(*flag)[field.key] for flag in flags]
-        assert values == [True, False]
-        return
-    if field.value_type is bool:
+        argv = [f"--{field.key}=none"]
+    elif field.value_type is bool:
         argv = [f"--{field.key}" if field.default else f"--no-{field.key}"]
     else:
         argv = [f"--{field.key}", _as_typed(field.default)]
     given = _parser().parse_args(["config", "show", *argv]).config_overrides
     resolved = resolve(overrides=given)
     assert resolved.config == TurboConfig()
-    assert resolved.sources[field.key] == argv[0]
+    assert resolved.sources[field.key] == argv[0].split("=")[0]
 
 
 @pytest.mark.parametrize(
@@ -153,6 +149,24 @@ def test_a_misspelt_option_exits_2_with_one_line_naming_it_and_the_closest(
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1
     assert f"unknown option {typo} (did you mean {suggestion}?)" in err
+
+
+def test_a_flag_that_may_be_none_takes_none_true_or_false_but_never_the_next_word(tmp_path):
+    path = tmp_path / "turbo.toml"
+    path.write_text("[compile]\ndynamic = true\n")
+    for argv, expected in [
+        (["--compile.dynamic"], True),
+        (["--no-compile.dynamic"], False),
+        (["--compile.dynamic=false"], False),
+        (["--config", str(path), "--compile.dynamic=none"], None),  # back to torch's choice
+    ]:
+        args = _parser().parse_args(["config", "show", *argv])
+        assert (
+            resolve(config_file=args.config, overrides=args.config_overrides).config.compile.dynamic
+            is expected
+        )
+    args = _parser().parse_args(["bench", "--compile.dynamic", TINY])
+    assert args.recipe == TINY and [o.value for o in args.config_overrides] == [True]
 
 
 def test_negative_control_argparse_alone_takes_a_misspelt_option_as_an_abbreviation():

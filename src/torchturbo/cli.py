@@ -158,11 +158,13 @@ class _Parser(argparse.ArgumentParser):
     ) -> tuple[argparse.Namespace, list[str]]:
         tokens = list(sys.argv[1:] if args is None else args)
         if self.takes_config:
-            from torchturbo.config_options import unknown_option
+            from torchturbo.config_options import explicit, unknown_option
 
-            problem = unknown_option(tokens, self.with_config_options()._option_string_actions)
+            known = self.with_config_options()._option_string_actions
+            problem = unknown_option(tokens, known)
             if problem is not None:
                 self.error(problem)
+            tokens = explicit(tokens, known)
         return super().parse_known_args(tokens, namespace)
 
 

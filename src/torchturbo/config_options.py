@@ -3,11 +3,12 @@
 One option per key of turbo.toml (:func:`~torchturbo.config_fields.config_fields`), named as in
 the file and taking values in the file's units (bytes, MiB, counts): a choice for a ``Literal``
 field, ``--x`` / ``--no-x`` for a boolean, a comma-separated list for a list, ``none`` for a
-field the file may leave out; ``*_bytes`` fields also read sizes such as ``64MiB``. The text is
-only converted to the field's type here: what a value may be is decided by the config's own
-validation (:func:`torchturbo.config_resolve.resolve`), so an option and a file get the same
-one-line errors. A misspelt ``--section.field`` is refused with the closest name
-(:func:`unknown_option`): argparse alone would take ``--precision.dtyp`` as an abbreviation.
+field the file may leave out (``--x=none`` for a boolean one); ``*_bytes`` fields also read
+sizes such as ``64MiB``. The text is only converted to the field's type here: what a value
+may be is decided by the config's own validation (:func:`torchturbo.config_resolve.resolve`),
+so an option and a file get the same one-line errors. A misspelt ``--section.field`` is
+refused with the closest name (:func:`unknown_option`): argparse alone would take
+``--precision.dtyp`` as an abbreviation.
 
 Why hand-written: the options must be argparse options like the rest of the command (argparse
 costs nothing at start-up, and ``--help``, completion and the one-line errors already rest on
@@ -22,7 +23,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import re
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, get_origin
 
@@ -32,6 +33,7 @@ from torchturbo.units import UnitError, parse_size
 #: Where the parsed options go in the namespace: a list of :class:`Override`, in command order.
 DEST = "config_overrides"
 _INT = re.compile(r"[+-]?[0-9][0-9_]*")
+_BOOLEANS = {"true": True, "false": False, "none": None}
 #: The longest ``--option METAVAR`` that --help prints within 80 columns (indented by 2).
 _HELP_WIDTH = 76
 
@@ -78,12 +80,15 @@ class _SetValue(argparse.Action):
 
 
 class FlagOption(_SetValue):
-    """``--section.field`` sets a boolean field, ``--no-section.field`` clears it."""
+    """``--section.field`` sets a boolean field, ``--no-section.field`` clears it. A field that
+    may be absent (None: "as needed") also takes ``--section.field=none``; :func:`explicit`
+    writes its bare flags as ``=true``, so that the flag never takes the next word as its value.
+    """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, nargs=0, **kwargs)
+    def __init__(self, *args: Any, field: ConfigField, **kwargs: Any) -> None:
+        super().__init__(*args, nargs="?" if field.optional else 0, field=field, **kwargs)
         #: How --help shows the pair: one line, ``--[no-]data.bucketing``.
-        self.invocation = f"--[no-]{self.field.key}"
+        self.invocation = f"--[no-]{field.key}" + "[=none]" * field.optional
 
     def __call__(
         self,
@@ -92,10 +97,29 @@ class FlagOption(_SetValue):
         values: Any,
         option_string: str | None = None,
     ) -> None:
-        value = not str(option_string).startswith("--no-")
-        text = f"{self.field.key}={str(value).lower()}"
-        given = Override(self.field, value, text, str(option_string))
+        negated = str(option_string).startswith("--no-")
+        # nargs=0 gives [] and a bare flag of nargs="?" None: both mean true.
+        value: Any = _BOOLEANS.get(values.lower(), values) if isinstance(values, str) else True
+        if negated and isinstance(value, bool):
+            value = not value
+        shown = "none" if value is None else str(value).lower()
+        given = Override(self.field, value, f"{self.field.key}={shown}", str(option_string))
         setattr(namespace, DEST, [*(getattr(namespace, DEST, None) or []), given])
+
+
+def explicit(tokens: Sequence[str], actions: Mapping[str, argparse.Action]) -> list[str]:
+    """``tokens`` with each bare flag of a field that may be absent written ``--flag=true``: such
+    a flag takes an optional value (``=none``), and argparse would otherwise read the word after
+    it (a recipe) as that value."""
+    out = []
+    for token in tokens:
+        action = actions.get(token)
+        takes_value = isinstance(action, FlagOption) and action.nargs == "?"
+        out.append(f"{token}=true" if takes_value else token)
+        if token == "--":
+            out.extend(tokens[len(out) :])
+            break
+    return out
 
 
 def add_config_options(parser: argparse.ArgumentParser) -> None:
