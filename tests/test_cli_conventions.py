@@ -110,3 +110,31 @@ def test_help_does_not_import_torch() -> None:
         [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True
     )
     assert result.stdout.strip() == "[]"
+
+
+def test_only_a_command_that_takes_a_config_imports_the_config_module() -> None:
+    """The --section.field options need config.py (0.1-0.2 s of start-up): `torchturbo --help`
+    and the other commands do not wait for it; `bench --help` lists the options, so it does."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys, contextlib, io; from torchturbo.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()) as out: main(sys.argv[1:])\n"
+        "print('torchturbo.config' in sys.modules, '--precision.dtype' in out.getvalue())"
+    )
+    seen = {
+        command: subprocess.run(
+            [sys.executable, "-c", probe, *command.split()],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        ).stdout.split()
+        for command in ("--help", "tune --help", "bench --help")
+    }
+    assert seen == {
+        "--help": ["False", "False"],
+        "tune --help": ["False", "False"],
+        "bench --help": ["True", "True"],
+    }

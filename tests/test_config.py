@@ -134,6 +134,20 @@ def test_partial_toml_fills_defaults():
     assert config == TurboConfig(precision=PrecisionConfig(dtype="bf16"))
 
 
+def test_a_file_over_a_base_keeps_what_it_leaves_out_and_checks_the_whole(tmp_path):
+    fast = TurboConfig.preset("fast")
+    path = tmp_path / "turbo.toml"
+    path.write_text("[data]\nnum_workers = 2\n[precision]\nfloat8 = true\n")
+    config = TurboConfig.load(path, base=fast)
+    assert config.precision == PrecisionConfig(dtype="bf16", float8=True)  # dtype: the base's
+    assert config.memory_format == fast.memory_format and config.data.num_workers == 2
+    assert TurboConfig.load(path).precision.dtype == "fp32"  # no base: the defaults
+    # The merged section is validated: the base's fp16 with the file's grad_scaler = false.
+    fp16 = TurboConfig().replace(precision__dtype="fp16")
+    with pytest.raises(ConfigError, match="fp16 gradients underflow"):
+        TurboConfig.from_toml("[precision]\ngrad_scaler = false", base=fp16)
+
+
 def test_load_names_the_file_in_errors(tmp_path):
     path = tmp_path / "bad.toml"
     path.write_text("[accumulation]\nsteps = 0")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from torchturbo.cli import _parser
+from torchturbo.cli import full_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCUMENTS = [ROOT / "README.md", ROOT / "README.zh-CN.md", *sorted((ROOT / "docs").rglob("*.md"))]
@@ -36,14 +36,18 @@ _FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
 _INLINE = re.compile(r"`([^`\n]+)`")
 
 
+def _options(parser: argparse.ArgumentParser) -> set[str]:
+    """A parser's options, with those of its own subcommands (`config show`'s for `config`)."""
+    own = {s for a in parser._actions for s in a.option_strings}
+    nested = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return own.union(*(_options(sub) for a in nested for sub in a.choices.values()))
+
+
 def _subcommand_options() -> dict[str, set[str]]:
-    parser = _parser()
+    parser = full_parser()
     globals_ = {s for a in parser._actions for s in a.option_strings}
     action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    return {
-        name: globals_ | {s for a in sub._actions for s in a.option_strings}
-        for name, sub in action.choices.items()
-    }
+    return {name: globals_ | _options(sub) for name, sub in action.choices.items()}
 
 
 SUBCOMMANDS = _subcommand_options()

@@ -62,6 +62,20 @@ def test_without_the_cpp_build_cpu_runs_the_composite_and_says_so(monkeypatch) -
     module._warn_fallback.cache_clear()
 
 
+def test_without_ninja_the_build_is_not_tried_and_says_how_to_get_it(monkeypatch) -> None:
+    # ninja is an extra now; this machine may have a system one, so its absence is arranged
+    # where torch looks for it. The cached result of the real build is left alone.
+    import torch.utils.cpp_extension as cpp_extension
+
+    from torchturbo.kernels import _build
+
+    monkeypatch.setattr(cpp_extension, "is_ninja_available", lambda: False)
+    monkeypatch.setattr(cpp_extension, "load", lambda **_: pytest.fail("tried to build"))
+    error = _build.cpu_kernel_error.__wrapped__()
+    how = "pip install 'torchturbo[kernels]' (or pip install ninja)"
+    assert error == f"ninja is not installed; {how} builds the C++ op"
+
+
 def test_forward_matches_reference_float32_and_not_tanh_gelu() -> None:
     x, bias = _inputs(shape=(64, 333))
     x = x.detach() * 4  # cover the tails where erf saturates

@@ -201,3 +201,58 @@ def test_train_under_torchrun_writes_one_set_of_event_files(tmp_path):
     assert len(event_files) == 1, event_files
     assert [step for step, _ in read_events(log_dir)["train/loss"]] == [1, 2, 3]
     assert [step for step, _ in read_csv(log_dir / CSV_NAME)["train/loss"]] == [1, 2, 3]
+
+
+class LightningStyle:
+    """The other convention, and only it: ``log_metrics(metrics, step)``."""
+
+    def __init__(self) -> None:
+        self.records: list[tuple[int, dict[str, float]]] = []
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.records.append((step, dict(metrics)))
+
+
+def test_a_log_metrics_logger_gets_the_same_records_as_a_log_one():
+    plain, other = Recorder(), LightningStyle()
+    train(load_recipe(TINY), CONFIG, steps=3, logger=plain)
+    train(load_recipe(TINY), CONFIG, steps=3, logger=other)
+    assert [s for s, _ in other.records] == [s for s, _ in plain.records] == [1, 2, 3]
+    assert [set(m) for _, m in other.records] == [set(m) for _, m in plain.records]
+
+
+def test_a_logger_with_neither_method_is_refused_by_name():
+    from torchturbo.metrics_log import as_metrics_logger
+
+    with pytest.raises(TypeError, match=r"log_metrics.*Path has neither"):
+        as_metrics_logger(Path("."))  # type: ignore[arg-type]
+
+
+def test_lightning_loggers_receive_every_step(tmp_path):
+    loggers = pytest.importorskip("lightning.pytorch.loggers", reason="the lightning extra")
+    lightning_csv = loggers.CSVLogger(tmp_path, name="run", version=0)
+    train(load_recipe(TINY), CONFIG, steps=3, logger=lightning_csv)
+    # No finalize: each step is saved as it is logged, so a run that dies keeps its rows.
+    with open(tmp_path / "run" / "version_0" / "metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [int(row["step"]) for row in rows] == [1, 2, 3]
+    assert all(math.isfinite(float(row["train/loss"])) for row in rows)
+    board = loggers.TensorBoardLogger(tmp_path, name="tb", version=0)
+    train(load_recipe(TINY), CONFIG, steps=2, logger=board)
+    assert [step for step, _ in read_events(Path(board.log_dir))["train/loss"]] == [1, 2]
+
+
+def test_the_cli_lists_the_loggers_that_open_loggers_opens():
+    from torchturbo.cli import LOGGERS
+    from torchturbo.metrics_log import LOGGER_NAMES
+
+    assert LOGGERS == LOGGER_NAMES
+
+
+def test_an_unknown_logger_or_csv_without_a_log_dir_is_one_line(capsys):
+    assert main(["train", TINY, "--steps", "1", "--logger", "neptune"]) == 2
+    assert "'neptune': give logger names" in capsys.readouterr().err
+    assert main(["train", TINY, "--steps", "1", "--logger", "csv"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("csv write into a log directory: give --log-dir")
+    assert len(err.splitlines()) == 1

@@ -7,11 +7,16 @@ above all) from the environment running the tests, through a ``.pth`` line, in t
 ``venv --system-site-packages``: installing torch again would cost a download of gigabytes and
 prove nothing about torchturbo. The wheel itself is installed by pip, offline, with its declared
 dependencies checked against what that path provides.
+
+A second venv borrows everything but the packages of the extras (matplotlib, ninja): the lean
+install a plain ``pip install torchturbo`` gives, in which ``tune`` must still work and say that
+the report's plots were left out.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -111,10 +116,13 @@ print("custom op built from", _build._SOURCE)
 """
 
 
-@pytest.fixture(scope="module")
-def venv(built: dict) -> Path:
-    """A fresh venv outside the checkout with the wheel installed (dependencies borrowed)."""
-    venv = built["base"] / "venv"
+#: What only the extras bring (torchturbo[plots], torchturbo[kernels]): absent from a lean venv.
+_EXTRAS_ONLY = {"matplotlib", "mpl_toolkits", "pylab", "ninja"}
+
+
+def _install_wheel(built: dict, name: str, borrowed: list[str]) -> Path:
+    """A fresh venv outside the checkout, the wheel installed, dependencies from ``borrowed``."""
+    venv = built["base"] / name
     _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], cwd=built["base"], timeout=60)
     python = venv / "bin" / "python"
     site = _run(
@@ -122,11 +130,34 @@ def venv(built: dict) -> Path:
         cwd=built["base"],
         timeout=60,
     ).strip()
-    ours = dict.fromkeys(sysconfig.get_paths()[key] for key in ("purelib", "platlib"))
-    Path(site, "_borrowed_dependencies.pth").write_text("\n".join(ours) + "\n")
+    Path(site, "_borrowed_dependencies.pth").write_text("\n".join(borrowed) + "\n")
     pip = [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-index"]
     _run([*pip, str(built["wheel"])], cwd=built["base"], timeout=300)
     return venv
+
+
+def _ours() -> list[str]:
+    return list(dict.fromkeys(sysconfig.get_paths()[key] for key in ("purelib", "platlib")))
+
+
+@pytest.fixture(scope="module")
+def venv(built: dict) -> Path:
+    """The wheel in a fresh venv with every dependency and extra borrowed."""
+    return _install_wheel(built, "venv", _ours())
+
+
+@pytest.fixture(scope="module")
+def lean_venv(built: dict) -> Path:
+    """The wheel in a fresh venv without the extras' packages: every entry of this environment's
+    site-packages linked into a directory of its own, but for theirs (and their metadata, so
+    that pip sees them missing too)."""
+    lean = built["base"] / "lean-dependencies"
+    lean.mkdir()
+    for site in map(Path, _ours()):
+        for entry in site.iterdir():
+            if re.split(r"[-.]", entry.name)[0].lower() not in _EXTRAS_ONLY:
+                (lean / entry.name).symlink_to(entry)
+    return _install_wheel(built, "lean-venv", [str(lean)])
 
 
 @pytest.mark.slow
@@ -143,7 +174,22 @@ def test_installed_wheel_runs_outside_the_checkout(venv: Path, built: dict) -> N
     )
     assert str(venv) in output
 
+
+@pytest.mark.slow
+def test_without_extras_tune_works_and_says_the_plots_were_left_out(
+    lean_venv: Path, built: dict
+) -> None:
+    cwd = built["base"]
+    python = str(lean_venv / "bin" / "python")
+    missing = subprocess.run([python, "-c", "import matplotlib"], capture_output=True, cwd=cwd)
+    assert missing.returncode != 0, "the lean venv can import matplotlib: the test tests nothing"
+    where = _run([python, "-c", "import torchturbo; print(torchturbo.__file__)"], cwd, 60)
+    assert Path(where.strip()).is_relative_to(lean_venv), where  # the wheel's, not the checkout's
     out = cwd / "report"
-    tune = [str(venv / "bin" / "torchturbo"), "tune", "--workload", "text", "--device", "cpu"]
-    _run([*tune, "--time-budget", "15s", "--out", str(out)], cwd=cwd, timeout=300, env=env)
+    tune = [str(lean_venv / "bin" / "torchturbo"), "tune", "--workload", "text", "--device", "cpu"]
+    said = _run([*tune, "--time-budget", "15s", "--out", str(out)], cwd=cwd, timeout=300)
     assert (out / "report.html").is_file() and (out / "turbo.toml").is_file()
+    how = "matplotlib is not installed; pip install 'torchturbo[plots]'"
+    assert f"plots left out of the report: {how}" in " ".join(said.split())
+    assert f"The plots were left out: {how}" in (out / "report.md").read_text()
+    assert not list(out.glob("*.png"))

@@ -358,3 +358,21 @@ def test_read_only_output_folder_is_named(tmp_path: Path) -> None:
     locked.mkdir(mode=0o500)
     with pytest.raises(PermissionError, match="locked"):
         write_report(locked, full_results(), CONFIG_TOML)
+
+
+def test_without_matplotlib_the_report_says_the_plots_were_left_out_and_how_to_get_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first = write_report(tmp_path, full_results(), CONFIG_TOML)
+    assert first["throughput"].exists()
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` fails
+    paths = write_report(tmp_path, full_results(), CONFIG_TOML)
+    assert not set(paths) & ALL_PLOTS and not list(tmp_path.glob("*.png"))
+    why = "matplotlib is not installed; pip install 'torchturbo[plots]' (or pip install matplotlib)"
+    markdown = paths["markdown"].read_text()
+    assert f"The plots were left out: {why} draws them." in markdown
+    assert "No throughput plot" not in markdown  # not a per-plot reason: none were drawn
+    html = paths["html"].read_text()
+    assert "The plots were left out" in html and len(_img_sources(html)) == 0

@@ -4,6 +4,16 @@ Every command's work lives in its own module; this one maps arguments onto it. A
 user can fix (bad argument, config, recipe code or data, checkpoint, file system) prints one
 readable line, ``torchturbo CMD: error: ...``, and exits with code 2; warnings print one line
 each. ``--debug`` shows the traceback instead; a bug of torchturbo always shows it (exit 1).
+
+Every command that takes a config (bench, train, doctor, config show) takes every config field
+as ``--section.field`` too (:mod:`torchturbo.config_options`), over ``--config`` and
+``--preset`` (:mod:`torchturbo.config_resolve`).
+
+Why hand-written on argparse: argparse is in the standard library, costs nothing at start-up
+(``--help`` must not wait for torch), and shtab turns it into bash and zsh completion. Click and
+Typer would be a dependency for the same subcommands and options, and none of the libraries
+that build a CLI from dataclasses gives what the config options need (see
+:mod:`torchturbo.config_options`); what is left by hand is the one-line error reporting below.
 """
 
 from __future__ import annotations
@@ -115,27 +125,92 @@ def _warnings_as_lines(command: str) -> Iterator[None]:
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse with its errors on one line (no usage block), exit code 2."""
+    """argparse with its errors on one line (no usage block), exit code 2; a misspelt
+    ``--section.field`` is refused with the closest option's name.
+
+    A command that takes a config gets its ``--section.field`` options when it parses or shows
+    its help (:meth:`with_config_options`): they import the config module, which every other
+    command, and ``torchturbo --help``, would otherwise wait for (0.2 s of start-up, measured).
+    """
+
+    #: Set by _add_config_arguments: the command has --section.field options, added once.
+    takes_config = False
+    config_options_pending = False
+
+    def with_config_options(self) -> _Parser:
+        """This parser with its config options added, if it takes them and has not got them."""
+        if self.config_options_pending:
+            from torchturbo.config_options import add_config_options
+
+            self.config_options_pending = False
+            add_config_options(self)
+        return self
+
+    def format_help(self) -> str:
+        self.with_config_options()
+        return super().format_help()
 
     def error(self, message: str) -> NoReturn:
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
+    def parse_known_args(  # type: ignore[override]  # typeshed overloads it on the namespace
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        tokens = list(sys.argv[1:] if args is None else args)
+        if self.takes_config:
+            from torchturbo.config_options import explicit, unknown_option
+
+            known = self.with_config_options()._option_string_actions
+            problem = unknown_option(tokens, known)
+            if problem is not None:
+                self.error(problem)
+            tokens = explicit(tokens, known)
+        return super().parse_known_args(tokens, namespace)
+
 
 # The source article, named once here; help texts below say "the article".
 ARTICLE = "PyTorch深度学习性能优化10大实战技巧 (10 practical tips for PyTorch performance)"
-# Names from torchturbo.workloads.WORKLOADS and torchturbo.techniques.export.METHODS (a test
-# keeps them equal), listed here so that --help does not import torch.
+# Names from torchturbo.workloads.WORKLOADS, torchturbo.techniques.export.METHODS and
+# torchturbo.metrics_log.LOGGER_NAMES (tests keep them equal), listed here so that --help does
+# not import torch.
 WORKLOADS = ("vision", "segmentation", "text")
 EXPORT_METHODS = ("export", "torchscript")
+LOGGERS = ("tensorboard", "csv", "wandb", "mlflow")
+#: The preset each command that takes a config starts from when neither --preset nor --config is
+#: given (None: the defaults, fp32 eager); `config show COMMAND` resolves as COMMAND does.
+DEFAULT_PRESETS = {"bench": "fast", "train": "baseline", "doctor": None}
+COMPLETION_SHELLS = ("bash", "zsh")
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Appends each option's default to its help, except where there is none to show."""
+    """Appends each option's default to its help, except where there is none to show; the
+    usage line sums the config fields up as one ``[--SECTION.FIELD VALUE ...]``."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default is None or action.default is False:
+        if action.default is None or action.default is False or _is_config_option(action):
             return action.help
         return super()._get_help_string(action)
+
+    def _format_action_invocation(self, action: argparse.Action) -> str:
+        invocation = getattr(action, "invocation", None)  # config_options.FlagOption's
+        return invocation or super()._format_action_invocation(action)
+
+    def add_usage(
+        self,
+        usage: str | None,
+        actions: Any,
+        groups: Any,
+        prefix: str | None = None,
+    ) -> None:
+        shown = [a for a in actions if not _is_config_option(a)]
+        if len(shown) < len(actions):
+            shown.append(argparse.Action(["--SECTION.FIELD"], "config", metavar="VALUE ..."))
+        super().add_usage(usage, shown, groups, prefix)
+
+
+def _is_config_option(action: argparse.Action) -> bool:
+    """An option of torchturbo.config_options (told by its mark, not importing the module)."""
+    return getattr(action, "config_option", False)
 
 
 def _global_options(*, in_subcommand: bool) -> argparse.ArgumentParser:
@@ -161,6 +236,21 @@ class _CommandParser(_Parser):
         super().__init__(
             parents=[_global_options(in_subcommand=True)], formatter_class=_HelpFormatter, **kwargs
         )
+
+
+def full_parser() -> argparse.ArgumentParser:
+    """The parser with every command's config options in place: what completion and the tests
+    of the options and the docs read."""
+    parser = _parser()
+    pending = [parser]
+    while pending:
+        current = pending.pop()
+        if isinstance(current, _Parser):
+            current.with_config_options()
+        for action in current._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                pending.extend(action.choices.values())
+    return parser
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -205,7 +295,7 @@ def _parser() -> argparse.ArgumentParser:
         ),
     )
     _add_target_arguments(bench)
-    _add_config_arguments(bench, default_preset="fast")
+    _add_config_arguments(bench, default_preset=DEFAULT_PRESETS["bench"])
     bench.add_argument("--steps", type=int, default=15, metavar="N", help="timed steps per variant")
     bench.add_argument("--json", type=Path, metavar="FILE", help="also write the rows as JSON here")
     bench.set_defaults(run=_run_bench)
@@ -280,9 +370,7 @@ def _parser() -> argparse.ArgumentParser:
         ),
     )
     _add_target_arguments(doctor)
-    doctor.add_argument(
-        "--config", type=Path, metavar="FILE", help="TOML config to diagnose (default: fp32)"
-    )
+    _add_config_arguments(doctor, default_preset=DEFAULT_PRESETS["doctor"])
     doctor.add_argument(
         "--trace", type=Path, metavar="DIR", help="write a Perfetto/chrome://tracing trace here"
     )
@@ -337,7 +425,7 @@ def _parser() -> argparse.ArgumentParser:
         ),
     )
     _add_target_arguments(train)
-    _add_config_arguments(train, default_preset="baseline")
+    _add_config_arguments(train, default_preset=DEFAULT_PRESETS["train"])
     train.add_argument(
         "--steps", type=int, required=True, metavar="N", help="optimizer steps to train"
     )
@@ -368,11 +456,81 @@ def _parser() -> argparse.ArgumentParser:
         "--log-dir",
         type=Path,
         help="write each optimizer step's metrics (loss, throughput, MFU, memory, learning "
-        "rate, skipped steps, micro-batch split) here as TensorBoard event files and "
-        "metrics.csv; under torchrun only rank 0 writes",
+        "rate, skipped steps, micro-batch split) here, as TensorBoard event files and "
+        "metrics.csv unless --logger says otherwise; under torchrun only rank 0 writes",
+    )
+    train.add_argument(
+        "--logger",
+        type=_logger_list,
+        metavar="NAME,...",
+        help="where the metrics go, of tensorboard, csv (both into --log-dir), wandb (a W&B run; "
+        "WANDB_MODE=offline keeps it local) and mlflow (an MLflow run in --log-dir/mlruns, or "
+        "MLFLOW_TRACKING_URI's); the run's config goes along (default: tensorboard,csv with "
+        "--log-dir)",
     )
     train.set_defaults(run=_run_train)
+    _add_config_command(commands)
+
+    completion = commands.add_parser(
+        "completion",
+        help="print a bash or zsh completion script",
+        description=(
+            "Print the completion script of every command and option (config fields "
+            "included) for the shell. bash: `torchturbo completion bash > "
+            "~/.local/share/bash-completion/completions/torchturbo`; zsh: `torchturbo "
+            "completion zsh > ~/.zfunc/_torchturbo` with ~/.zfunc in $fpath before compinit."
+        ),
+    )
+    completion.add_argument("shell", choices=COMPLETION_SHELLS, help="the shell to complete in")
+    completion.set_defaults(run=_run_completion)
     return parser
+
+
+def _add_config_command(commands: Any) -> None:
+    config = commands.add_parser(
+        "config",
+        help="print the resolved config and where each value came from, or its JSON Schema",
+        description=(
+            "show: the config a command runs with, as TOML, each value followed by where it "
+            "came from (the defaults, --preset, the --config file or a --section.field option; "
+            "in that order, each over the last). schema: the JSON Schema of turbo.toml, for "
+            "editors to complete and check the file with."
+        ),
+    )
+    actions = config.add_subparsers(
+        dest="config_action", metavar="ACTION", parser_class=_CommandParser, required=True
+    )
+    show = actions.add_parser(
+        "show",
+        help="the resolved config as TOML, with the source of each value",
+        description=(
+            "Print the config that the given options resolve to, as TOML that --config reads "
+            "back; after each value, where it came from. With COMMAND, resolve as that command "
+            "does (bench starts from --preset fast)."
+        ),
+    )
+    show.add_argument(
+        "like",
+        nargs="?",
+        choices=tuple(DEFAULT_PRESETS),
+        metavar="COMMAND",
+        help=f"resolve as this command does: {', '.join(DEFAULT_PRESETS)}",
+    )
+    show.add_argument(
+        "--device", type=_device, metavar="DEVICE", help="cpu, cuda or cuda:N (default: auto)"
+    )
+    _add_config_arguments(show, default_preset=None)
+    show.set_defaults(run=_run_config_show, command="config show")
+    schema = actions.add_parser(
+        "schema",
+        help="the JSON Schema of turbo.toml (save it and point your editor at it)",
+        description=(
+            "Print the JSON Schema (draft 07) of turbo.toml: every key with its type, choices, "
+            "range, default and meaning. With Even Better TOML in VS Code, save it as "
+            "turbo.schema.json and start turbo.toml with the line `#:schema ./turbo.schema.json`."
+        ),
+    )
+    schema.set_defaults(run=_run_config_schema, command="config schema")
 
 
 def _add_target_arguments(parser: argparse.ArgumentParser) -> None:
@@ -414,27 +572,49 @@ def _device(text: str) -> str:
     return text
 
 
-def _add_config_arguments(parser: argparse.ArgumentParser, *, default_preset: str) -> None:
-    choice = parser.add_mutually_exclusive_group()
-    choice.add_argument(
+def _add_config_arguments(parser: argparse.ArgumentParser, *, default_preset: str | None) -> None:
+    """--preset, --config and every config field as --section.field, in that precedence (the
+    fields are added when the command runs: :meth:`_Parser.with_config_options`)."""
+    default = f" (default: {default_preset})" if default_preset else ""
+    parser.add_argument(
         "--preset",
         choices=("baseline", "fast"),
-        default=default_preset,
-        help="a named config",
+        help=f"a named config{default}; --config's keys go over the one given, or over the "
+        "defaults when none is",
     )
-    choice.add_argument(
+    parser.add_argument(
         "--config", type=Path, metavar="FILE", help="a TOML config file, e.g. a tuned turbo.toml"
+    )
+    parser.set_defaults(default_preset=default_preset, config_overrides=[])
+    if isinstance(parser, _Parser):
+        parser.takes_config = parser.config_options_pending = True
+
+
+def resolved_config(args: argparse.Namespace) -> Any:
+    """The config of the command line and where each value came from
+    (:class:`~torchturbo.config_resolve.Resolved`): the defaults, then --preset (the command's
+    own without --config), --config's keys, the --section.field options and --device."""
+    from torchturbo.config_resolve import resolve
+
+    preset = args.preset or (None if args.config else args.default_preset)
+    return resolve(
+        preset=preset,
+        config_file=args.config,
+        overrides=args.config_overrides,
+        device=args.device,
     )
 
 
 def chosen_config(args: argparse.Namespace) -> Any:
-    """The TurboConfig named by --config or --preset, with --device applied, checked against
-    this machine and launch: errors raise, warnings print one line each."""
-    from torchturbo.config import TurboConfig
+    """The TurboConfig of the command line (:func:`resolved_config`), checked against this
+    machine and launch: errors raise, warnings print one line each."""
+    return checked_against_environment(resolved_config(args).config, args)
 
-    config = TurboConfig.load(args.config) if args.config else TurboConfig.preset(args.preset)
-    config = config.replace(device=args.device) if args.device else config
-    return checked_against_environment(config, args)
+
+def config_label(args: argparse.Namespace) -> str:
+    """A config's name in a table: the file's or the preset's, with the options over it."""
+    base = args.config.name if args.config else (args.preset or args.default_preset or "fp32")
+    return " ".join([base, *(given.text for given in args.config_overrides)])
 
 
 def checked_against_environment(config: Any, args: argparse.Namespace) -> Any:
@@ -464,6 +644,36 @@ def load_target(args: argparse.Namespace) -> Any:
     return get_workload(args.workload, args.size)
 
 
+def _run_config_show(args: argparse.Namespace) -> int:
+    from torchturbo.config_resolve import annotated_toml
+
+    if args.like is not None:
+        args.default_preset = DEFAULT_PRESETS[args.like]
+    command = f"torchturbo {args.like}" if args.like else "a command"
+    heading = (
+        f"The config {command} runs with these options. After each value, where it came from:\n"
+        "default < --preset < the --config file < a --section.field option or --device."
+    )
+    print(annotated_toml(resolved_config(args), heading=heading), end="")
+    return 0
+
+
+def _run_config_schema(args: argparse.Namespace) -> int:
+    import json
+
+    from torchturbo.config_schema import config_schema
+
+    print(json.dumps(config_schema(), indent=2))
+    return 0
+
+
+def _run_completion(args: argparse.Namespace) -> int:
+    import shtab
+
+    print(shtab.complete(full_parser(), shell=args.shell), end="")
+    return 0
+
+
 def _run_version(args: argparse.Namespace) -> int:
     from torchturbo.system import summary
 
@@ -484,7 +694,7 @@ def _run_bench(args: argparse.Namespace) -> int:
     chosen = chosen_config(args)
     baseline = TurboConfig(device=chosen.device)
     configs = {"baseline": baseline}
-    name = args.config.name if args.config else args.preset
+    name = config_label(args)
     if chosen != baseline:
         configs[name] = chosen
     recipe = load_target(args)
@@ -522,6 +732,16 @@ def _run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _logger_list(text: str) -> tuple[str, ...]:
+    """``wandb,csv`` as a tuple of logger names, each one torchturbo.metrics_log can open."""
+    names = tuple(name.strip() for name in text.split(",") if name.strip())
+    if not names or any(name not in LOGGERS for name in names):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give logger names separated by commas, of {', '.join(LOGGERS)}"
+        )
+    return names
+
+
 def _stage_list(text: str) -> tuple[str, ...]:
     """``precision,compile`` as a tuple of stage names (checked against the stages by the tuner)."""
     names = tuple(name.strip() for name in text.split(",") if name.strip())
@@ -537,6 +757,7 @@ def _run_tune(args: argparse.Namespace) -> int:
     from torchturbo.distributed import is_main_process, launched
     from torchturbo.live import TuneLine
     from torchturbo.table_fit import print_table
+    from torchturbo.tune.plots import plots_left_out
     from torchturbo.tune.report import (
         incremental_table,
         keep_interrupted,
@@ -593,6 +814,8 @@ def _run_tune(args: argparse.Namespace) -> int:
     paths = write_report(args.out, results, config.to_toml())
     if result.reuse_note:
         console.print(Text(result.reuse_note))
+    if (left_out := plots_left_out()) is not None:
+        console.print(Text(f"plots left out of the report: {left_out}"))
     print_table(console, incremental_table(results))
     console.print(Text(headline(results)))
     console.print(Text(f"report: {paths['html']}"))
@@ -601,15 +824,14 @@ def _run_tune(args: argparse.Namespace) -> int:
 
 
 def _run_doctor(args: argparse.Namespace) -> int:
-    from torchturbo.config import TurboConfig
     from torchturbo.distributed import is_main_process, launched
     from torchturbo.doctor import diagnose, render
 
     if args.steps < 1:
         raise ValueError(f"--steps {args.steps} is too few: profile at least 1 step")
-    config = TurboConfig.load(args.config) if args.config else None
-    if config is not None:
-        checked_against_environment(config, args)
+    # Without --config, --preset or a config option the doctor diagnoses the fp32 baseline.
+    chosen = args.config or args.preset or args.config_overrides
+    config = chosen_config(args) if chosen else None
     if args.trace:
         check_writable(args.trace, "--trace")
     if args.json:
@@ -716,9 +938,10 @@ def _train_command(args: argparse.Namespace) -> int:
     recipe = load_target(args)
     # Under torchrun every rank trains its share of each batch (the engine wraps the model per
     # [distributed]); rank 0 writes the checkpoints, the logs and prints.
+    loggers = _train_loggers(args.log_dir, args.logger, config.to_dict())
     with (
         launched(config.device),
-        _train_loggers(args.log_dir) as logger,
+        loggers as logger,
         _train_progress(f"train {recipe.name}", args.steps) as on_progress,
     ):
         try:
@@ -799,17 +1022,19 @@ def say_emulated(device: str, formats: Sequence[str], show: Callable[[str], None
 
 
 @contextlib.contextmanager
-def _train_loggers(log_dir: Path | None) -> Iterator[Any]:
-    """``train --log-dir``'s loggers (rank 0 writes, other ranks log to nothing), closed at the
-    end; None without --log-dir."""
-    if log_dir is None:
+def _train_loggers(
+    log_dir: Path | None, names: Sequence[str] | None, config: dict[str, Any]
+) -> Iterator[Any]:
+    """``train --log-dir/--logger``'s loggers (rank 0 writes, other ranks log to nothing), with
+    the run's ``config``, closed at the end; None with neither option."""
+    if log_dir is None and names is None:
         yield None
         return
     from torchturbo.metrics_log import open_loggers
 
-    with open_loggers(log_dir) as loggers:
+    with open_loggers(log_dir, names, config=config) as loggers:
         for note in loggers.notes:
-            print(f"--log-dir: {note}")
+            print(f"{'--logger' if names else '--log-dir'}: {note}")
         yield loggers
 
 

@@ -7,6 +7,16 @@ the engine; numbers are checked against the range declared beside the field (``_
 never NaN, never infinite unless the field says so, never beyond what the code can use.
 Checks that depend on the machine or the launch (fp16 on a CPU, a CUDA index, one process with
 a ``[distributed]`` section) are :func:`check_environment`'s, run when a command loads a config.
+The command line's ``--section.field`` options, ``config show`` and ``config schema`` are
+generated from these dataclasses (:mod:`torchturbo.config_fields`) and validated here too.
+
+Why hand-written (dataclasses and a small validation core, not pydantic or attrs): the sections
+must stay plain frozen standard-library dataclasses that pickle to every rank and that users
+build with ``dataclasses.replace``; a validation library would be a dependency of several MB
+for the ~150 lines below, and would still need this file's rules written out (ranges with the
+reason for a limit, checks of how fields combine, typo suggestions) and its own messages,
+which span lines and name types the way Python does, turned into the one line per problem a
+CLI prints. TOML is read by ``tomllib`` (standard library) and written by ``tomli-w``.
 """
 
 from __future__ import annotations
@@ -445,8 +455,9 @@ class DistributedConfig:
     fsdp_param_dtype: ParamDtype = "fp32"
     #: FSDP mixed precision: dtype in which gradients are reduce-scattered.
     fsdp_reduce_dtype: ParamDtype = "fp32"
-    #: Pipeline parallelism (distributed/pipeline.py): schedule and micro-batches per batch.
+    #: Pipeline parallelism (distributed/pipeline.py): the schedule of the stages.
     pipeline_schedule: PipelineSchedule = "1f1b"
+    #: Pipeline parallelism: micro-batches each batch is split into.
     pipeline_microbatches: int = _between(4, 1)
 
     def __post_init__(self) -> None:
@@ -519,11 +530,13 @@ class TurboConfig:
         return out
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> TurboConfig:
+    def from_dict(cls, data: dict[str, Any], *, base: TurboConfig | None = None) -> TurboConfig:
         """Build and validate from a dict as read from TOML; every problem is reported at once.
 
+        Keys left out keep ``base``'s values (the defaults without one): a file over a preset.
         Unknown sections and keys are errors (with the closest valid name when there is one).
         """
+        base = cls() if base is None else base
         if not isinstance(data, dict):
             raise ConfigError(f"a config must be a table of sections, got {type(data).__name__}")
         problems = []
@@ -536,40 +549,35 @@ class TurboConfig:
             )
         if "device" in data and (problem := device_problem(data["device"])) is not None:
             problems.append(problem)
-        kwargs: dict[str, Any] = {"device": data.get("device", "auto")}
-        for name, section_type in _SECTIONS.items():
+        kwargs: dict[str, Any] = {"device": data.get("device", base.device)}
+        for name in _SECTIONS:
             if name in data:
                 try:
-                    kwargs[name] = _section_from_dict(section_type, name, data[name])
+                    kwargs[name] = _section_from_dict(getattr(base, name), name, data[name])
                 except ConfigError as err:
                     problems.extend(err.problems)
         if problems:
             raise ConfigError(*problems)
-        return cls(**kwargs)
+        return dataclasses.replace(base, **kwargs)
 
     def to_toml(self) -> str:
         return tomli_w.dumps(self.to_dict())
 
     @classmethod
-    def from_toml(cls, text: str) -> TurboConfig:
-        try:
-            data = tomllib.loads(text)
-        except tomllib.TOMLDecodeError as err:
-            raise ConfigError(f"config is not valid TOML: {err}") from err
-        except RecursionError:  # tomllib recurses once per level of nested arrays and tables
-            raise ConfigError("config nests arrays or tables too deeply to read") from None
-        return cls.from_dict(data)
+    def from_toml(cls, text: str, *, base: TurboConfig | None = None) -> TurboConfig:
+        """Parse and validate TOML text; keys left out keep ``base``'s values."""
+        return cls.from_dict(_parse_toml(text), base=base)
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(self.to_toml())
 
     @classmethod
-    def load(cls, path: str | Path) -> TurboConfig:
-        """Read a TOML file; every problem, of the file or of its values, names the file."""
-        path = Path(path)
-        text = _read_config_file(path)
+    def load(cls, path: str | Path, *, base: TurboConfig | None = None) -> TurboConfig:
+        """Read a TOML file; every problem, of the file or of its values, names the file.
+        Keys the file leaves out keep ``base``'s values (the defaults without one)."""
+        data = read_table(path)
         try:
-            return cls.from_toml(text)
+            return cls.from_dict(data, base=base)
         except ConfigError as err:
             raise ConfigError(*err.problems, where=str(path)) from err
 
@@ -580,6 +588,25 @@ class TurboConfig:
             return PRESETS[name]
         except KeyError:
             raise ConfigError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}") from None
+
+
+def read_table(path: str | Path) -> dict[str, Any]:
+    """The table a TOML config file holds, not yet validated; every problem names the file."""
+    path = Path(path)
+    text = _read_config_file(path)
+    try:
+        return _parse_toml(text)
+    except ConfigError as err:
+        raise ConfigError(*err.problems, where=str(path)) from err
+
+
+def _parse_toml(text: str) -> dict[str, Any]:
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"config is not valid TOML: {err}") from err
+    except RecursionError:  # tomllib recurses once per level of nested arrays and tables
+        raise ConfigError("config nests arrays or tables too deeply to read") from None
 
 
 def _did_you_mean(unknown: set[str], allowed: set[str]) -> str:
@@ -604,10 +631,11 @@ def device_problem(device: Any, *, name: str = "device = ") -> str | None:
     )
 
 
-def _section_from_dict(section_type: type, name: str, values: Any) -> Any:
+def _section_from_dict(base: Any, name: str, values: Any) -> Any:
+    """Section ``name`` with the keys of ``values`` replaced in ``base``, validated."""
     if not isinstance(values, dict):
         raise ConfigError(f"[{name}] must be a table, got {_quote(values)}")
-    allowed = {f.name for f in dataclasses.fields(section_type)}
+    allowed = {f.name for f in dataclasses.fields(base)}
     unknown = {str(key) for key in values} - allowed
     if unknown:
         raise ConfigError(
@@ -615,7 +643,7 @@ def _section_from_dict(section_type: type, name: str, values: Any) -> Any:
             f"allowed: {sorted(allowed)}"
         )
     converted = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
-    return section_type(**converted)
+    return dataclasses.replace(base, **converted)
 
 
 def _read_config_file(path: Path) -> str:

@@ -1,12 +1,15 @@
-"""Where step metrics go: TensorBoard event files and CSV, written by rank 0 only.
+"""Where step metrics go: TensorBoard event files, CSV, W&B and MLflow, written by rank 0 only.
 
 A logger is anything with one method, ``log(step, metrics)``: a dict of scalar values at an
-integer step. :class:`TensorBoardWriter` writes them through torch's own
-``torch.utils.tensorboard.SummaryWriter`` (event files TensorBoard reads; needs the ``tensorboard``
-package), :class:`CSVWriter` as ``wall_time,step,metric,value`` rows. Long rows rather than one
-column per metric: the set of metrics may change from step to step (MFU is only known on some,
-the tuner logs each candidate under its own names), and a long file never has to rewrite its
-header; ``pandas.read_csv(path).pivot(index="step", columns="metric")`` gives the wide table.
+integer step; or, as Lightning's loggers and the ``mlflow`` module have it,
+``log_metrics(metrics, step)`` (:func:`as_metrics_logger` wraps those, and a W&B run, whose
+``log(data, step=)`` takes the two the other way round). :class:`TensorBoardWriter` writes
+them through torch's own ``torch.utils.tensorboard.SummaryWriter`` (event files TensorBoard
+reads; needs the ``tensorboard`` package), :class:`CSVWriter` as ``wall_time,step,metric,value``
+rows. Long rows rather than one column per metric: the set of metrics may change from step to
+step (MFU is only known on some, the tuner logs each candidate under its own names), and a long
+file never has to rewrite its header; ``pandas.read_csv(path).pivot(index="step",
+columns="metric")`` gives the wide table.
 
 Under torchrun every process trains but only rank 0 writes: :func:`open_loggers` hands the other
 ranks an empty :class:`Loggers`, so N processes never write N copies of one run. The rank comes
@@ -16,8 +19,12 @@ holds before the group is joined (and for commands that never join one).
 :func:`log_tune_results` logs a tuner's ``results.json`` the same way: each candidate's loss curve
 and its per-round step times, under the candidate's name.
 
+W&B and MLflow are :mod:`torchturbo.tracking`'s; :func:`open_loggers` opens any of the four by
+name (``train --logger tensorboard,csv,wandb,mlflow``).
+
 Why hand-written: Lightning's and Hugging Face's loggers belong to their trainers (and bring
-them); TensorBoard's writer is used as is, and the rest is a CSV file and a rank check.
+them); TensorBoard's writer, W&B's run and MLflow's client are used as they are, and the rest
+is a CSV file, a rank check and the adapters between the two conventions.
 """
 
 from __future__ import annotations
@@ -25,9 +32,10 @@ from __future__ import annotations
 import csv
 import re
 import time
-from collections.abc import Iterable, Mapping
+import types
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeAlias, runtime_checkable
 
 import torch.distributed as dist
 
@@ -36,6 +44,10 @@ from torchturbo.distributed.launch import read_launch_env
 #: File name of the CSV log inside a log directory.
 CSV_NAME = "metrics.csv"
 CSV_COLUMNS = ("wall_time", "step", "metric", "value")
+#: What ``train --logger`` and :func:`open_loggers` can open, by name.
+LOGGER_NAMES = ("tensorboard", "csv", "wandb", "mlflow")
+#: Without names: TensorBoard and CSV (``train --log-dir`` alone).
+DEFAULT_LOGGERS = ("tensorboard", "csv")
 
 
 @runtime_checkable
@@ -48,6 +60,67 @@ class MetricsLogger(Protocol):
     """
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None: ...
+
+
+@runtime_checkable
+class LogMetricsLogger(Protocol):
+    """The other convention: ``log_metrics(metrics, step)``, as Lightning's ``Logger`` (CSVLogger,
+    TensorBoardLogger, WandbLogger, MLFlowLogger ...) and the ``mlflow`` module have it."""
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> object: ...
+
+
+#: A logger of either convention: what ``train(logger=)`` and :class:`StepMeter` take.
+AnyLogger: TypeAlias = MetricsLogger | LogMetricsLogger
+
+
+def as_metrics_logger(logger: AnyLogger) -> MetricsLogger:
+    """``logger`` as a ``log(step, metrics)`` logger.
+
+    ``log_metrics(metrics, step)`` loggers are wrapped (``log_metrics`` wins where an object
+    has both), and so is a W&B run or the ``wandb`` module, whose ``log(data, step=)`` would
+    otherwise be called the wrong way round. Raises TypeError for an object with neither.
+    """
+    if isinstance(logger, LogMetricsLogger):
+        return _LogMetrics(logger)
+    if _is_wandb(logger):
+        return _WandbLog(logger)
+    if isinstance(logger, MetricsLogger):
+        return logger
+    raise TypeError(
+        f"a logger needs a method log(step, metrics) or log_metrics(metrics, step); "
+        f"{type(logger).__name__} has neither"
+    )
+
+
+def _is_wandb(logger: object) -> bool:
+    name = logger.__name__ if isinstance(logger, types.ModuleType) else type(logger).__module__
+    return name.split(".")[0] == "wandb"
+
+
+class _LogMetrics:
+    """A ``log_metrics(metrics, step)`` logger behind ``log(step, metrics)``. After each call
+    it asks the logger to ``save()`` where it can: Lightning's CSVLogger keeps rows in memory
+    until then, and a run that dies must keep every step it logged."""
+
+    def __init__(self, logger: LogMetricsLogger) -> None:
+        self.logger = logger
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        self.logger.log_metrics(dict(metrics), step=step)
+        save = getattr(self.logger, "save", None)
+        if callable(save):
+            save()
+
+
+class _WandbLog:
+    """A W&B run (or the ``wandb`` module's current run) behind ``log(step, metrics)``."""
+
+    def __init__(self, run: Any) -> None:
+        self.run = run
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        self.run.log(dict(metrics), step=step)
 
 
 class TensorBoardWriter:
@@ -132,29 +205,62 @@ def logging_rank() -> int:
 
 
 def open_loggers(
-    log_dir: str | Path, *, tensorboard: bool = True, csv_file: bool = True
+    log_dir: str | Path | None,
+    names: Sequence[str] | None = None,
+    *,
+    config: Mapping[str, Any] | None = None,
 ) -> Loggers:
-    """TensorBoard and CSV loggers writing into ``log_dir`` on rank 0; nothing on other ranks.
+    """The loggers ``names`` (of :data:`LOGGER_NAMES`; default TensorBoard and CSV) on rank 0,
+    nothing on other ranks.
 
-    Without the tensorboard package the CSV is still written and ``notes`` says why no event
-    files were.
+    TensorBoard and CSV write into ``log_dir``; W&B puts its run directory there too and MLflow
+    its ``mlruns`` store, unless their own settings say where (:mod:`torchturbo.tracking`).
+    ``config``, the run's config as a dict, becomes W&B's run config and MLflow's parameters.
+    A logger whose package is missing is an error when named, and a note in ``notes`` when it
+    is a default (without tensorboard the CSV is still written).
     """
+    chosen = tuple(DEFAULT_LOGGERS if names is None else names)
+    unknown = sorted(set(chosen) - set(LOGGER_NAMES))
+    if unknown:
+        raise ValueError(f"unknown logger(s) {unknown}; choose from {', '.join(LOGGER_NAMES)}")
+    needs_dir = [name for name in chosen if name in ("tensorboard", "csv")]
+    if log_dir is None and needs_dir:  # on every rank: one that went on alone would hang
+        raise ValueError(f"{' and '.join(needs_dir)} write into a log directory: give --log-dir")
     if logging_rank() != 0:
         return Loggers()
-    log_dir = Path(log_dir)
-    if log_dir.exists() and not log_dir.is_dir():
-        raise NotADirectoryError(f"--log-dir {str(log_dir)!r} exists and is not a directory")
-    log_dir.mkdir(parents=True, exist_ok=True)
-    loggers: list[MetricsLogger] = []
-    notes: list[str] = []
-    if tensorboard:
-        try:
-            loggers.append(TensorBoardWriter(log_dir))
-        except ImportError as err:
-            notes.append(f"no TensorBoard event files: {err}")
-    if csv_file:
-        loggers.append(CSVWriter(log_dir / CSV_NAME))
-    return Loggers(loggers, notes)
+    directory = None if log_dir is None else Path(log_dir)
+    if directory is not None:
+        if directory.exists() and not directory.is_dir():
+            raise NotADirectoryError(f"--log-dir {str(directory)!r} exists and is not a directory")
+        directory.mkdir(parents=True, exist_ok=True)
+    opened = Loggers()
+    try:
+        for name in dict.fromkeys(chosen):
+            try:
+                opened.loggers.append(_open(name, directory, config))
+            except ImportError as err:
+                if names is not None:
+                    raise ValueError(f"--logger {name}: {err}") from err
+                opened.notes.append(f"no TensorBoard event files: {err}")
+    except BaseException:
+        opened.close()
+        raise
+    for logger in opened.loggers:
+        opened.notes.extend(getattr(logger, "notes", ()))
+    return opened
+
+
+def _open(name: str, directory: Path | None, config: Mapping[str, Any] | None) -> MetricsLogger:
+    if name == "tensorboard":
+        assert directory is not None  # open_loggers refuses tensorboard without a directory
+        return TensorBoardWriter(directory)
+    if name == "csv":
+        assert directory is not None
+        return CSVWriter(directory / CSV_NAME)
+    from torchturbo import tracking
+
+    opener = tracking.WandbLogger if name == "wandb" else tracking.MLflowLogger
+    return opener(directory, config=config)
 
 
 def metric_name(*parts: str) -> str:

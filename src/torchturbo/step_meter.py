@@ -36,7 +36,7 @@ from torchturbo.engine import StepMetrics, Turbo
 from torchturbo.measure.flops import count_step_flops
 from torchturbo.measure.peak import dtype_for_precision, measured_peak_flops, mfu
 from torchturbo.measure.timing import sync
-from torchturbo.metrics_log import MetricsLogger
+from torchturbo.metrics_log import AnyLogger, as_metrics_logger
 from torchturbo.oom import leading_size
 from torchturbo.recipe import Recipe
 
@@ -55,14 +55,14 @@ class StepMeter:
     def __init__(
         self,
         turbo: Turbo,
-        logger: MetricsLogger,
+        logger: AnyLogger,
         *,
         unit: str = "samples",
         flops_per_unit: float | None = None,
         peak_flops: float | None = None,
     ) -> None:
         self.turbo = turbo
-        self.logger = logger
+        self.logger = as_metrics_logger(logger)
         self.unit = unit
         self.flops_per_unit = flops_per_unit
         self.peak_flops = peak_flops
@@ -147,7 +147,7 @@ def unit_flops(recipe: Recipe) -> float | None:
     return flops / counts[0] if counts[0] > 0 else None
 
 
-def recipe_meter(turbo: Turbo, recipe: Recipe, logger: MetricsLogger) -> StepMeter:
+def recipe_meter(turbo: Turbo, recipe: Recipe, logger: AnyLogger) -> StepMeter:
     """A meter for ``recipe`` trained by ``turbo``, with MFU: counts the recipe's FLOPs per unit
     and measures the device's peak in the config's dtype (about a second each, once).
 

@@ -22,7 +22,7 @@ from torchturbo.config import INT64_MAX, ConfigError, TurboConfig
 from torchturbo.data.length import length_or_none
 from torchturbo.distributed.launch import current_env
 from torchturbo.engine import Turbo
-from torchturbo.metrics_log import MetricsLogger
+from torchturbo.metrics_log import AnyLogger
 from torchturbo.oom import leading_size
 from torchturbo.preemption import StopRequest, stop_on_signals
 from torchturbo.recipe import Recipe
@@ -84,7 +84,7 @@ def train(
     save_every: int = 0,
     resume: bool = False,
     on_event: Callable[[str], None] | None = None,
-    logger: MetricsLogger | None = None,
+    logger: AnyLogger | None = None,
     on_progress: Callable[[TrainProgress], None] | None = None,
 ) -> TrainResult:
     """Train ``recipe`` for ``steps`` optimizer steps (counted across resumes).
@@ -130,7 +130,7 @@ def _train(
     save_every: int,
     resume: bool,
     on_event: Callable[[str], None],
-    logger: MetricsLogger | None,
+    logger: AnyLogger | None,
     on_progress: Callable[[TrainProgress], None] | None,
 ) -> TrainResult:
     turbo = Turbo(config)

@@ -21,6 +21,8 @@ import platform
 from pathlib import Path
 
 _SOURCE = Path(__file__).with_name("bias_gelu.cpp")
+#: How to get the build tool where it is missing (torch.utils.cpp_extension builds with it).
+NINJA_EXTRA = "pip install 'torchturbo[kernels]' (or pip install ninja)"
 
 
 def _cpu_tag() -> str:
@@ -59,7 +61,10 @@ def cpu_kernel_error() -> str | None:
     Returns None on success, or why the build failed (no compiler, no ninja, a compile error);
     the outcome is cached, so a failing build is tried once per process, not once per call.
     """
-    from torch.utils.cpp_extension import load
+    from torch.utils.cpp_extension import is_ninja_available, load
+
+    if not is_ninja_available():  # an extra since ninja left the dependencies: say how to get it
+        return f"ninja is not installed; {NINJA_EXTRA} builds the C++ op"
 
     directory = build_directory()
     try:

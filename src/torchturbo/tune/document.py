@@ -70,8 +70,11 @@ class _Code:
 _Block = _Heading | _Para | _Grid | _Image | _Code
 
 
-def build_blocks(results: dict, drawn: Iterable[str]) -> list[_Block]:
-    """The report, in order; ``drawn`` names the plots that have a PNG (the rest say why not)."""
+def build_blocks(
+    results: dict, drawn: Iterable[str], *, plots_left_out: str | None = None
+) -> list[_Block]:
+    """The report, in order; ``drawn`` names the plots that have a PNG (the rest say why not);
+    ``plots_left_out`` says why there are none at all (no matplotlib)."""
     drawn = set(drawn)
     recipe = str(results.get("recipe") or "recipe")
     blocks: list[_Block] = [
@@ -98,7 +101,9 @@ def build_blocks(results: dict, drawn: Iterable[str]) -> list[_Block]:
         _Para(loader_line(results)),
         _Heading("Plots"),
     ]
-    for plot in PLOTS:
+    if plots_left_out:
+        blocks.append(_Para(f"The plots were left out: {plots_left_out}."))
+    for plot in () if plots_left_out else PLOTS:
         if plot.name in drawn:
             blocks.append(_Image(plot.name, plot.caption))
         else:

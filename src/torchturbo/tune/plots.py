@@ -3,7 +3,8 @@
 :data:`PLOTS` lists them in report order, each with a caption and the words the report uses when
 the results hold no data for it; a drawing function returns None rather than an empty figure.
 Plots use matplotlib's object API on an Agg canvas rather than pyplot, so drawing never switches
-the caller's backend or leaves figures in pyplot's registry.
+the caller's backend or leaves figures in pyplot's registry. matplotlib is an extra
+(``torchturbo[plots]``): without it :func:`plots_left_out` says so and the report has no plots.
 """
 
 from __future__ import annotations
@@ -20,6 +21,19 @@ if TYPE_CHECKING:
 
 _BASELINE_COLOR = "#757575"
 _ADOPTED_COLOR = "#2e7d32"
+
+
+#: How to get the plots where matplotlib is missing: the report and the CLI say it.
+PLOTS_EXTRA = "pip install 'torchturbo[plots]' (or pip install matplotlib)"
+
+
+def plots_left_out() -> str | None:
+    """Why the report can draw no plots (matplotlib cannot be imported), or None."""
+    try:
+        import matplotlib  # noqa: F401  # the whole of the check: _figure imports the rest
+    except ImportError:
+        return f"matplotlib is not installed; {PLOTS_EXTRA} draws them"
+    return None
 
 
 def _figure(height: float = 3.6) -> Figure:

@@ -23,7 +23,7 @@ from torchturbo.config import TurboConfig
 from torchturbo.results import write_atomic
 from torchturbo.tune.document import build_blocks, render_html, render_markdown
 from torchturbo.tune.files import prepare_dir, write_trainer_settings
-from torchturbo.tune.plots import PLOTS, png
+from torchturbo.tune.plots import PLOTS, plots_left_out, png
 from torchturbo.tune.tables import INCREMENTAL_HEADERS, header_row, incremental_rows
 
 
@@ -83,7 +83,8 @@ def write_report(out_dir: Path, results: dict, config_toml: str) -> dict[str, Pa
     ``"results"`` (results.json), ``"markdown"`` (report.md), ``"html"`` (report.html),
     ``"hf_trainer"`` and ``"lightning"`` (the same settings for those trainers) and one
     per plot drawn, from ``"throughput"``, ``"memory"``, ``"breakdown"``, ``"loss"``
-    (``<name>.png``); a plot whose data is missing is left out and the reports say why.
+    (``<name>.png``); a plot whose data is missing is left out and the reports say why, and so
+    are all of them without matplotlib (:func:`~torchturbo.tune.plots.plots_left_out`).
     Raises PermissionError / NotADirectoryError naming ``out_dir`` when it cannot be written, and
     TypeError (before writing anything) when ``results`` is not JSON-serialisable.
     """
@@ -98,8 +99,9 @@ def write_report(out_dir: Path, results: dict, config_toml: str) -> dict[str, Pa
     paths.update(write_trainer_settings(out_dir, TurboConfig.from_toml(config_toml)))
 
     pngs: dict[str, bytes] = {}
+    left_out = plots_left_out()
     for plot in PLOTS:
-        figure = plot.draw(results)
+        figure = None if left_out else plot.draw(results)
         path = out_dir / f"{plot.name}.png"
         if figure is None:
             path.unlink(missing_ok=True)  # a previous run's plot would contradict this report
@@ -108,7 +110,7 @@ def write_report(out_dir: Path, results: dict, config_toml: str) -> dict[str, Pa
         paths[plot.name] = path
         write_atomic(path, pngs[plot.name])
 
-    blocks = build_blocks(results, pngs)
+    blocks = build_blocks(results, pngs, plots_left_out=left_out)
     title = f"torchturbo tune report: {results.get('recipe') or 'recipe'}"
     paths["markdown"] = out_dir / "report.md"
     paths["html"] = out_dir / "report.html"
