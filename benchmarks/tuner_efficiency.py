@@ -5,11 +5,12 @@ the full grid of those knobs (precision x channels_last x compile). Every combin
 number format this machine computes natively is measured side by side in one interleaved run;
 the tuner's pick is read from that same run, so both throughputs come from one measurement.
 Combinations in a format the GEMM probe shows cannot pay off here (``measure.native``: emulated
-bf16/fp16, TF32 on a CPU) get a short fixed measurement instead: one step of ``SHORT_BATCH``
-samples after the first (compiling) one, beside fp32 eager at the same batch, marked as such in
-the JSON and never crowned the grid's best: on a CPU that emulates bf16 at 0.02-0.5x
-fp32 their full measurement took most of a 15-minute run and could only confirm they lose. The
-times are wall-clock seconds of each search, compile included.
+bf16/fp16, TF32 on a CPU) get a short fixed measurement instead: one step after the first
+(compiling) one, beside fp32 eager, marked as such in the JSON and never crowned the grid's best.
+On a CPU that emulates bf16 at 0.02-0.5x fp32 their full measurement took most of a 15-minute
+run and could only confirm they lose; a smaller batch would be quicker still, but at 2 samples
+emulated bf16 read 0.95-2.8x fp32 (overhead, not arithmetic). The times are wall-clock seconds
+of each search, compile included.
 
     python benchmarks/tuner_efficiency.py --workload vision --json out.json
 """
@@ -35,9 +36,6 @@ from torchturbo.tune.stages import STAGES
 from torchturbo.workloads import WORKLOADS, get_workload
 
 KNOB_STAGES = ("precision", "memory_format", "compile")
-#: Samples per step of the short measurement: an emulated bf16 step of the full vision batch took
-#: over 10 s on an AVX2-only CPU, and a dozen such rows alone outran the 10-minute goal.
-SHORT_BATCH = 2
 #: The tuner's budget: the demo's 150 s and a margin. With 600 s a busy machine let it spend
 #: 545 s confirming, more than the grid it is meant to save.
 TUNER_BUDGET_S = 180
@@ -99,10 +97,9 @@ def main() -> int:
     short_rows = []
     if short:
         print(f"short measurement of {len(short)} that cannot pay off", file=sys.stderr)
-        small = get_workload(args.workload, **overrides, batch_size=SHORT_BATCH)
         reference = {"fp32": configs["fp32"]}
         short_rows = compare_configs(
-            small, reference | short, baseline="fp32", warmup=0, repeats=1, steps_per_repeat=1
+            recipe, reference | short, baseline="fp32", warmup=0, repeats=1, steps_per_repeat=1
         )
         short_rows = [row for row in short_rows if row.variant in short]
     grid_seconds = time.perf_counter() - started
@@ -138,7 +135,7 @@ def main() -> int:
                 "measurement": (
                     "interleaved"
                     if row.variant in full
-                    else f"short: 1 step of {SHORT_BATCH} samples beside fp32 at that batch"
+                    else "short: 1 step after the first, beside fp32 eager"
                 ),
             }
             for row in [*rows, *short_rows]
