@@ -198,6 +198,7 @@ def test_every_config_field_is_carried_or_noted():
         ("reliability", "auto_microbatch"): False,
         ("reliability", "memory_budget_bytes"): 2**20,
         ("reliability", "nonfinite_patience"): 0,
+        ("reliability", "stop_grace_s"): 60.0,
         ("distributed", "strategy"): "fsdp",
         ("distributed", "comm_hook"): "powersgd",
         ("distributed", "powersgd_rank"): 2,

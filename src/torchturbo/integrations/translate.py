@@ -248,6 +248,11 @@ def _reliability(config: TurboConfig, notes: dict[str, str], keep_option: str) -
         notes[_key("reliability", "nonfinite_patience")] = (
             "not carried: the trainer does not stop on non-finite losses"
         )
+    if reliability.stop_grace_s:
+        notes[_key("reliability", "stop_grace_s")] = (
+            "not carried: the trainer's own signal handling decides when a stop is forced "
+            "(Lightning's SLURM plugin; the Hugging Face Trainer saves nothing on SIGTERM)"
+        )
 
 
 def _hf_distributed(config: TurboConfig, kwargs: dict[str, Any], notes: dict[str, str]) -> None:
