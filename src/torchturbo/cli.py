@@ -244,9 +244,14 @@ def _parser() -> argparse.ArgumentParser:
     tune.add_argument(
         "--planned-steps",
         type=int,
-        default=10_000,
+        default=None,
         metavar="N",
-        help="length of your real run: one-time costs must pay back within it",
+        help=(
+            "steps (batches per process) of your real job: a candidate is kept only if the "
+            "whole job, one-time costs such as compiling included, is faster with it "
+            "(default: the recipe's planned_steps, which recipe_from_trainer and "
+            "recipe_from_lightning take from the trainer; else 1,000, assumed)"
+        ),
     )
     tune.add_argument(
         "--loss-tolerance",
@@ -522,6 +527,10 @@ def _stage_list(text: str) -> tuple[str, ...]:
     return names
 
 
+#: The folder beside turbo.toml that holds what tuning compiled (see techniques/compile.py).
+COMPILE_CACHE = "compile-cache"
+
+
 def _run_tune(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.text import Text
@@ -547,6 +556,7 @@ def _run_tune(args: argparse.Namespace) -> int:
         device=args.device,
         only=args.only,
         skip=args.skip,
+        compile_cache_dir=str(args.out / COMPILE_CACHE),
     )
     check_writable(args.out)
     previous = read_previous(args.out)
@@ -582,6 +592,8 @@ def _run_tune(args: argparse.Namespace) -> int:
     results = result.to_dict()
     # The report's "how to use" line repeats what the user typed to name the target.
     results["recipe"] = args.recipe or f"--workload {recipe.name}"
+    if config.compile.cache_dir:  # relative to turbo.toml, which sits beside it
+        config = config.replace(compile__cache_dir=COMPILE_CACHE)
     paths = write_report(args.out, results, config.to_toml())
     if result.reuse_note:
         console.print(Text(result.reuse_note))

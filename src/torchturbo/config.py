@@ -256,6 +256,10 @@ class CompileConfig:
     fullgraph: bool = False
     #: Dynamic shapes: None lets torch decide (it marks dims dynamic after a recompile).
     dynamic: bool | None = None
+    #: Inductor's cache folder (compiled graphs and kernels), relative to the turbo.toml that
+    #: names it; "" leaves torch's default. ``tune`` compiles into one beside turbo.toml, so
+    #: that the first step of ``train`` loads what tuning compiled instead of compiling again.
+    cache_dir: str = ""
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -564,9 +568,14 @@ class TurboConfig:
         path = Path(path)
         text = _read_config_file(path)
         try:
-            return cls.from_toml(text)
+            config = cls.from_toml(text)
         except ConfigError as err:
             raise ConfigError(*err.problems, where=str(path)) from err
+        cache = config.compile.cache_dir
+        if cache and not Path(cache).is_absolute():
+            # Relative to the file: the cache tune wrote beside it, wherever it is run from.
+            config = config.replace(compile__cache_dir=str(path.parent / cache))
+        return config
 
     @classmethod
     def preset(cls, name: str) -> TurboConfig:
