@@ -8,6 +8,7 @@ Compiling costs seconds, so the models are tiny and each compile is shared by se
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -81,3 +82,15 @@ def test_a_compile_failure_is_raised_and_reported():
     with pytest.raises(CompileError, match="failed while compiling: Unsupported"):
         turbo.step(_loss, (torch.randn(4, 32), torch.arange(4)))
     assert turbo.applied["compile"].startswith("failed while compiling: Unsupported")
+
+
+def test_the_compile_cache_folder_is_inductors_unless_the_user_set_one(tmp_path, monkeypatch):
+    from torchturbo.techniques.compile import CACHE_ENV, use_compile_cache
+
+    monkeypatch.delenv(CACHE_ENV, raising=False)
+    assert use_compile_cache("") is None and CACHE_ENV not in os.environ
+    folder = use_compile_cache(str(tmp_path / "cache"))
+    assert folder == os.environ[CACHE_ENV] == str((tmp_path / "cache").resolve())
+    assert (tmp_path / "cache").is_dir()
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "mine"))
+    assert use_compile_cache(str(tmp_path / "cache")) == str(tmp_path / "mine")

@@ -149,7 +149,8 @@ def budget_line(results: dict) -> str:
         f"{fmt_float(results.get('time_budget_s'), 0)} s budget; memory budget: "
         f"{'none' if memory_budget is None else fmt_bytes(memory_budget)}; planned run: "
         f"{fmt_int(results.get('planned_steps'))} steps, {_source(results)} (a candidate is kept "
-        f"only if the whole job, one-time costs such as compilation included, is faster); loss tolerance: {fmt_pct(results.get('loss_tolerance'))}." + reuse
+        "only if the whole job, one-time costs such as compilation included, is faster); "
+        f"loss tolerance: {fmt_pct(results.get('loss_tolerance'))}." + reuse
     )
 
 
