@@ -717,6 +717,9 @@ def _run_train(args: argparse.Namespace) -> int:
             raise
         if not is_main_process():
             return 0
+    if result.first_step_s is not None:
+        later = "" if result.later_step_s is None else f", then {result.later_step_s:.3f} s a step"
+        print(f"first step {result.first_step_s:.2f} s (one-time costs included){later}")
     loss = "n/a" if result.last_loss is None else f"{result.last_loss:.4f}"
     print(
         f"trained to optimizer step {result.optimizer_steps}, last loss {loss}"
@@ -725,6 +728,7 @@ def _run_train(args: argparse.Namespace) -> int:
         f"split {result.micro_batch_split} (size {result.micro_batch_size}); "
         f"resumed from {result.resumed_from}; last checkpoint {result.saved}"
     )
+
     return 0
 
 
