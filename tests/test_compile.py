@@ -121,3 +121,16 @@ def test_a_compiled_trials_memory_is_measured_and_counts_what_backward_keeps():
     # Inductor fuses and recomputes cheap ops, so it may keep less than eager, never nothing.
     assert 0 < compiled_saved <= 1.5 * eager_saved
     assert compiled_total - compiled_saved == eager_total - eager_saved  # same weights + state
+
+
+def test_the_tuners_compile_cache_leaves_the_environment_as_it_found_it(tmp_path, monkeypatch):
+    from torchturbo.techniques.compile import CACHE_ENV, compile_cache
+
+    monkeypatch.delenv(CACHE_ENV, raising=False)
+    with compile_cache(str(tmp_path / "c")) as folder:
+        assert os.environ[CACHE_ENV] == folder
+    assert CACHE_ENV not in os.environ
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "mine"))
+    with compile_cache(str(tmp_path / "c")) as folder:
+        assert folder == str(tmp_path / "mine")
+    assert os.environ[CACHE_ENV] == str(tmp_path / "mine")

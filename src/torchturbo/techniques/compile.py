@@ -10,10 +10,11 @@ such an error into :class:`CompileError` and a not-applied result with
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -94,6 +95,20 @@ def compile_failure(error: BaseException) -> TechniqueResult | None:
     return not_applied(
         "compile", f"failed while compiling: {type(error).__name__}: {_first_line(error)}"
     )
+
+
+@contextlib.contextmanager
+def compile_cache(directory: str) -> Iterator[str | None]:
+    """:func:`use_compile_cache` for the duration of a block (the tuner's run), leaving the
+    environment as it found it."""
+    before = os.environ.get(CACHE_ENV)
+    try:
+        yield use_compile_cache(directory)
+    finally:
+        if before is None:
+            os.environ.pop(CACHE_ENV, None)
+        else:
+            os.environ[CACHE_ENV] = before
 
 
 def compiled_graphs() -> int | None:

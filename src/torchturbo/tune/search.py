@@ -48,7 +48,7 @@ from torchturbo.measure.breakdown import PhaseRecorder
 from torchturbo.measure.timing import time_once
 from torchturbo.recipe import Recipe
 from torchturbo.system import summary
-from torchturbo.techniques.compile import use_compile_cache
+from torchturbo.techniques.compile import compile_cache
 from torchturbo.tune import batching
 from torchturbo.tune.budget import Budget
 from torchturbo.tune.candidate import estimate, try_candidate
@@ -108,7 +108,24 @@ def tune(
     ``clock`` is what the budget is counted on.
     """
     options = options or TuneOptions()
-    use_compile_cache(options.compile_cache_dir)
+    with compile_cache(options.compile_cache_dir):
+        config, result = _tune(
+            recipe, options, stages, on_progress, previous, previous_source, clock
+        )
+    if config.compile.mode != "off" and options.compile_cache_dir:
+        config = config.replace(compile__cache_dir=options.compile_cache_dir)
+    return config, result
+
+
+def _tune(
+    recipe: Recipe,
+    options: TuneOptions,
+    stages: Mapping[str, Stage] | None,
+    on_progress: Callable[[str, str, float], None] | None,
+    previous: Mapping[str, Any] | Sequence[tuple[Mapping[str, Any], str]] | None,
+    previous_source: str,
+    clock: Callable[[], float],
+) -> tuple[TurboConfig, TuneResult]:
     selected = select_stages(stages or STAGES, options)
     budget = Budget(options.time_budget_s, clock)
     device = resolve_device(options.device or "auto")
@@ -169,10 +186,7 @@ def tune(
         live = {id(i.trial): i.trial for i in (baseline, best, *adoptions)}
         for live_trial in live.values():
             live_trial.close()
-    config = best.config
-    if config.compile.mode != "off" and options.compile_cache_dir:
-        config = config.replace(compile__cache_dir=options.compile_cache_dir)
-    return config, result
+    return best.config, result
 
 
 def select_stages(stages: Mapping[str, Stage], options: TuneOptions) -> dict[str, Stage]:
