@@ -134,3 +134,14 @@ def test_the_tuners_compile_cache_leaves_the_environment_as_it_found_it(tmp_path
     with compile_cache(str(tmp_path / "c")) as folder:
         assert folder == str(tmp_path / "mine")
     assert os.environ[CACHE_ENV] == str(tmp_path / "mine")
+
+
+def test_inductors_own_default_in_the_environment_is_not_taken_for_the_users(tmp_path, monkeypatch):
+    """Importing torchao makes inductor write its default folder into the variable: a cache
+    folder must still replace it (the first step after tune compiled cold without this)."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    from torchturbo.techniques.compile import CACHE_ENV, use_compile_cache
+
+    monkeypatch.setenv(CACHE_ENV, default_cache_dir())
+    assert use_compile_cache(str(tmp_path / "cache")) == str((tmp_path / "cache").resolve())

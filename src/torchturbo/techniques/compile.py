@@ -75,9 +75,24 @@ def use_compile_cache(directory: str) -> str | None:
     """
     if not directory:
         return None
-    os.environ.setdefault(CACHE_ENV, str(Path(directory).resolve()))
+    if _users_folder() is None:
+        os.environ[CACHE_ENV] = str(Path(directory).resolve())
     Path(os.environ[CACHE_ENV]).mkdir(parents=True, exist_ok=True)
     return os.environ[CACHE_ENV]
+
+
+def _users_folder() -> str | None:
+    """The cache folder the user chose, if any. Inductor writes its default into the variable
+    the first time it asks (importing torchao does), so a value equal to that default is
+    inductor's, not the user's."""
+    current = os.environ.get(CACHE_ENV)
+    if current is None:
+        return None
+    try:  # TODO: a public API for the default folder, once torch has one
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    except ImportError:
+        return current
+    return None if os.path.abspath(current) == os.path.abspath(default_cache_dir()) else current
 
 
 def _run(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
