@@ -6,8 +6,8 @@ turbo.toml`` loads what tuning compiled. This script measures what that saves, e
 process (``torchturbo train``, which prints its first step's seconds), in rounds of one cold
 run then one warm run on a fresh folder:
 
-* ``cold``: compile on, an empty cache folder (and an empty inductor default folder, so that
-  nothing left on the machine helps);
+* ``cold``: compile on, an empty cache folder and an empty TMPDIR (inductor's default folder,
+  where it keeps the C++ precompiled header), so that nothing left on the machine helps;
 * ``warm``: the same config with the folder a previous process filled, as after ``tune``.
 
 The recipe is :func:`recipe`: a small CNN on fixed-size images, so that the steps are cheap next
@@ -117,9 +117,12 @@ def main() -> None:
                 compile__mode="default", compile__cache_dir="compile-cache"
             ).save(config)
             order = ("cold", "warm")
+            # Inductor's default folder (under TMPDIR) holds the C++ precompiled header, whose
+            # path is part of every kernel's cache key: one per round, shared by its two runs,
+            # as on a machine where train follows tune.
+            home = folder / "tmp"
+            home.mkdir()
             for way in order:
-                home = folder / f"home-{way}"  # inductor's default folder: empty every run
-                home.mkdir()
                 runs[way].append(run_train(config, args.steps, home))
                 print(f"round {r + 1} {way}: {runs[way][-1]}", flush=True)
     cold = statistics.median(x["first_s"] for x in runs["cold"])

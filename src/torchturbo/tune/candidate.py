@@ -168,6 +168,10 @@ def try_candidate(
     outcome = agree(
         _judged(run, stage, candidate, measured, curve, memory_bytes, one_time, best, fit_memory)
     )
+    if graphs is not None:  # recompiles are a one-time cost the job pays too: say how many
+        outcome = dataclasses.replace(
+            outcome, reason=f"{outcome.reason}; {graphs} graph(s) compiled for {shapes} shape(s)"
+        )
     outcome = dataclasses.replace(
         outcome,
         estimate_s=cost.min_s,

@@ -69,7 +69,11 @@ def _seconds(value: object) -> str:
     v = num(value)
     if v is None:
         return "n/a"
-    return f"{v:,.0f} s" if v >= 100 else f"{v:.2g} s" if v < 10 else f"{v:.0f} s"
+    if v >= 7200:
+        return f"{v / 3600:.1f} h"
+    if v >= 120:
+        return f"{v / 60:.0f} min"
+    return f"{v:.2g} s" if v < 10 else f"{v:.0f} s"
 
 
 def _not_paying(results: dict) -> str:
