@@ -213,7 +213,7 @@ def measure_setup(setup: str, args: argparse.Namespace) -> dict[str, Any]:
     """Every way's short job measured (and predicted); the long job predicted from it (and
     measured with ``--measure-long``). torchturbo is tuned for each horizon: its config for
     the long job is measured on a short job and predicted from that."""
-    ways = [w for w in WAYS if setup == "llama" or not w.startswith("flattening")]
+    ways = [w for w in args.ways if setup == "llama" or not w.startswith("flattening")]
     if not args.compile and "flattening+compile" in ways:
         ways.remove("flattening+compile")
     short_config, short_tune = tuned(setup, args.steps, args.tune_budget, args.out)
@@ -249,6 +249,7 @@ def main() -> None:
     parser.add_argument("--long", type=int, default=3000, help="the long job, predicted (3000)")
     parser.add_argument("--measure-long", action="store_true", help="measure the long job too")
     parser.add_argument("--compile", action="store_true", help="include flattening+compile")
+    parser.add_argument("--ways", nargs="+", choices=WAYS, default=list(WAYS), help="(all)")
     parser.add_argument("--tune-budget", type=float, default=240.0, help="seconds per tune")
     parser.add_argument("--out", type=Path, default=Path("peers-jobs-out"))
     parser.add_argument("--json", type=Path)
