@@ -22,7 +22,7 @@ from torchturbo.bench import Trial
 from torchturbo.distributed.consensus import agree
 from torchturbo.measure.paired import Round, Side, paired_rounds, time_block
 from torchturbo.recipe import Recipe
-from torchturbo.tune.decide import MIN_ROUNDS, estimate
+from torchturbo.tune.decide import MIN_ROUNDS, RatioEstimate, estimate
 from torchturbo.tune.outcome import Comparison
 
 #: A timed block should last at least this long, so that timer and scheduler jitter (~1 ms)
@@ -165,6 +165,7 @@ def compare_chain(
     may_continue: Callable[[float], bool],
     min_rounds: int = MIN_ROUNDS,
     settle_rounds: int = 1,
+    decided: Callable[[RatioEstimate], bool] | None = None,
     clock: Callable[[], float] = time.perf_counter,
 ) -> Chained:
     """Time every trial in the same rounds (the order reversing from round to round, so drift
@@ -172,7 +173,9 @@ def compare_chain(
 
     One measurement gives every figure: a config's throughput over the previous one's is its
     ratio, so an incremental table built from it reproduces its ratios by division, and the
-    last row over the first is the overall ratio."""
+    last row over the first is the overall ratio. ``decided(estimate)`` (default: the
+    estimate's decision is not "undecided") says when the last against the first needs no more
+    rounds."""
     step_s = min(s for s in (*(t.step_seconds for t in trials), math.inf) if s)
     cycle = batch_cycle(trials[0].recipe, *(len(t.batches) for t in trials))
     per_round = agree(steps_per_round(step_s, cycle))
@@ -188,13 +191,13 @@ def compare_chain(
             counts[i].append(trials[i].recent_count(per_round) / per_round)
         rounds = len(seconds[0])
         ratios = [_ratio(counts, seconds, -1, 0, r) for r in range(rounds)]
-        decided = estimate(ratios).decision != "undecided"
+        done = (decided or _decision_made)(estimate(ratios))
         next_s = 1.5 * per_round * sum(max(s[-3:]) for s in seconds)
-        out_of_time = not decided and min_rounds <= rounds and not may_continue(next_s)
-        if decided and rounds < settle_rounds:
-            decided = not may_continue(next_s)
-        decided, out_of_time = agree((decided, out_of_time))
-        if decided or out_of_time or rounds >= max_rounds:
+        out_of_time = not done and min_rounds <= rounds and not may_continue(next_s)
+        if done and rounds < settle_rounds:
+            done = not may_continue(next_s)
+        done, out_of_time = agree((done, out_of_time))
+        if done or out_of_time or rounds >= max_rounds:
             cut_short = out_of_time
             break
     seconds, counts = agree((seconds, counts))
@@ -209,6 +212,10 @@ def compare_chain(
     for trial, secs in zip(trials, seconds, strict=True):
         trial.step_seconds = geometric_mean(secs)
     return Chained(tuple(rows), Measured(overall, cut_short), throughputs)
+
+
+def _decision_made(speed: RatioEstimate) -> bool:
+    return speed.decision != "undecided"
 
 
 def _ratio(counts: list[list[float]], seconds: list[list[float]], i: int, j: int, r: int) -> float:

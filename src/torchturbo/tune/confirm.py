@@ -38,6 +38,11 @@ def confirm(run: Run, baseline: Incumbent, best: Incumbent) -> tuple[Confirmatio
     if best is baseline or not run.adoptions:
         return Confirmation(state="not needed", comparison=None), baseline
     steps = _chain_steps(run, baseline)
+    searched = math.prod(
+        a.outcome.comparison.speed.ratio
+        for a in run.adoptions
+        if a.outcome is not None and a.outcome.comparison is not None
+    )
     chained = compare_chain(
         [trial for _, _, trial in steps],
         [name for name, _, _ in steps],
@@ -45,6 +50,11 @@ def confirm(run: Run, baseline: Incumbent, best: Incumbent) -> tuple[Confirmatio
         max_rounds=run.options.max_rounds,
         may_continue=lambda seconds: run.budget.left() - REPORT_S >= seconds,
         settle_rounds=CONFIRM_ROUNDS,
+        # Rounds go on until the search is confirmed or contradicted (or time and rounds run
+        # out): "not faster, but not contradicting either" is not an answer worth stopping at.
+        decided=lambda speed: (
+            speed.decision == "faster" or speed.plausible_high < max(searched, 1.0)
+        ),
         clock=run.clock,
     )
     measured = chained.overall
@@ -56,11 +66,6 @@ def confirm(run: Run, baseline: Incumbent, best: Incumbent) -> tuple[Confirmatio
     speed = measured.comparison.speed
     if speed.decision == "faster":
         return Confirmation(state="confirmed", comparison=measured.comparison, rows=rows), best
-    searched = math.prod(
-        a.outcome.comparison.speed.ratio
-        for a in run.adoptions
-        if a.outcome is not None and a.outcome.comparison is not None
-    )
     if speed.plausible_high >= max(searched, 1.0):
         note = (
             f"the search measured {searched:.2f}x; the confirmation does not contradict it but "
@@ -167,7 +172,6 @@ def _drop(run: Run, baseline: Incumbent, failed: Measured) -> tuple[Confirmation
                 comparison=failed.comparison,
                 dropped=tuple(names),
                 note=note,
-                rows=_pair_rows(names[-1], failed),
             ),
             baseline,
         )
