@@ -36,6 +36,10 @@ from torchturbo.tune.state import (
     Run,
 )
 
+#: A compile from inductor's warm cache against a cold one, rounded up from the 0.08-0.13x
+#: measured (docs/techniques/compile.md): what re-timing a compiled candidate's first steps costs.
+WARM_CACHE_SHARE = 0.25
+
 
 @dataclass(frozen=True)
 class Estimate:
@@ -56,6 +60,10 @@ def estimate(run: Run, candidate: Candidate, best: Incumbent) -> Estimate:
     fixed = run.build_s + compile_s + (1 + WARM_STEPS) * step + step  # + the memory probe
     if compiles:
         fixed += (NUM_BATCHES - 1) * step  # one pass over every batch shape: recompiles
+        if run.options.compile_cache_dir:
+            # The warm-cache first steps timed again (_warm_cache_one_time): measured at
+            # 0.08-0.13x of a cold compile on a 2-core CPU (benchmarks/compile_cache.py).
+            fixed += WARM_CACHE_SHARE * compile_s + NUM_BATCHES * step
     return Estimate(
         min_s=candidate_seconds(fixed, per_round, MIN_ROUNDS, best_step, step),
         typical_s=candidate_seconds(fixed, per_round, MIN_ROUNDS + 2, best_step, step),
