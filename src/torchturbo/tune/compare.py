@@ -191,7 +191,7 @@ def compare_chain(
             counts[i].append(trials[i].recent_count(per_round) / per_round)
         rounds = len(seconds[0])
         ratios = [_ratio(counts, seconds, -1, 0, r) for r in range(rounds)]
-        done = (decided or _decision_made)(estimate(ratios))
+        done = rounds >= min_rounds and (decided or _decision_made)(estimate(ratios))
         next_s = 1.5 * per_round * sum(max(s[-3:]) for s in seconds)
         out_of_time = not done and min_rounds <= rounds and not may_continue(next_s)
         if done and rounds < settle_rounds:
