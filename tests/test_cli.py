@@ -53,8 +53,11 @@ def test_tune_writes_a_loadable_config_and_a_self_contained_report(tmp_path, cap
     assert config.precision.dtype in ("fp32", "tf32", "bf16", "fp16")
     html = (out / "report.html").read_text()
     assert "<img" in html and "https://" not in html and "<script" not in html
-    printed = capsys.readouterr().out
+    printed = " ".join(capsys.readouterr().out.split())  # the terminal wraps the headline
     assert "over fp32 eager" in printed or "keep the defaults" in printed or "keep fp32" in printed
+    # No recipe nor --planned-steps says how long the job is: the headline says it assumed one.
+    assert "1,000 steps (assumed, give --planned-steps" in printed
+    assert results["job"]["assumed"] and results["planned_steps"] == 1000
 
 
 def test_ctrl_c_in_tune_keeps_the_measurements_and_the_same_command_goes_on(

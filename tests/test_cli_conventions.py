@@ -58,7 +58,7 @@ def test_help_shows_choices_and_defaults() -> None:
     assert "{vision,segmentation,text}" in bench and "(default: vision)" in bench
     assert "(default: 15)" in bench and "{baseline,fast}" in bench and "(default: fast)" in bench
     tune = _help(commands["tune"])
-    assert "(default: 5m)" in tune and "(default: 10000)" in tune
+    assert "(default: 5m)" in tune and "else 1,000, assumed)" in tune
     assert "(default: None)" not in tune and "(default: False)" not in tune
     assert "{export,torchscript}" in _help(commands["export"])
     assert "whether bf16 is native here" in _help(commands["version"])

@@ -8,6 +8,7 @@ Compiling costs seconds, so the models are tiny and each compile is shared by se
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -81,3 +82,66 @@ def test_a_compile_failure_is_raised_and_reported():
     with pytest.raises(CompileError, match="failed while compiling: Unsupported"):
         turbo.step(_loss, (torch.randn(4, 32), torch.arange(4)))
     assert turbo.applied["compile"].startswith("failed while compiling: Unsupported")
+
+
+def test_the_compile_cache_folder_is_inductors_unless_the_user_set_one(tmp_path, monkeypatch):
+    from torchturbo.techniques.compile import CACHE_ENV, use_compile_cache
+
+    monkeypatch.delenv(CACHE_ENV, raising=False)
+    assert use_compile_cache("") is None and CACHE_ENV not in os.environ
+    folder = use_compile_cache(str(tmp_path / "cache"))
+    assert folder == os.environ[CACHE_ENV] == str((tmp_path / "cache").resolve())
+    assert (tmp_path / "cache").is_dir()
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "mine"))
+    assert use_compile_cache(str(tmp_path / "cache")) == str(tmp_path / "mine")
+
+
+@pytest.mark.slow
+def test_a_compiled_trials_memory_is_measured_and_counts_what_backward_keeps():
+    """Peak memory of a compiled candidate is a figure, not n/a: the compiled graph's saved
+    tensors reach the saved-tensor hooks."""
+    from test_tune import tiny_recipe
+
+    from torchturbo.bench import fixed_batches, start_trial
+
+    recipe = tiny_recipe()
+    batches = fixed_batches(recipe, 2)
+    figures = {}
+    for mode in ("off", "default"):
+        config = TurboConfig(device="cpu").replace(compile__mode=mode)
+        trial, _ = start_trial(recipe, config, batches)
+        try:
+            trial.step()
+            figures[mode] = (trial.activation_bytes(), trial.memory_footprint()[0])
+        finally:
+            trial.close()
+    eager_saved, eager_total = figures["off"]
+    compiled_saved, compiled_total = figures["default"]
+    assert compiled_saved is not None and compiled_total is not None
+    # Inductor fuses and recomputes cheap ops, so it may keep less than eager, never nothing.
+    assert 0 < compiled_saved <= 1.5 * eager_saved
+    assert compiled_total - compiled_saved == eager_total - eager_saved  # same weights + state
+
+
+def test_the_tuners_compile_cache_leaves_the_environment_as_it_found_it(tmp_path, monkeypatch):
+    from torchturbo.techniques.compile import CACHE_ENV, compile_cache
+
+    monkeypatch.delenv(CACHE_ENV, raising=False)
+    with compile_cache(str(tmp_path / "c")) as folder:
+        assert os.environ[CACHE_ENV] == folder
+    assert CACHE_ENV not in os.environ
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "mine"))
+    with compile_cache(str(tmp_path / "c")) as folder:
+        assert folder == str(tmp_path / "mine")
+    assert os.environ[CACHE_ENV] == str(tmp_path / "mine")
+
+
+def test_inductors_own_default_in_the_environment_is_not_taken_for_the_users(tmp_path, monkeypatch):
+    """Importing torchao makes inductor write its default folder into the variable: a cache
+    folder must still replace it (the first step after tune compiled cold without this)."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    from torchturbo.techniques.compile import CACHE_ENV, use_compile_cache
+
+    monkeypatch.setenv(CACHE_ENV, default_cache_dir())
+    assert use_compile_cache(str(tmp_path / "cache")) == str((tmp_path / "cache").resolve())

@@ -369,3 +369,13 @@ def test_any_toml_text_is_a_valid_config_or_a_config_error(text):
         assert err.problems
     else:
         assert TurboConfig.from_toml(config.to_toml()) == config
+
+
+def test_a_compile_cache_folder_is_relative_to_the_file_that_names_it(tmp_path):
+    (tmp_path / "run").mkdir()
+    path = tmp_path / "run" / "turbo.toml"
+    TurboConfig().replace(compile__mode="default", compile__cache_dir="compile-cache").save(path)
+    assert TurboConfig.load(path).compile.cache_dir == str(tmp_path / "run" / "compile-cache")
+    absolute = str(tmp_path / "elsewhere")
+    TurboConfig().replace(compile__cache_dir=absolute).save(path)
+    assert TurboConfig.load(path).compile.cache_dir == absolute

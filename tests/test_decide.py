@@ -18,6 +18,7 @@ from torchturbo.tune.decide import (
     RatioEstimate,
     break_even_steps,
     estimate,
+    job_times,
     judge,
     loss_parity,
     t_quantile,
@@ -142,8 +143,7 @@ def _judge(**overrides):
         parity=OK_PARITY,
         memory_bytes=100,
         memory_budget=None,
-        break_even=10.0,
-        planned_steps=1000,
+        job=job_times(steps=1000, best_step_s=0.1, ratio=1.5, best_one_time_s=0.0, one_time_s=1.0),
         tolerance=0.05,
     )
     args.update(overrides)
@@ -181,12 +181,33 @@ def test_memory_over_budget_is_rejected():
 
 
 def test_a_one_time_cost_that_never_pays_back_is_rejected():
-    assert break_even_steps(30.0, 0.10, 0.09) == pytest.approx(3000)
-    assert break_even_steps(30.0, 0.10, 0.11) == math.inf
-    assert break_even_steps(0.0, 0.10, 0.11) == 0
-    verdict = _judge(break_even=3000.0, planned_steps=1000)
-    assert not verdict.adopt and "3,000 steps" in verdict.reason
-    assert _judge(break_even=3000.0, planned_steps=5000).adopt
+    assert break_even_steps(30.0, 0.10, 1 / 0.9) == pytest.approx(3000)
+    assert break_even_steps(30.0, 0.10, 0.9) == math.inf
+    assert break_even_steps(0.0, 0.10, 0.9) == 0
+
+
+def test_the_planned_job_decides_a_one_time_cost():
+    """The issue's case: compile 1.16x faster per step, 45.6 s to compile, a 96-step job of
+    ~136 ms steps: the job is slower with it (13 s against 57 s), and at 10,000 steps faster."""
+    short = job_times(
+        steps=96, best_step_s=0.1397, ratio=1.16, best_one_time_s=0.2, one_time_s=45.8
+    )
+    assert short.best_s == pytest.approx(0.2 + 96 * 0.1397)
+    assert short.candidate_s == pytest.approx(45.8 + 96 * 0.1397 / 1.16)
+    verdict = _judge(job=short)
+    assert not verdict.adopt and "does not pay back" in verdict.reason
+    assert short.break_even == pytest.approx(45.6 / (0.1397 * (1 - 1 / 1.16)))
+    assert "96-step job takes 57.4 s with it, 13.6 s without" in verdict.reason
+    long = job_times(
+        steps=10_000, best_step_s=0.1397, ratio=1.16, best_one_time_s=0.2, one_time_s=45.8
+    )
+    assert long.faster and _judge(job=long).adopt
+    # Negative control: the same one-time cost on both sides (the best compiles already) is
+    # not counted against the candidate.
+    same = job_times(
+        steps=96, best_step_s=0.1397, ratio=1.16, best_one_time_s=45.8, one_time_s=45.8
+    )
+    assert same.faster and same.break_even == 0
 
 
 def test_memory_candidates_may_be_slower_when_the_best_does_not_fit():

@@ -287,3 +287,18 @@ def test_tune_writes_lightning_settings_a_user_can_paste(tmp_path):
     }
     trainer = pl.Trainer(logger=False, enable_progress_bar=False, **kwargs)
     assert trainer.accumulate_grad_batches == 2 and trainer.precision == "bf16-mixed"
+
+
+def test_recipe_from_lightning_plans_the_trainers_steps_or_the_ones_given():
+    module = Classifier()
+    assert recipe_from_lightning(module, Images()).planned_steps is None
+    quiet = {"accelerator": "cpu", "logger": False, "enable_progress_bar": False}
+    by_epochs = pl.Trainer(max_epochs=2, **quiet)
+    recipe = recipe_from_lightning(module, Images(), trainer=by_epochs)
+    # 64 images in batches of 8: 8 batches an epoch.
+    assert recipe.planned_steps == 16
+    assert recipe.planned_steps_source == "the Lightning Trainer's max_epochs=2 x 8 batches"
+    by_steps = pl.Trainer(max_steps=5, accumulate_grad_batches=2, **quiet)
+    assert recipe_from_lightning(module, Images(), trainer=by_steps).planned_steps == 10
+    given = recipe_from_lightning(module, Images(), trainer=by_steps, planned_steps=7)
+    assert given.planned_steps == 7 and given.planned_steps_source == "planned_steps="

@@ -183,6 +183,7 @@ def test_every_config_field_is_carried_or_noted():
         ("checkpointing", "module_types"): ("BertLayer",),
         ("checkpointing", "name_pattern"): "bert.*",
         ("checkpointing", "every_n"): 2,
+        ("compile", "cache_dir"): "compile-cache",
         ("accumulation", "steps"): 4,
         ("clipping", "max_norm"): 0.5,
         ("clipping", "norm_type"): 1.0,
@@ -217,6 +218,7 @@ def test_every_config_field_is_carried_or_noted():
     companions = {
         "fullgraph": {"compile__mode": "default"},
         "dynamic": {"compile__mode": "default"},
+        "cache_dir": {"compile__mode": "default"},
         "module_types": {"checkpointing__mode": "selective", "checkpointing__every_n": 2},
         "name_pattern": {"checkpointing__mode": "selective", "checkpointing__every_n": 2},
         "every_n": {"checkpointing__mode": "full"},
@@ -511,3 +513,22 @@ def test_peers_benchmark_runs_the_trainer_three_ways(tmp_path):
     assert all(way["throughput"] > 0 and way["held_out_loss"] > 0 for way in ways.values())
     # Each way trained the same epoch; torchturbo's buckets pad least.
     assert ways["torchturbo"]["padding_fraction"] < ways["defaults"]["padding_fraction"]
+
+
+def test_recipe_from_trainer_plans_the_steps_the_trainer_will_run(tmp_path):
+    trainer = make_trainer(tmp_path)
+    recipe = recipe_from_trainer(trainer)
+    assert recipe.planned_steps == 3 and recipe.planned_steps_source == "the Trainer's max_steps=3"
+    # 96 samples, batch 8: 12 batches, 6 optimizer steps an epoch over 2 accumulated batches.
+    trainer = make_trainer(
+        tmp_path, max_steps=-1, num_train_epochs=2, gradient_accumulation_steps=2
+    )
+    recipe = recipe_from_trainer(trainer)
+    assert recipe.planned_steps == 24
+    assert recipe.planned_steps_source == (
+        "the Trainer's num_train_epochs=2 x 6 optimizer steps per epoch "
+        "x gradient_accumulation_steps=2"
+    )
+    # The Trainer's own count: the optimizer steps it runs are the planned batches over 2.
+    trainer.train()
+    assert trainer.state.global_step * 2 == recipe.planned_steps

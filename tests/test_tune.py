@@ -397,6 +397,10 @@ def test_an_adoption_the_confirmation_contradicts_is_dropped_and_the_baseline_ke
     assert result.confirmation.state == "reverted" and result.confirmation.dropped == ("slow",)
     assert config.clipping.max_norm is None  # the written config is the baseline's
     assert result.adopted == ()
+    # The table shows what is kept: the baseline alone, not the dropped adoption.
+    from torchturbo.tune.tables import incremental_rows
+
+    assert [row[0] for row in incremental_rows(result.to_dict())] == ["baseline (fp32 eager)"]
     assert (
         "slow were not faster alone" in result.confirmation.note
         or "no adoption" in result.confirmation.note

@@ -175,8 +175,10 @@ class Trial:
 
         On CPU there is no allocator peak, and the process RSS barely moves between steps (freed
         memory stays mapped), so the figure is an estimate built from exact parts: bytes saved
-        for backward + parameters + gradients (same size) + optimizer state. Compiled models hide
-        their saved tensors from the hooks: for them the figure is None rather than a guess.
+        for backward + parameters + gradients (same size) + optimizer state. Compiled models are
+        counted the same way (torch >= 2.13's compiled autograd functions save through the
+        saved-tensor hooks); where a torch hides them (nothing counted), the figure is None with
+        that reason rather than a guess.
         """
         persistent = sum(_nbytes(p) for p in self.model.parameters())
         persistent += sum(
@@ -188,7 +190,7 @@ class Trial:
         if self.turbo.device.type == "cpu":
             saved = self.activation_bytes()
             if saved is None:
-                return None, "n/a: compiled graphs hide their saved tensors on CPU"
+                return None, "n/a: this torch's compiled graphs hide their saved tensors"
             gradients = sum(_nbytes(p) for p in self.model.parameters() if p.requires_grad)
             return saved + gradients + persistent, "cpu_estimate"
         with track_peak_memory(self.turbo.device) as peak:
@@ -196,14 +198,11 @@ class Trial:
         return max(0, peak.peak_bytes - peak.baseline_bytes) + persistent, peak.kind
 
     def activation_bytes(self) -> int | None:
-        """Bytes held for backward after one forward of the first batch; None for compiled
-        models. Measured once: the shapes, hence the bytes, do not change as the trial trains.
-
-        Compiled graphs save tensors inside the compiled autograd function, out of reach of
-        saved-tensor hooks, so a number there would be wrong rather than approximate.
+        """Bytes held for backward after one forward of the first batch; None for a compiled
+        model whose saved tensors no hook saw (older torch saves them inside the compiled
+        autograd function, out of reach: a number there would be wrong, not approximate).
+        Measured once: the shapes, hence the bytes, do not change as the trial trains.
         """
-        if self.config.compile.mode != "off":
-            return None
         if self._activation_bytes is None:
             batch = self.batches[0]
             # As a micro-step that does not close its window: under DDP, no_sync(), since a
@@ -214,6 +213,8 @@ class Trial:
                     lambda: self.turbo.forward(self.recipe.loss_fn, batch)[0], model=self.model
                 )
             self.optimizer.zero_grad(set_to_none=True)
+        if self._activation_bytes == 0 and self.config.compile.mode != "off":
+            return None
         return self._activation_bytes
 
     def close(self) -> None:

@@ -308,8 +308,11 @@ def _parser() -> argparse.ArgumentParser:
             "compile, memory, dynamic batching), the highest expected gain per second of "
             "measuring first, each against the current best in paired rounds on the same "
             "batches until the ratio is decided, and keep one only if it is faster beyond the "
-            "noise, keeps the loss within tolerance of fp32, fits the memory budget and repays "
-            "its one-time cost within the planned steps. The whole run keeps to --time-budget; "
+            "noise, keeps the loss within tolerance of fp32, fits the memory budget and makes the "
+            "whole planned job faster, one-time costs such as compiling included (the job's "
+            "length: --planned-steps, else the recipe's, else assumed; the headline says "
+            "which). What it compiles is kept in --out/compile-cache, which the written "
+            "turbo.toml names so that train loads it. The whole run keeps to --time-budget; "
             "what it cannot measure in time is reported with the time it needs. Tuning again "
             "into the same --out reuses what was measured there, also after Ctrl-C (kept in "
             "interrupted.json). Writes turbo.toml, "
@@ -335,9 +338,14 @@ def _parser() -> argparse.ArgumentParser:
     tune.add_argument(
         "--planned-steps",
         type=int,
-        default=10_000,
+        default=None,
         metavar="N",
-        help="length of your real run: one-time costs must pay back within it",
+        help=(
+            "steps (batches per process) of your real job: a candidate is kept only if the "
+            "whole job, one-time costs such as compiling included, is faster with it "
+            "(default: the recipe's planned_steps, which recipe_from_trainer and "
+            "recipe_from_lightning take from the trainer; else 1,000, assumed)"
+        ),
     )
     tune.add_argument(
         "--loss-tolerance",
@@ -750,6 +758,10 @@ def _stage_list(text: str) -> tuple[str, ...]:
     return names
 
 
+#: The folder beside turbo.toml that holds what tuning compiled (see techniques/compile.py).
+COMPILE_CACHE = "compile-cache"
+
+
 def _run_tune(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.text import Text
@@ -776,6 +788,7 @@ def _run_tune(args: argparse.Namespace) -> int:
         device=args.device,
         only=args.only,
         skip=args.skip,
+        compile_cache_dir=str(args.out / COMPILE_CACHE),
     )
     check_writable(args.out)
     previous = read_previous(args.out)
@@ -811,6 +824,8 @@ def _run_tune(args: argparse.Namespace) -> int:
     results = result.to_dict()
     # The report's "how to use" line repeats what the user typed to name the target.
     results["recipe"] = args.recipe or f"--workload {recipe.name}"
+    if config.compile.cache_dir:  # relative to turbo.toml, which sits beside it
+        config = config.replace(compile__cache_dir=COMPILE_CACHE)
     paths = write_report(args.out, results, config.to_toml())
     if result.reuse_note:
         console.print(Text(result.reuse_note))
@@ -967,6 +982,9 @@ def _train_command(args: argparse.Namespace) -> int:
             return EXIT_STOPPED
         if not is_main_process():
             return 0
+    if result.first_step_s is not None:
+        later = "" if result.later_step_s is None else f", then {result.later_step_s:.3f} s a step"
+        print(f"first step {result.first_step_s:.2f} s (one-time costs included){later}")
     loss = "n/a" if result.last_loss is None else f"{result.last_loss:.4f}"
     print(
         f"trained to optimizer step {result.optimizer_steps}, last loss {loss}"
@@ -975,6 +993,7 @@ def _train_command(args: argparse.Namespace) -> int:
         f"split {result.micro_batch_split} (size {result.micro_batch_size}); "
         f"resumed from {result.resumed_from}; last checkpoint {result.saved}"
     )
+
     return 0
 
 

@@ -266,6 +266,10 @@ class CompileConfig:
     fullgraph: bool = False
     #: Dynamic shapes: None lets torch decide (it marks dims dynamic after a recompile).
     dynamic: bool | None = None
+    #: Inductor's cache folder (compiled graphs and kernels), relative to the turbo.toml that
+    #: names it; "" leaves torch's default. ``tune`` compiles into one beside turbo.toml, so
+    #: that the first step of ``train`` loads what tuning compiled instead of compiling again.
+    cache_dir: str = ""
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -575,11 +579,17 @@ class TurboConfig:
     def load(cls, path: str | Path, *, base: TurboConfig | None = None) -> TurboConfig:
         """Read a TOML file; every problem, of the file or of its values, names the file.
         Keys the file leaves out keep ``base``'s values (the defaults without one)."""
+        path = Path(path)
         data = read_table(path)
         try:
-            return cls.from_dict(data, base=base)
+            config = cls.from_dict(data, base=base)
         except ConfigError as err:
             raise ConfigError(*err.problems, where=str(path)) from err
+        cache = config.compile.cache_dir
+        if cache and not Path(cache).is_absolute():
+            # Relative to the file: the cache tune wrote beside it, wherever it is run from.
+            config = config.replace(compile__cache_dir=str(path.parent / cache))
+        return config
 
     @classmethod
     def preset(cls, name: str) -> TurboConfig:

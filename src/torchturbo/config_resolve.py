@@ -66,11 +66,10 @@ def resolve(
 
 
 def _over_file(config: TurboConfig, path: Path, sources: dict[str, str]) -> TurboConfig:
+    # load(), not from_dict(): it also resolves a relative [compile] cache_dir against the file's
+    # folder, where tune wrote the cache beside turbo.toml.
+    config = TurboConfig.load(path, base=config)
     table = read_table(path)
-    try:
-        config = TurboConfig.from_dict(table, base=config)
-    except ConfigError as err:
-        raise ConfigError(*err.problems, where=str(path)) from err
     for key, value in table.items():  # from_dict accepted it: only known sections and keys
         names = value if isinstance(value, dict) else {"": value}
         for name in names:

@@ -70,6 +70,11 @@ class Recipe:
     #: Pad value per field for variable-length dict samples (e.g. ``{"input_ids":
     #: tokenizer.pad_token_id}``); unnamed fields pad with 0, label fields with -100.
     pad_values: Mapping[str, int] | None = None
+    #: How many steps (batches of ``batch_size`` per process) the real job will train, and where
+    #: that figure comes from ("the Trainer's max_steps=500"): the tuner weighs one-time costs
+    #: such as compiling against it. None: not known (``--planned-steps`` may give it).
+    planned_steps: int | None = None
+    planned_steps_source: str = "the recipe"
     extras: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -81,6 +86,13 @@ class Recipe:
             raise RecipeError(
                 f"Recipe {self.name!r}: seed must be an int that fits int64 (torch.manual_seed), "
                 f"got {self.seed!r}"
+            )
+        if self.planned_steps is not None and (
+            not _is_int(self.planned_steps) or self.planned_steps < 1
+        ):
+            raise RecipeError(
+                f"Recipe {self.name!r}: planned_steps must be a positive int or None, "
+                f"got {self.planned_steps!r}"
             )
         size = length_or_none(self.dataset)
         if size == 0:

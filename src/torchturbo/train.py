@@ -13,15 +13,19 @@ one, and saves it before stopping (:class:`TrainInterrupted`); a second signal s
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+import torch
 
 from torchturbo.checkpoint import checkpoint_name
 from torchturbo.config import INT64_MAX, ConfigError, TurboConfig
 from torchturbo.data.length import length_or_none
 from torchturbo.distributed.launch import current_env
 from torchturbo.engine import Turbo
+from torchturbo.measure.timing import sync
 from torchturbo.metrics_log import AnyLogger
 from torchturbo.oom import leading_size
 from torchturbo.preemption import StopRequest, stop_on_signals
@@ -46,6 +50,10 @@ class TrainResult:
     micro_batch_split: int
     micro_batch_size: int | None
     events: tuple[str, ...]
+    #: Seconds of the first step (compiling included: what a compile cache saves) and of the
+    #: steps after it, per step; None when no step ran (or only one, for the latter).
+    first_step_s: float | None = None
+    later_step_s: float | None = None
 
 
 class TrainInterrupted(KeyboardInterrupt):
@@ -165,12 +173,14 @@ def _train(
         saved, last_loss, seen_events, first_step = None, None, 0, turbo.optimizer_steps
         meter = recipe_meter(turbo, recipe, logger) if logger is not None else None
         samples, stopping = 0, False
+        clock = _StepClock(turbo.device)
         while turbo.optimizer_steps < steps and not stopping:
             yielded = 0
             for batch in loader:
                 yielded += 1
                 samples += leading_size(batch) * world_size
                 metrics = turbo.step(recipe.loss_fn, batch)
+                clock.stepped()
                 if meter is not None:
                     meter.update(metrics)
                 for event in microbatcher.events[seen_events:]:
@@ -216,7 +226,33 @@ def _train(
         micro_batch_split=microbatcher.split,
         micro_batch_size=microbatcher.micro_batch_size,
         events=tuple(microbatcher.events),
+        first_step_s=clock.first_s,
+        later_step_s=clock.later_s(),
     )
+
+
+class _StepClock:
+    """The first step's seconds apart from the others': one-time costs land in the first."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.start = time.perf_counter()
+        self.first_s: float | None = None
+        self.first_end = 0.0
+        self.steps = 0
+
+    def stepped(self) -> None:
+        self.steps += 1
+        if self.steps == 1:
+            sync(self.device)
+            self.first_end = time.perf_counter()
+            self.first_s = self.first_end - self.start
+
+    def later_s(self) -> float | None:
+        if self.steps < 2:
+            return None
+        sync(self.device)
+        return (time.perf_counter() - self.first_end) / (self.steps - 1)
 
 
 def _check_arguments(

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import warnings
 from typing import Any
 
@@ -35,6 +36,7 @@ except ImportError as err:  # pragma: no cover - exercised only without the extr
     ) from err
 
 from torchturbo.config import DistributedConfig, TurboConfig
+from torchturbo.data.length import length_or_none
 from torchturbo.distributed.ddp import COMM_HOOKS, check_comm_hook
 from torchturbo.integrations.lengths import sample_lengths
 from torchturbo.integrations.optimizers import clone_optimizer, parameter_owner
@@ -144,7 +146,11 @@ class TurboLightningCallback(pl.Callback):
 
 
 def recipe_from_lightning(
-    module: pl.LightningModule, datamodule: pl.LightningDataModule | None = None
+    module: pl.LightningModule,
+    datamodule: pl.LightningDataModule | None = None,
+    *,
+    trainer: pl.Trainer | None = None,
+    planned_steps: int | None = None,
 ) -> Recipe:
     """A Recipe of what ``Trainer.fit(module, datamodule)`` would train: call it before fit.
 
@@ -155,6 +161,10 @@ def recipe_from_lightning(
     is attached). Data, batch size and collate come from the datamodule's (else the module's)
     ``train_dataloader``, after ``prepare_data`` and ``setup("fit")`` as Lightning calls them;
     lengths from the dataset's "length" or ``input_ids`` when its items have them.
+
+    The job's length (the tuner weighs compile time against it) is ``planned_steps`` (batches
+    per process) when given, else what ``trainer`` will run: its ``max_steps`` or
+    ``max_epochs`` (see :func:`planned_lightning_steps`).
     """
     if not module.automatic_optimization:
         raise RecipeError(
@@ -192,6 +202,40 @@ def recipe_from_lightning(
         batch_size=loader.batch_size,
         collate=loader.collate_fn,
         lengths=sample_lengths(loader.dataset),
+        **_planned(trainer, planned_steps, length_or_none(loader)),
+    )
+
+
+def _planned(
+    trainer: pl.Trainer | None, planned_steps: int | None, batches: int | None
+) -> dict[str, Any]:
+    if planned_steps is not None:
+        return {"planned_steps": planned_steps, "planned_steps_source": "planned_steps="}
+    if trainer is None:
+        return {}
+    steps, source = planned_lightning_steps(trainer, batches)
+    return {} if steps is None else {"planned_steps": steps, "planned_steps_source": source}
+
+
+def planned_lightning_steps(trainer: pl.Trainer, batches: int | None) -> tuple[int | None, str]:
+    """The batches per process ``trainer.fit`` will run over a loader of ``batches`` batches:
+    ``max_steps`` x ``accumulate_grad_batches`` when set, else ``max_epochs`` x the loader's
+    batches per process (Lightning shards it across processes); None when neither is known."""
+    accumulation = max(1, trainer.accumulate_grad_batches)
+    per_window = f" x accumulate_grad_batches={accumulation}" if accumulation > 1 else ""
+    if trainer.max_steps is not None and trainer.max_steps > 0:
+        return (
+            trainer.max_steps * accumulation,
+            f"the Lightning Trainer's max_steps={trainer.max_steps}{per_window}",
+        )
+    epochs = trainer.max_epochs
+    if epochs is None or epochs < 1 or batches is None:
+        return None, ""
+    world = max(1, trainer.world_size)
+    per_process = math.ceil(batches / world)
+    processes = f" on {world} processes" if world > 1 else ""
+    return epochs * per_process, (
+        f"the Lightning Trainer's max_epochs={epochs} x {per_process} batches{processes}"
     )
 
 

@@ -22,6 +22,7 @@ import copy
 import functools
 import inspect
 import itertools
+import math
 import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -47,6 +48,7 @@ from torchturbo.integrations.optimizers import clone_optimizer, parameter_owner
 from torchturbo.integrations.translate import Translation, hf_arguments
 from torchturbo.recipe import Recipe, RecipeError
 from torchturbo.techniques.checkpointing import apply_activation_checkpointing
+from torchturbo.techniques.compile import use_compile_cache
 from torchturbo.techniques.float8 import apply_float8_training
 from torchturbo.techniques.memory_format import apply_channels_last
 from torchturbo.techniques.precision import float32_matmul_precision
@@ -97,6 +99,7 @@ def recipe_from_trainer(trainer: Trainer, *, name: str | None = None) -> Recipe:
     probe = collate(_first_samples(dataset, 2))
     labels = probe.get("labels")
     per_token = isinstance(labels, torch.Tensor) and labels.dim() >= 2
+    planned, source = planned_trainer_steps(args, length_or_none(dataset))
     return Recipe(
         name=name or type(model).__name__,
         model=factories.model,
@@ -108,6 +111,33 @@ def recipe_from_trainer(trainer: Trainer, *, name: str | None = None) -> Recipe:
         lengths=sample_lengths(dataset, length_column=args.length_column_name),
         count_unit="tokens" if per_token else "samples",
         seed=args.seed,
+        planned_steps=planned,
+        planned_steps_source=source,
+    )
+
+
+def planned_trainer_steps(args: Any, samples: int | None) -> tuple[int | None, str]:
+    """The batches per process ``Trainer.train()`` will run with ``args`` (the tuner's steps),
+    and where that came from: ``max_steps`` when set, else ``num_train_epochs`` x the optimizer
+    steps of an epoch (its batches per process over the accumulation, as the Trainer counts
+    them), x the accumulation. None for a stream without ``max_steps``."""
+    accumulation = max(1, args.gradient_accumulation_steps)
+    per_window = f" x gradient_accumulation_steps={accumulation}" if accumulation > 1 else ""
+    if args.max_steps > 0:
+        steps = args.max_steps * accumulation
+        return steps, f"the Trainer's max_steps={args.max_steps}{per_window}"
+    if samples is None:
+        return None, ""
+    world = max(1, args.world_size)
+    per_process = math.ceil(samples / world)
+    batch = args.per_device_train_batch_size
+    batches = per_process // batch if args.dataloader_drop_last else math.ceil(per_process / batch)
+    updates = max(1, batches // accumulation)
+    optimizer_steps = math.ceil(args.num_train_epochs * updates)
+    processes = f" on {world} processes" if world > 1 else ""
+    return optimizer_steps * accumulation, (
+        f"the Trainer's num_train_epochs={args.num_train_epochs:g} x {updates} optimizer "
+        f"steps per epoch{processes}{per_window}"
     )
 
 
@@ -249,6 +279,10 @@ class TurboCallback(TrainerCallback):
 
     def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._transform(kwargs.get("model"))
+        if self.config.compile.mode != "off" and self.config.compile.cache_dir:
+            # Before train() compiles: the first step loads what tune compiled into it.
+            folder = use_compile_cache(self.config.compile.cache_dir)
+            self.results["compile_cache"] = applied("compile_cache", (str(folder),))
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._transform(kwargs.get("model"))
@@ -304,6 +338,11 @@ class TurboTrainer(Trainer):
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
         configure_ddp_handler(self.accelerator, self.turbo_config.distributed)
+        dynamic = self.turbo_config.compile.dynamic
+        if self.args.torch_compile and dynamic is not None:
+            # TrainingArguments has no dynamic-shapes argument; accelerate's plugin compiles
+            # with this one. Varying lengths compiled dynamic do not recompile per length.
+            self.accelerator.state.dynamo_plugin.dynamic = dynamic
 
     def get_train_dataloader(self) -> DataLoader:
         if not self.turbo_config.data.bucketing or self.train_dataset is None:

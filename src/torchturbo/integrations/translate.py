@@ -143,7 +143,13 @@ def _hf_compile(config: TurboConfig, kwargs: dict[str, Any], notes: dict[str, st
         notes[_key("compile", "fullgraph")] = "not carried: Trainer compiles with fullgraph=False"
     if compile_.dynamic is not None:
         notes[_key("compile", "dynamic")] = (
-            f"{compile_.dynamic} not carried: Trainer lets torch decide dynamic shapes"
+            f"{compile_.dynamic}: applied by TurboTrainer (accelerate's dynamo plugin); a plain "
+            "Trainer lets torch decide dynamic shapes"
+        )
+    if compile_.cache_dir:
+        notes[_key("compile", "cache_dir")] = (
+            f"{compile_.cache_dir!r}: loaded by TurboTrainer (TORCHINDUCTOR_CACHE_DIR); with a "
+            "plain Trainer, set that variable to this folder"
         )
 
 

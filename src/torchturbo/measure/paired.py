@@ -68,8 +68,8 @@ def paired_rounds(
     while len(rounds) < max_rounds:
         reference_first = len(rounds) % 2 == 0
         first, second = (reference, candidate) if reference_first else (candidate, reference)
-        first_s = _block(first.step, steps_per_round, device, clock)
-        second_s = _block(second.step, steps_per_round, device, clock)
+        first_s = time_block(first.step, steps_per_round, device, clock)
+        second_s = time_block(second.step, steps_per_round, device, clock)
         rounds.append(
             Round(
                 reference_s=first_s if reference_first else second_s,
@@ -83,9 +83,10 @@ def paired_rounds(
     return rounds
 
 
-def _block(
+def time_block(
     step: Callable[[], Any], steps: int, device: torch.device, clock: Callable[[], float]
 ) -> float:
+    """Seconds per step of ``steps`` calls of ``step``, the device synchronized around them."""
     sync(device)
     begin = clock()
     for _ in range(steps):

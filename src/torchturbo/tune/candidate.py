@@ -14,14 +14,17 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from torchturbo.bench import start_trial
+import torch
+
+from torchturbo.bench import Trial, start_trial
 from torchturbo.distributed.consensus import agree, any_rank
 from torchturbo.facts import shape_key
 from torchturbo.measure.timing import time_once
+from torchturbo.techniques.compile import compiled_graphs
 from torchturbo.tune import batching
 from torchturbo.tune.budget import candidate_seconds, compile_seconds, confirm_seconds
 from torchturbo.tune.compare import Measured, batch_cycle, compare, steps_per_round
-from torchturbo.tune.decide import MIN_ROUNDS, break_even_steps, judge, loss_parity
+from torchturbo.tune.decide import MIN_ROUNDS, job_times, judge, loss_parity
 from torchturbo.tune.outcome import Outcome, State
 from torchturbo.tune.stages import Candidate
 from torchturbo.tune.state import (
@@ -32,6 +35,10 @@ from torchturbo.tune.state import (
     Incumbent,
     Run,
 )
+
+#: A compile from inductor's warm cache against a cold one, rounded up from the 0.08-0.13x
+#: measured (docs/techniques/compile.md): what re-timing a compiled candidate's first steps costs.
+WARM_CACHE_SHARE = 0.25
 
 
 @dataclass(frozen=True)
@@ -53,6 +60,10 @@ def estimate(run: Run, candidate: Candidate, best: Incumbent) -> Estimate:
     fixed = run.build_s + compile_s + (1 + WARM_STEPS) * step + step  # + the memory probe
     if compiles:
         fixed += (NUM_BATCHES - 1) * step  # one pass over every batch shape: recompiles
+        if run.options.compile_cache_dir:
+            # The warm-cache first steps timed again (_warm_cache_one_time): measured at
+            # 0.08-0.13x of a cold compile on a 2-core CPU (benchmarks/compile_cache.py).
+            fixed += WARM_CACHE_SHARE * compile_s + NUM_BATCHES * step
     return Estimate(
         min_s=candidate_seconds(fixed, per_round, MIN_ROUNDS, best_step, step),
         typical_s=candidate_seconds(fixed, per_round, MIN_ROUNDS + 2, best_step, step),
@@ -118,6 +129,7 @@ def try_candidate(
     error: Exception | None = None
     try:
         batches = batching.candidate_batches(run.recipe, candidate, best.trial.batches, NUM_BATCHES)
+        graphs_before = compiled_graphs()
         trial, first = start_trial(
             candidate.recipe or run.recipe, candidate.config, batches, run.clock
         )
@@ -144,6 +156,11 @@ def try_candidate(
         memory_bytes = trial.memory_footprint()[0]
         warm_steps = 1 + (shapes - 1 if cost.compile_s else 0)
         one_time = max(0.0, first + warm - warm_steps * (trial.step_seconds or 0.0))
+        graphs = _graphs_since(graphs_before) if cost.compile_s else None
+        cold_one_time = None
+        if cost.compile_s and run.options.compile_cache_dir:
+            cold_one_time = one_time
+            one_time = _warm_cache_one_time(run, trial, shapes, best)
     except Exception as err:  # a technique that fails on this model is a finding, not a crash
         error = err
     if any_rank(error is not None, run.device):
@@ -157,17 +174,48 @@ def try_candidate(
     assert trial is not None
     curve = batching.window_losses(trial.loss_curve(), candidate.config.accumulation.steps)
     outcome = agree(
-        _judged(run, stage, candidate, measured, curve, memory_bytes, one_time, fit_memory)
+        _judged(run, stage, candidate, measured, curve, memory_bytes, one_time, best, fit_memory)
     )
+    if graphs is not None:  # recompiles are a one-time cost the job pays too: say how many
+        outcome = dataclasses.replace(
+            outcome, reason=f"{outcome.reason}; {graphs} graph(s) compiled for {shapes} shape(s)"
+        )
     outcome = dataclasses.replace(
-        outcome, estimate_s=cost.min_s, comm_bytes_per_step=(trial.comm_per_step() or (None,))[0]
+        outcome,
+        estimate_s=cost.min_s,
+        comm_bytes_per_step=(trial.comm_per_step() or (None,))[0],
+        compiled_graphs=agree(graphs),
+        cold_one_time_s=agree(cold_one_time),
     )
     if outcome.verdict != "adopted":
         trial.close()
         return outcome, None
     return outcome, Incumbent(
-        candidate.name, candidate.config, trial, memory_bytes, candidate, outcome
+        candidate.name, candidate.config, trial, memory_bytes, candidate, outcome, one_time
     )
+
+
+def _warm_cache_one_time(run: Run, trial: Trial, shapes: int, best: Incumbent) -> float:
+    """The one-time cost of ``trial``'s compile once its cache is there, as in a job that loads
+    the cache tuning filled: dynamo's in-memory graphs are dropped (``torch.compiler.reset``),
+    and the first steps over every batch shape compile again, now from inductor's cache.
+
+    The reset drops every live trial's graphs: the other compiled ones step once, untimed, to
+    load theirs back before they are timed again."""
+    step_s = trial.step_seconds or 0.0
+    torch.compiler.reset()
+    first = sum(time_once(trial.step, run.device, run.clock) for _ in range(max(1, shapes)))
+    live = {id(i.trial): i.trial for i in (best, *run.adoptions)}
+    for other in live.values():
+        if other is not trial and other.config.compile.mode != "off":
+            for _ in range(max(1, shapes)):
+                other.step()
+    return agree(max(0.0, first - max(1, shapes) * step_s))
+
+
+def _graphs_since(before: int | None) -> int | None:
+    after = compiled_graphs()
+    return None if after is None else after - (before or 0)
 
 
 def _judged(
@@ -178,11 +226,16 @@ def _judged(
     curve: list[float],
     memory_bytes: int | None,
     one_time: float,
+    best: Incumbent,
     fit_memory: bool,
 ) -> Outcome:
     comparison = measured.comparison
-    break_even = break_even_steps(
-        one_time, comparison.reference_step_ms / 1e3, comparison.step_ms / 1e3
+    job = job_times(
+        steps=run.horizon.steps,
+        best_step_s=comparison.reference_step_ms / 1e3,
+        ratio=comparison.speed.ratio,
+        best_one_time_s=best.one_time_s,
+        one_time_s=one_time,
     )
     parity = loss_parity(run.reference_losses, curve[:PARITY_STEPS], run.options.loss_tolerance)
     verdict = judge(
@@ -190,8 +243,7 @@ def _judged(
         parity=parity,
         memory_bytes=memory_bytes,
         memory_budget=run.options.memory_budget,
-        break_even=break_even,
-        planned_steps=run.options.planned_steps,
+        job=job,
         tolerance=run.options.loss_tolerance,
         must_be_faster=not fit_memory,
     )
@@ -207,7 +259,9 @@ def _judged(
         comparison=comparison,
         memory_bytes=memory_bytes,
         one_time_s=one_time,
-        break_even_steps=None if break_even == math.inf else break_even,
+        break_even_steps=None if job.break_even == math.inf else job.break_even,
+        job_s=job.candidate_s,
+        reference_job_s=job.best_s,
         parity=parity,
         loss_curve=tuple(curve[:PARITY_STEPS]),
         expected_gain=candidate.expected_gain,

@@ -13,16 +13,16 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from torchturbo.bench import Trial
 from torchturbo.distributed.consensus import agree
-from torchturbo.measure.paired import Round, Side, paired_rounds
+from torchturbo.measure.paired import Round, Side, paired_rounds, time_block
 from torchturbo.recipe import Recipe
-from torchturbo.tune.decide import estimate
+from torchturbo.tune.decide import MIN_ROUNDS, RatioEstimate, estimate
 from torchturbo.tune.outcome import Comparison
 
 #: A timed block should last at least this long, so that timer and scheduler jitter (~1 ms)
@@ -122,20 +122,126 @@ def compare(
     )
     rounds = agree(rounds)
     speed = estimate([r.ratio for r in rounds], final=True)
-    reference.step_seconds = statistics.median(r.reference_s for r in rounds)
-    candidate.step_seconds = statistics.median(r.candidate_s for r in rounds)
+    # Geometric means of the same rounds the ratio is the geometric mean of: the throughputs
+    # shown divide to the ratio shown, exactly (medians of each side need not).
+    reference.step_seconds = geometric_mean(r.reference_s for r in rounds)
+    candidate.step_seconds = geometric_mean(r.candidate_s for r in rounds)
     comparison = Comparison(
         against=against,
         speed=speed,
         steps_per_round=per_round,
         step_ms=candidate.step_seconds * 1e3,
         reference_step_ms=reference.step_seconds * 1e3,
-        throughput=statistics.median(r.candidate_count / r.candidate_s for r in rounds),
-        reference_throughput=statistics.median(r.reference_count / r.reference_s for r in rounds),
+        throughput=geometric_mean(r.candidate_count / r.candidate_s for r in rounds),
+        reference_throughput=geometric_mean(r.reference_count / r.reference_s for r in rounds),
         step_samples_ms=tuple(r.candidate_s * 1e3 for r in rounds),
         ratios=tuple(r.ratio for r in rounds),
     )
     return Measured(comparison, cut_short)
+
+
+def geometric_mean(values: Iterable[float]) -> float:
+    return statistics.geometric_mean(list(values))
+
+
+@dataclass(frozen=True)
+class Chained:
+    """Several configs timed in the same rounds: each one's figures, and each one's ratio to
+    the config before it (``rows[0]`` is the first config, with no ratio)."""
+
+    rows: tuple[Comparison | None, ...]
+    #: The last config against the first, from the same rounds.
+    overall: Measured
+    #: Each config's throughput in each round.
+    throughputs: tuple[tuple[float, ...], ...]
+
+
+def compare_chain(
+    trials: Sequence[Trial],
+    names: Sequence[str],
+    *,
+    device: torch.device,
+    max_rounds: int,
+    may_continue: Callable[[float], bool],
+    min_rounds: int = MIN_ROUNDS,
+    settle_rounds: int = 1,
+    decided: Callable[[RatioEstimate], bool] | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+) -> Chained:
+    """Time every trial in the same rounds (the order reversing from round to round, so drift
+    hits all alike) until the last against the first is decided, like :func:`compare`.
+
+    One measurement gives every figure: a config's throughput over the previous one's is its
+    ratio, so an incremental table built from it reproduces its ratios by division, and the
+    last row over the first is the overall ratio. ``decided(estimate)`` (default: the
+    estimate's decision is not "undecided") says when the last against the first needs no more
+    rounds."""
+    step_s = min(s for s in (*(t.step_seconds for t in trials), math.inf) if s)
+    cycle = batch_cycle(trials[0].recipe, *(len(t.batches) for t in trials))
+    per_round = agree(steps_per_round(step_s, cycle))
+    for trial in trials[:-1]:
+        trial.align_with(trials[-1])
+    seconds: list[list[float]] = [[] for _ in trials]
+    counts: list[list[float]] = [[] for _ in trials]
+    cut_short = False
+    while True:
+        order = range(len(trials)) if len(seconds[0]) % 2 == 0 else reversed(range(len(trials)))
+        for i in order:
+            seconds[i].append(time_block(trials[i].step, per_round, device, clock))
+            counts[i].append(trials[i].recent_count(per_round) / per_round)
+        rounds = len(seconds[0])
+        ratios = [_ratio(counts, seconds, -1, 0, r) for r in range(rounds)]
+        done = rounds >= min_rounds and (decided or _decision_made)(estimate(ratios))
+        next_s = 1.5 * per_round * sum(max(s[-3:]) for s in seconds)
+        out_of_time = not done and min_rounds <= rounds and not may_continue(next_s)
+        if done and rounds < settle_rounds:
+            done = not may_continue(next_s)
+        done, out_of_time = agree((done, out_of_time))
+        if done or out_of_time or rounds >= max_rounds:
+            cut_short = out_of_time
+            break
+    seconds, counts = agree((seconds, counts))
+    throughputs = tuple(
+        tuple(c / s for c, s in zip(count, secs, strict=True))
+        for count, secs in zip(counts, seconds, strict=True)
+    )
+    rows: list[Comparison | None] = [None]
+    for i in range(1, len(trials)):
+        rows.append(_chain_row(names[i - 1], i - 1, i, seconds, throughputs, per_round))
+    overall = _chain_row(names[0], 0, len(trials) - 1, seconds, throughputs, per_round)
+    for trial, secs in zip(trials, seconds, strict=True):
+        trial.step_seconds = geometric_mean(secs)
+    return Chained(tuple(rows), Measured(overall, cut_short), throughputs)
+
+
+def _decision_made(speed: RatioEstimate) -> bool:
+    return speed.decision != "undecided"
+
+
+def _ratio(counts: list[list[float]], seconds: list[list[float]], i: int, j: int, r: int) -> float:
+    return (counts[i][r] / seconds[i][r]) / (counts[j][r] / seconds[j][r])
+
+
+def _chain_row(
+    against: str,
+    reference: int,
+    candidate: int,
+    seconds: list[list[float]],
+    throughputs: tuple[tuple[float, ...], ...],
+    per_round: int,
+) -> Comparison:
+    ratios = [c / r for c, r in zip(throughputs[candidate], throughputs[reference], strict=True)]
+    return Comparison(
+        against=against,
+        speed=estimate(ratios, final=True),
+        steps_per_round=per_round,
+        step_ms=geometric_mean(seconds[candidate]) * 1e3,
+        reference_step_ms=geometric_mean(seconds[reference]) * 1e3,
+        throughput=geometric_mean(throughputs[candidate]),
+        reference_throughput=geometric_mean(throughputs[reference]),
+        step_samples_ms=tuple(s * 1e3 for s in seconds[candidate]),
+        ratios=tuple(ratios),
+    )
 
 
 def _side(trial: Trial) -> Side:

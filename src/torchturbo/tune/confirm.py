@@ -21,55 +21,98 @@ from torchturbo.config import TurboConfig
 from torchturbo.distributed.consensus import agree
 from torchturbo.tune import batching
 from torchturbo.tune.budget import CONFIRM_ROUNDS
-from torchturbo.tune.compare import Measured, compare
-from torchturbo.tune.decide import MIN_ROUNDS, describe, estimate
-from torchturbo.tune.outcome import Confirmation
+from torchturbo.tune.compare import Measured, compare, compare_chain
+from torchturbo.tune.decide import MIN_ROUNDS, describe
+from torchturbo.tune.outcome import Comparison, Confirmation
 from torchturbo.tune.state import NUM_BATCHES, REPORT_S, WARM_STEPS, Incumbent, Run
 
 BASELINE = "fp32 eager"
 
 
 def confirm(run: Run, baseline: Incumbent, best: Incumbent) -> tuple[Confirmation, Incumbent]:
-    """The confirmation and the config to keep (``best``, a reduced one, or the baseline)."""
+    """The confirmation and the config to keep (``best``, a reduced one, or the baseline).
+
+    The baseline and every adoption's trial are timed in the same rounds (``compare_chain``):
+    the incremental table is that one measurement, so each row's throughput over the row above
+    is its ratio, and its last row over its first is the confirmed ratio."""
     if best is baseline or not run.adoptions:
         return Confirmation(state="not needed", comparison=None), baseline
-    alone = _against_baseline(run, baseline, best.trial)
-    measured = _pooled(run, alone)
-    speed = measured.comparison.speed
-    pooled = speed.rounds - alone.comparison.speed.rounds
-    if speed.decision == "faster":
-        note = f"pooled with the search's {pooled} rounds of the same comparison" if pooled else ""
-        return Confirmation(state="confirmed", comparison=measured.comparison, note=note), best
+    steps = _chain_steps(run, baseline)
     searched = math.prod(
         a.outcome.comparison.speed.ratio
         for a in run.adoptions
         if a.outcome is not None and a.outcome.comparison is not None
     )
+    chained = compare_chain(
+        [trial for _, _, trial in steps],
+        [name for name, _, _ in steps],
+        device=run.device,
+        max_rounds=run.options.max_rounds,
+        may_continue=lambda seconds: run.budget.left() - REPORT_S >= seconds,
+        settle_rounds=CONFIRM_ROUNDS,
+        # Rounds go on until the search is confirmed or contradicted (or time and rounds run
+        # out): "not faster, but not contradicting either" is not an answer worth stopping at.
+        decided=lambda speed: (
+            speed.decision == "faster" or speed.plausible_high < max(searched, 1.0)
+        ),
+        clock=run.clock,
+    )
+    measured = chained.overall
+    rows = tuple(
+        _row(name, stage, trial, comparison)
+        for (name, stage, trial), comparison in zip(steps, chained.rows, strict=True)
+    )
+    rows[0]["throughput"] = rows[1]["reference_throughput"]
+    speed = measured.comparison.speed
+    if speed.decision == "faster":
+        return Confirmation(state="confirmed", comparison=measured.comparison, rows=rows), best
     if speed.plausible_high >= max(searched, 1.0):
         note = (
             f"the search measured {searched:.2f}x; the confirmation does not contradict it but "
             f"could not decide it in {speed.rounds} rounds on this machine: rerun when it is "
             "quieter, or with a larger budget, to confirm"
         )
-        return Confirmation(state="consistent", comparison=measured.comparison, note=note), best
-    best.trial.close()
+        return (
+            Confirmation(state="consistent", comparison=measured.comparison, note=note, rows=rows),
+            best,
+        )
     return _drop(run, baseline, measured)
 
 
-def _pooled(run: Run, measured: Measured) -> Measured:
-    """With one adoption, measured against the baseline itself, the confirmation times the same
-    two configs on the same batches again: its rounds and the search's are one sample, and
-    deciding on all of them beats deciding on the confirmation's few alone."""
-    adoption = run.adoptions[0].outcome if len(run.adoptions) == 1 else None
-    search = adoption.comparison if adoption is not None else None
-    if search is None or search.against != BASELINE or not search.ratios:
-        return measured
-    ratios = search.ratios + measured.comparison.ratios
-    speed = estimate(list(ratios), final=True)
-    return dataclasses.replace(
-        measured,
-        comparison=dataclasses.replace(measured.comparison, speed=speed, ratios=ratios),
-    )
+def _chain_steps(run: Run, baseline: Incumbent) -> list[tuple[str, str, Trial]]:
+    """(name, stage, trial) of the baseline and each adoption; adoptions replayed from a
+    previous run share one rebuilt trial and make one row."""
+    steps: list[tuple[str, str, Trial]] = [(f"baseline ({BASELINE})", "", baseline.trial)]
+    for adoption in run.adoptions:
+        stage = adoption.outcome.stage if adoption.outcome is not None else ""
+        if steps[-1][2] is adoption.trial:
+            name, stages, trial = steps[-1]
+            steps[-1] = (f"{name} + {adoption.name}", f"{stages}, {stage}", trial)
+        else:
+            steps.append((f"+ {adoption.name}", stage, adoption.trial))
+    return steps
+
+
+def _row(name: str, stage: str, trial: Trial, comparison: Comparison | None) -> dict[str, Any]:
+    """One row of the incremental table: a config's figures from the chained measurement."""
+    row: dict[str, Any] = {"name": name, "stage": stage}
+    if comparison is None:  # the first row: its figures are the reference side of the next
+        row.update(step_ms=(trial.step_seconds or math.nan) * 1e3)
+        return row
+    row.update(comparison.to_dict())
+    return row
+
+
+def _pair_rows(name: str, measured: Measured) -> tuple[dict[str, Any], ...]:
+    """The incremental table of a pairwise confirmation: the baseline, then the kept config."""
+    c = measured.comparison
+    first = {
+        "name": f"baseline ({BASELINE})",
+        "stage": "",
+        "step_ms": c.reference_step_ms,
+        "throughput": c.reference_throughput,
+    }
+    return first, {"name": f"+ {name}", "stage": "", **c.to_dict()}
 
 
 def _against_baseline(run: Run, baseline: Incumbent, trial: Trial) -> Measured:
@@ -125,7 +168,10 @@ def _drop(run: Run, baseline: Incumbent, failed: Measured) -> tuple[Confirmation
         note = f"{lead}, and {why}: keeping {BASELINE}"
         return (
             Confirmation(
-                state="reverted", comparison=failed.comparison, dropped=tuple(names), note=note
+                state="reverted",
+                comparison=failed.comparison,
+                dropped=tuple(names),
+                note=note,
             ),
             baseline,
         )
@@ -152,7 +198,11 @@ def _drop(run: Run, baseline: Incumbent, failed: Measured) -> tuple[Confirmation
         f"{lead}; re-measured alone, {', '.join(held)} held and {', '.join(dropped)} were dropped"
     )
     return Confirmation(
-        state="dropped", comparison=measured.comparison, dropped=dropped, note=note
+        state="dropped",
+        comparison=measured.comparison,
+        dropped=dropped,
+        note=note,
+        rows=_pair_rows(kept.name, measured),
     ), kept
 
 

@@ -17,9 +17,10 @@ heavy-tailed and outlier-ridden timing noise alike (tests/test_decide.py simulat
 
 A measured candidate replaces the current best only when it is faster (as above), its loss over
 the first steps (same initial weights, same batches) is finite and within ``loss_tolerance`` of
-the fp32 baseline's, its memory fits the budget when one is given, and its one-time cost
-(compilation) pays for itself within the planned run. Keeping these apart from the measuring lets
-the tests drive them with injected numbers.
+the fp32 baseline's, its memory fits the budget when one is given, and the planned job is
+faster with it: its one-time costs (compile, recompiles, first-step warm-up) plus planned steps
+x its step time beat the same sum of the current best (``job_times``). Keeping these apart from
+the measuring lets the tests drive them with injected numbers.
 """
 
 from __future__ import annotations
@@ -161,12 +162,44 @@ def loss_parity(reference: Sequence[float], candidate: Sequence[float], toleranc
     return Parity(ref, got, diff, finite, finite and diff <= tolerance)
 
 
-def break_even_steps(one_time_s: float, best_step_s: float, candidate_step_s: float) -> float:
-    """Steps after which a one-time cost is repaid by a faster step; inf if never."""
-    saving = best_step_s - candidate_step_s
+def break_even_steps(one_time_s: float, best_step_s: float, ratio: float) -> float:
+    """Steps after which ``one_time_s`` more of one-time cost is repaid by a candidate
+    ``ratio`` times the best's throughput, whose steps take ``best_step_s``; inf if never."""
     if one_time_s <= 0:
         return 0.0
+    saving = best_step_s * (1 - 1 / ratio) if ratio > 0 else -math.inf
     return one_time_s / saving if saving > 0 else math.inf
+
+
+@dataclass(frozen=True)
+class Job:
+    """Seconds the planned job takes with the current best and with a candidate: each side's
+    one-time costs plus planned steps x its step time (the candidate's step is the best's over
+    the throughput ratio, so that it does the same work when its batches differ)."""
+
+    steps: int
+    best_s: float
+    candidate_s: float
+    extra_one_time_s: float
+    break_even: float
+
+    @property
+    def faster(self) -> bool:
+        return self.candidate_s < self.best_s
+
+
+def job_times(
+    *, steps: int, best_step_s: float, ratio: float, best_one_time_s: float, one_time_s: float
+) -> Job:
+    """The planned job of ``steps`` steps timed both ways (see :class:`Job`)."""
+    extra = one_time_s - best_one_time_s
+    return Job(
+        steps=steps,
+        best_s=best_one_time_s + steps * best_step_s,
+        candidate_s=one_time_s + steps * best_step_s / ratio,
+        extra_one_time_s=extra,
+        break_even=break_even_steps(extra, best_step_s, ratio),
+    )
 
 
 @dataclass(frozen=True)
@@ -187,8 +220,7 @@ def judge(
     parity: Parity,
     memory_bytes: int | None,
     memory_budget: int | None,
-    break_even: float,
-    planned_steps: int,
+    job: Job,
     tolerance: float,
     must_be_faster: bool = True,
 ) -> Verdict:
@@ -217,17 +249,24 @@ def judge(
         )
     if speed.decision != "faster":
         return Verdict(False, f"not faster: {describe(speed)} {_why_not(speed)}")
-    if break_even > planned_steps:
+    if not job.faster:
         return Verdict(
             False,
-            f"does not pay back: one-time cost needs {break_even:,.0f} steps, "
-            f"{planned_steps:,} planned",
+            f"does not pay back: {describe(speed)} faster per step, but "
+            f"{job.extra_one_time_s:.1f} s more one-time cost needs {_steps(job.break_even)}; "
+            f"the {job.steps:,}-step job takes {job.candidate_s:.1f} s with it, "
+            f"{job.best_s:.1f} s without",
         )
     return Verdict(
         True,
-        f"{describe(speed)} faster, loss within {100 * parity.relative_diff:.1f}% of fp32, "
-        f"pays back after {break_even:,.0f} steps",
+        f"{describe(speed)} faster, loss within {100 * parity.relative_diff:.1f}% of fp32; "
+        f"the {job.steps:,}-step job {job.best_s:.1f} s -> {job.candidate_s:.1f} s "
+        f"(pays back after {_steps(job.break_even)})",
     )
+
+
+def _steps(break_even: float) -> str:
+    return "never" if break_even == math.inf else f"{break_even:,.0f} steps"
 
 
 def _why_not(speed: RatioEstimate) -> str:

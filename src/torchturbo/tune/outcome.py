@@ -16,7 +16,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from torchturbo.tune.decide import Parity, RatioEstimate
+from torchturbo.tune.decide import Parity, RatioEstimate, job_times
 
 #: "reference" is the baseline's row: what every other config is measured against.
 State = Literal["reference", "adopted", "rejected", "not measured", "not applicable"]
@@ -74,6 +74,15 @@ class Outcome:
     memory_bytes: int | None = None
     one_time_s: float | None = None
     break_even_steps: float | None = None
+    #: Seconds of the planned job with this candidate and with the best it was measured against
+    #: (one-time costs + planned steps x step time, ``decide.job_times``).
+    job_s: float | None = None
+    reference_job_s: float | None = None
+    #: The cold compile's one-time seconds, when ``one_time_s`` is the warm-cache cost (the
+    #: job loads the compile cache tuning filled); None otherwise.
+    cold_one_time_s: float | None = None
+    #: Graphs torch.compile built while it was measured (1 = no recompile); None: not compiled.
+    compiled_graphs: int | None = None
     parity: Parity | None = None
     comm_bytes_per_step: int | None = None
     #: Per optimizer step losses of the candidate's first steps.
@@ -102,6 +111,10 @@ class Outcome:
             "memory_bytes": self.memory_bytes,
             "one_time_s": self.one_time_s,
             "break_even_steps": self.break_even_steps,
+            "job_s": self.job_s,
+            "reference_job_s": self.reference_job_s,
+            "compiled_graphs": self.compiled_graphs,
+            "cold_one_time_s": self.cold_one_time_s,
             "parity": None if self.parity is None else dataclasses.asdict(self.parity),
             "comm_bytes_per_step": self.comm_bytes_per_step,
             "loss_curve": list(self.loss_curve),
@@ -169,6 +182,10 @@ def outcome_from_dict(row: dict[str, Any]) -> Outcome:
         memory_bytes=row.get("memory_bytes"),
         one_time_s=row.get("one_time_s"),
         break_even_steps=row.get("break_even_steps"),
+        job_s=row.get("job_s"),
+        reference_job_s=row.get("reference_job_s"),
+        compiled_graphs=row.get("compiled_graphs"),
+        cold_one_time_s=row.get("cold_one_time_s"),
         parity=None if parity is None else Parity(**parity),
         comm_bytes_per_step=row.get("comm_bytes_per_step"),
         loss_curve=tuple(row.get("loss_curve") or ()),
@@ -198,6 +215,9 @@ class Confirmation:
     comparison: Comparison | None
     dropped: tuple[str, ...] = ()
     note: str = ""
+    #: The incremental table: the baseline, then each kept adoption, every figure from the
+    #: confirmation's own rounds (a row's ratio is its throughput over the row above's).
+    rows: tuple[dict[str, Any], ...] = ()
 
     @property
     def ratio(self) -> float:
@@ -208,6 +228,7 @@ class Confirmation:
             "state": self.state,
             "dropped": list(self.dropped),
             "note": self.note,
+            "rows": list(self.rows),
             **(_empty_comparison() if self.comparison is None else self.comparison.to_dict()),
         }
 
@@ -236,6 +257,13 @@ class TuneResult:
     memory_budget_bytes: int | None
     planned_steps: int
     loss_tolerance: float
+    #: Who set ``planned_steps`` ("the Trainer's max_steps=500", "--planned-steps") and whether
+    #: it is an assumption (nothing said how long the job is).
+    planned_steps_source: str = ""
+    planned_steps_assumed: bool = False
+    #: One-time seconds (first steps beyond steady ones) of the baseline and of the chosen config.
+    baseline_one_time_s: float = 0.0
+    best_one_time_s: float = 0.0
     #: Seconds the candidates left unmeasured for lack of time were estimated to need.
     unmeasured_s: float
     #: The results.json a resumed run took candidates from; None for a fresh run.
@@ -246,6 +274,29 @@ class TuneResult:
     loss_curves: dict[str, list[float]]
     system: dict[str, str]
     fingerprint: dict[str, Any] = field(default_factory=dict)
+
+    def job(self) -> dict[str, Any]:
+        """The planned job timed with fp32 eager and with the chosen config: one-time costs plus
+        planned steps x step time, step times from the confirmation's rounds when there was one
+        (the chosen config's step is the baseline's over the confirmed ratio: same work)."""
+        c = self.confirmation.comparison
+        step_s = (c.reference_step_ms if c is not None else self.baseline_step_ms) / 1e3
+        job = job_times(
+            steps=self.planned_steps,
+            best_step_s=step_s,
+            ratio=self.confirmation.ratio,
+            best_one_time_s=self.baseline_one_time_s,
+            one_time_s=self.best_one_time_s if c is not None else self.baseline_one_time_s,
+        )
+        return {
+            "steps": self.planned_steps,
+            "source": self.planned_steps_source,
+            "assumed": self.planned_steps_assumed,
+            "baseline_s": job.best_s,
+            "best_s": job.candidate_s,
+            "baseline_one_time_s": self.baseline_one_time_s,
+            "best_one_time_s": self.best_one_time_s if c is not None else self.baseline_one_time_s,
+        }
 
     def to_dict(self) -> dict[str, Any]:
         confirmation = self.confirmation.comparison
@@ -258,7 +309,12 @@ class TuneResult:
             "torch": self.torch,
             "date": self.date,
             "unit": self.unit,
-            "baseline_throughput": self.baseline_throughput,
+            # From the confirmation's rounds when there was one, as the tables are.
+            "baseline_throughput": (
+                self.baseline_throughput
+                if confirmation is None
+                else confirmation.reference_throughput
+            ),
             "best_throughput": (
                 self.baseline_throughput if confirmation is None else confirmation.throughput
             ),
@@ -268,6 +324,9 @@ class TuneResult:
             "elapsed_s": self.elapsed_s,
             "memory_budget_bytes": self.memory_budget_bytes,
             "planned_steps": self.planned_steps,
+            "planned_steps_source": self.planned_steps_source,
+            "planned_steps_assumed": self.planned_steps_assumed,
+            "job": self.job(),
             "loss_tolerance": self.loss_tolerance,
             "candidates": [baseline, *(c.to_dict() for c in self.candidates)],
             "adopted": list(self.adopted),

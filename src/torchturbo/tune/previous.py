@@ -21,6 +21,7 @@ from torchturbo.data.length import length_or_none
 from torchturbo.distributed.launch import current_env
 from torchturbo.recipe import Recipe
 from torchturbo.system import cpu_model
+from torchturbo.tune.horizon import horizon
 from torchturbo.tune.outcome import Outcome, outcome_from_dict
 
 if TYPE_CHECKING:
@@ -44,7 +45,7 @@ def fingerprint(
         "torchturbo": torchturbo.__version__,
         "memory_budget": options.memory_budget,
         "loss_tolerance": options.loss_tolerance,
-        "planned_steps": options.planned_steps,
+        "planned_steps": horizon(recipe, options.planned_steps).steps,
     }
 
 

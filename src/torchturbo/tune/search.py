@@ -48,6 +48,7 @@ from torchturbo.measure.breakdown import PhaseRecorder
 from torchturbo.measure.timing import time_once
 from torchturbo.recipe import Recipe
 from torchturbo.system import summary
+from torchturbo.techniques.compile import compile_cache
 from torchturbo.tune import batching
 from torchturbo.tune.budget import Budget
 from torchturbo.tune.candidate import estimate, try_candidate
@@ -107,6 +108,24 @@ def tune(
     ``clock`` is what the budget is counted on.
     """
     options = options or TuneOptions()
+    with compile_cache(options.compile_cache_dir):
+        config, result = _tune(
+            recipe, options, stages, on_progress, previous, previous_source, clock
+        )
+    if config.compile.mode != "off" and options.compile_cache_dir:
+        config = config.replace(compile__cache_dir=options.compile_cache_dir)
+    return config, result
+
+
+def _tune(
+    recipe: Recipe,
+    options: TuneOptions,
+    stages: Mapping[str, Stage] | None,
+    on_progress: Callable[[str, str, float], None] | None,
+    previous: Mapping[str, Any] | Sequence[tuple[Mapping[str, Any], str]] | None,
+    previous_source: str,
+    clock: Callable[[], float],
+) -> tuple[TurboConfig, TuneResult]:
     selected = select_stages(stages or STAGES, options)
     budget = Budget(options.time_budget_s, clock)
     device = resolve_device(options.device or "auto")
@@ -119,11 +138,13 @@ def tune(
     build_s = max(0.0, clock() - begin - first)
     baseline = Incumbent("fp32 eager", base_config, trial, None)
     best = baseline
+    adoptions: list[Incumbent] = []
     try:
         phases = PhaseRecorder(device)
         with trial.turbo.recording(phases):
             steps = [time_once(trial.step, device, clock) for _ in range(PARITY_STEPS - 1)]
         trial.step_seconds = agree(statistics.median(steps))
+        baseline.one_time_s = max(0.0, agree(first) - trial.step_seconds)
         baseline.memory_bytes = agree(trial.memory_footprint()[0])
         say("facts", "GEMM rates per precision, padding, FLOPs", budget.left())
         run = Run(
@@ -137,6 +158,7 @@ def tune(
             build_s=agree(build_s),
             baseline_step_s=trial.step_seconds,
             reference_losses=trial.loss_curve()[:PARITY_STEPS],
+            adoptions=adoptions,
         )
         parameters = sum(p.numel() for p in trial.model.parameters())
         current = fingerprint(recipe, options, device, parameters)
@@ -161,8 +183,9 @@ def tune(
             raise TuneInterrupted(_partial(run, current, reuse)) from interrupt
         result = _result(run, baseline, best, confirmation, loader, reuse, reuse_note, current)
     finally:
-        for incumbent in {id(baseline): baseline, id(best): best}.values():
-            incumbent.trial.close()
+        live = {id(i.trial): i.trial for i in (baseline, best, *adoptions)}
+        for live_trial in live.values():
+            live_trial.close()
     return best.config, result
 
 
@@ -245,6 +268,7 @@ def _replay(run: Run, reuse: Previous | None, baseline: Incumbent) -> Incumbent:
         adopted = TurboConfig.from_dict(outcome.config)
         run.adoptions.append(Incumbent(outcome.name, adopted, trial, None, outcome=outcome))
     best = Incumbent(last.name, config, trial, agree(trial.memory_footprint()[0]), outcome=last)
+    best.one_time_s = last.one_time_s or 0.0
     run.adoptions[-1] = best
     # Only now: a rebuild interrupted before this keeps them through _partial, adoptions too.
     run.outcomes.extend(reuse.outcomes)
@@ -265,8 +289,8 @@ def _search(
         outcome, incumbent = try_candidate(run, stage, candidate, best, over and stage == "memory")
         run.outcomes.append(outcome)
         if incumbent is not None:
-            if best is not baseline:
-                best.trial.close()
+            # The superseded best stays alive: the confirmation times every adoption again
+            # in the same rounds, which is what the incremental table shows.
             run.adoptions.append(incumbent)
             best = incumbent
     return best
@@ -373,6 +397,7 @@ def _result(
             verdict="reference",
             reason="the reference every candidate is measured against",
             memory_bytes=baseline.memory_bytes,
+            one_time_s=baseline.one_time_s,
             comm_bytes_per_step=(baseline.trial.comm_per_step() or (None,))[0],
             loss_curve=tuple(run.reference_losses),
         ),
@@ -386,7 +411,11 @@ def _result(
         time_budget_s=run.options.time_budget_s,
         elapsed_s=run.budget.elapsed(),
         memory_budget_bytes=run.options.memory_budget,
-        planned_steps=run.options.planned_steps,
+        planned_steps=run.horizon.steps,
+        planned_steps_source=run.horizon.source,
+        planned_steps_assumed=run.horizon.assumed,
+        baseline_one_time_s=baseline.one_time_s,
+        best_one_time_s=best.one_time_s,
         loss_tolerance=run.options.loss_tolerance,
         unmeasured_s=sum(o.estimate_s or 0.0 for o in candidates if o.verdict == "not measured"),
         reused_from=None if reuse is None else reuse.source,

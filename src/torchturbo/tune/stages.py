@@ -144,8 +144,14 @@ def compile_stage(ctx: StageContext) -> list[Candidate] | str:
         # searches matmul/conv kernels. On CPU neither applies, and each compile costs minutes.
         modes += ["reduce-overhead", "max-autotune-no-cudagraphs"]
     expectation = levers.compile_(ctx.facts)
+    # Varying batch shapes (text lengths) compile once with dynamic shapes: left to torch, a
+    # new length recompiles (specialised, then dynamic), a one-time cost paid again in the job.
+    dynamic = True if ctx.facts.shapes_vary else None
     return [
-        _candidate(f"compile:{m}", ctx.best.replace(compile__mode=m), expectation) for m in modes
+        _candidate(
+            f"compile:{m}", ctx.best.replace(compile__mode=m, compile__dynamic=dynamic), expectation
+        )
+        for m in modes
     ]
 
 

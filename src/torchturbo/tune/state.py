@@ -15,6 +15,7 @@ from torchturbo.facts import Facts
 from torchturbo.recipe import Recipe
 from torchturbo.tune.budget import Budget
 from torchturbo.tune.decide import MIN_ROUNDS
+from torchturbo.tune.horizon import Horizon, horizon
 from torchturbo.tune.outcome import Outcome
 from torchturbo.tune.stages import Candidate, StageContext
 
@@ -37,18 +38,23 @@ REPORT_S = 5.0
 class TuneOptions:
     time_budget_s: float = 300.0
     memory_budget: int | None = None
-    planned_steps: int = 10_000
+    #: Steps of the real job; None: the recipe's, else an assumed horizon (``tune.horizon``).
+    planned_steps: int | None = None
     loss_tolerance: float = 0.05
     device: str | None = None
     #: Stage names to run (all when empty) and to leave out.
     only: tuple[str, ...] = ()
     skip: tuple[str, ...] = ()
     max_rounds: int = MAX_ROUNDS
+    #: Inductor's cache folder for what tuning compiles ("" leaves torch's default). When set,
+    #: the chosen config names it and the one-time cost a compile is judged on is its
+    #: warm-cache cost, which is what the job that loads this cache pays.
+    compile_cache_dir: str = ""
 
     def __post_init__(self) -> None:
         checks = {
             "time_budget_s": math.isfinite(self.time_budget_s) and self.time_budget_s > 0,
-            "planned_steps": self.planned_steps >= 1,
+            "planned_steps": self.planned_steps is None or self.planned_steps >= 1,
             "loss_tolerance": 0 < self.loss_tolerance < 1,
             "max_rounds": self.max_rounds >= MIN_ROUNDS,
         }
@@ -70,6 +76,8 @@ class Incumbent:
     #: The candidate that made it the best (None for the baseline).
     candidate: Candidate | None = None
     outcome: Outcome | None = None
+    #: Seconds its first steps took beyond steady steps: the job pays them once.
+    one_time_s: float = 0.0
 
 
 @dataclass
@@ -89,6 +97,11 @@ class Run:
     reference_losses: list[float]
     outcomes: list[Outcome] = field(default_factory=list)
     adoptions: list[Incumbent] = field(default_factory=list)
+
+    @property
+    def horizon(self) -> Horizon:
+        """The job candidates are judged for (its steps and where that figure came from)."""
+        return horizon(self.recipe, self.options.planned_steps)
 
     @property
     def clock(self) -> Callable[[], float]:

@@ -46,7 +46,48 @@ def headline(results: dict) -> str:
             if measured
             else f"Nothing was measured: keep {BASELINE_LABEL}"
         )
-    return line + _unmeasured(results)
+    return _job(results) + line + _not_paying(results) + _unmeasured(results)
+
+
+def _job(results: dict) -> str:
+    """'96 steps (the Trainer's ...): fp32 eager ~13 s, tuned ~5.6 s. ': the planned job timed
+    both ways, one-time costs included; an assumed horizon says so."""
+    job = results.get("job")
+    if not isinstance(job, dict) or num(job.get("steps")) is None:
+        return ""
+    steps = f"{fmt_int(job.get('steps'))} steps"
+    source = str(job.get("source") or "")
+    if job.get("assumed"):
+        source = "assumed, give --planned-steps or the recipe's planned_steps"
+    times = f"{BASELINE_LABEL} ~{_seconds(job.get('baseline_s'))}"
+    if num(job.get("best_s")) is not None and job.get("best_s") != job.get("baseline_s"):
+        times += f", tuned ~{_seconds(job.get('best_s'))}"
+    return f"{steps} ({source}): {times}. " if source else f"{steps}: {times}. "
+
+
+def _seconds(value: object) -> str:
+    v = num(value)
+    if v is None:
+        return "n/a"
+    if v >= 7200:
+        return f"{v / 3600:.1f} h"
+    if v >= 120:
+        return f"{v / 60:.0f} min"
+    return f"{v:.2g} s" if v < 10 else f"{v:.0f} s"
+
+
+def _not_paying(results: dict) -> str:
+    """'; compile:default not adopted: 45 s to compile, pays back after 5,911 steps'."""
+    parts = []
+    for c in _candidates(results):
+        if c.get("verdict") != "rejected" or not str(c.get("reason")).startswith("does not pay"):
+            continue
+        one_time = _seconds(c.get("one_time_s"))
+        warm = " with the compile cache" if num(c.get("cold_one_time_s")) is not None else ""
+        back = num(c.get("break_even_steps"))
+        when = "never pays back" if back is None else f"pays back after {fmt_int(back)} steps"
+        parts.append(f"{c.get('name')} not adopted: {one_time} one-time{warm}, {when}")
+    return "; " + "; ".join(parts) if parts else ""
 
 
 def _candidates(results: dict) -> list[dict]:
@@ -111,9 +152,15 @@ def budget_line(results: dict) -> str:
         f"The search took {fmt_float(results.get('elapsed_s'), 0)} s of a "
         f"{fmt_float(results.get('time_budget_s'), 0)} s budget; memory budget: "
         f"{'none' if memory_budget is None else fmt_bytes(memory_budget)}; planned run: "
-        f"{fmt_int(results.get('planned_steps'))} steps (one-time costs such as compilation are "
-        f"weighed against it); loss tolerance: {fmt_pct(results.get('loss_tolerance'))}." + reuse
+        f"{fmt_int(results.get('planned_steps'))} steps, {_source(results)} (a candidate is kept "
+        "only if the whole job, one-time costs such as compilation included, is faster); "
+        f"loss tolerance: {fmt_pct(results.get('loss_tolerance'))}." + reuse
     )
+
+
+def _source(results: dict) -> str:
+    source = str(results.get("planned_steps_source") or "source not recorded")
+    return f"assumed ({source})" if results.get("planned_steps_assumed") else f"from {source}"
 
 
 def _processes(results: dict) -> str:

@@ -35,34 +35,43 @@ INCREMENTAL_HEADERS = (
 def incremental_rows(results: dict) -> list[tuple[str, ...]]:
     """The baseline, then each adoption the confirmation kept, in the order it was adopted.
 
-    A row's ratio is the one measurement that adopted it: against the best of its time (the row
-    above), in paired rounds of one run. Ratios to the baseline are not chained here: the one
-    figure against the baseline is the confirmation's, under the table.
+    Every figure on a row comes from the confirmation, which timed all these configs in the
+    same rounds: a row's throughput over the row above's is its ratio, and the last row over
+    the first is the confirmed ratio under the table. Peak memory, one-time cost and break-even
+    are the row's adoption's (the search measured them). Without a confirmation (nothing was
+    adopted) the baseline's own measurement is the only row.
     """
+    confirmation = results.get("confirmation")
+    chained = confirmation.get("rows") if isinstance(confirmation, dict) else None
     base = baseline_candidate(results)
-    rows: list[tuple[str, ...]] = [
-        (
-            f"baseline ({BASELINE_LABEL})",
-            "",
-            fmt_rate(results.get("baseline_throughput")),
-            "",
-            fmt_float(base.get("step_ms"), 1),
-            fmt_bytes(base.get("memory_bytes")),
-            "",
-            "",
-        )
-    ]
-    for row in adopted_rows(results):
+    if not chained:
+        return [
+            (
+                f"baseline ({BASELINE_LABEL})",
+                "",
+                fmt_rate(results.get("baseline_throughput")),
+                "",
+                fmt_float(base.get("step_ms"), 1),
+                fmt_bytes(base.get("memory_bytes")),
+                fmt_float(base.get("one_time_s"), 1),
+                "",
+            )
+        ]
+    adopted = {str(c.get("name")): c for c in adopted_rows(results)}
+    rows: list[tuple[str, ...]] = []
+    for i, row in enumerate(chained):
+        names = str(row.get("name") or "").removeprefix("+ ").split(" + ")
+        search = adopted.get(names[-1], base if i == 0 else {})
         rows.append(
             (
-                f"+ {row.get('name')}",
+                str(row.get("name") or ""),
                 str(row.get("stage") or ""),
                 fmt_rate(row.get("throughput")),
-                fmt_interval(row),
+                fmt_interval(row) if i else "",
                 fmt_float(row.get("step_ms"), 1),
-                fmt_bytes(row.get("memory_bytes")),
-                fmt_float(row.get("one_time_s"), 1),
-                fmt_int(row.get("break_even_steps")),
+                fmt_bytes(search.get("memory_bytes")),
+                fmt_float(search.get("one_time_s"), 1) if i else "",
+                fmt_int(search.get("break_even_steps")) if i else "",
             )
         )
     return rows
