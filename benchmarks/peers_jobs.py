@@ -18,7 +18,7 @@ its later steps and its real (non-padding) tokens. The ways:
    ``max_steps`` is the job's length, then ``TurboTrainer`` with ``training_arguments`` and the
    written turbo.toml, exactly as docs/integrations.md says (its compile cache included).
 
-Each job's *predicted* time is its first step + (steps - 1) x its later-step median; for the
+Each job's *predicted* time is its first step + (steps - 1) x its later steps' mean; for the
 torchturbo way the tuner's own prediction (results.json ``job``) is printed beside it. A long
 job (``--long``, default 3,000 steps) is predicted from the short job's measured one-time cost
 and warm steps, not measured, unless ``--measure-long`` is given: the short job validates the
@@ -203,10 +203,13 @@ def tuned(setup: str, steps: int, budget: float, out: Path) -> tuple[Path, dict[
 
 
 def predicted(job: dict[str, Any], steps: int) -> float | None:
-    """First step + (steps - 1) x the later-step median: a job of ``steps`` from a measured one."""
+    """First step + (steps - 1) x the later steps' mean: a job of ``steps`` from a measured one.
+    The mean, not the median: length-grouped batches make step times long-tailed (a few batches
+    of long rows), and a job pays every step."""
     if job.get("later_step_s") is None:
         return None
-    return job["first_step_s"] + (steps - 1) * job["later_step_s"]
+    mean = (job["job_s"] - job["first_step_s"]) / (job["steps"] - 1)
+    return job["first_step_s"] + (steps - 1) * mean
 
 
 def measure_setup(setup: str, args: argparse.Namespace) -> dict[str, Any]:
