@@ -51,7 +51,7 @@ def cpu_stage_context(recipe, *, facts=None, **overrides):
     call one stage directly."""
     from torchturbo.config import TurboConfig
     from torchturbo.facts import Facts
-    from torchturbo.tune.stages import StageContext
+    from torchturbo.tune.proposal import StageContext
 
     neutral = dict(
         device="cpu",

@@ -64,7 +64,7 @@ def test_ctrl_c_in_tune_keeps_the_measurements_and_the_same_command_goes_on(
     tmp_path, capsys, monkeypatch
 ):
     from torchturbo.tune import search
-    from torchturbo.tune.stages import Candidate
+    from torchturbo.tune.proposal import Candidate
 
     def clipping(ctx):
         return [

@@ -21,8 +21,9 @@ from torchturbo.tune.compare import batch_cycle, compare, steps_per_round
 from torchturbo.tune.decide import MIN_ROUNDS, Verdict
 from torchturbo.tune.outcome import STATES
 from torchturbo.tune.previous import Previous
+from torchturbo.tune.proposal import Candidate
 from torchturbo.tune.search import TuneInterrupted, TuneOptions, select_stages, tune
-from torchturbo.tune.stages import STAGES, Candidate, bucket_stage, comm_hook_stage
+from torchturbo.tune.stages import STAGES, bucket_stage, comm_hook_stage
 
 
 def tiny_recipe(**overrides) -> Recipe:

@@ -22,9 +22,10 @@ from rich.console import Console
 from test_tune import tiny_recipe
 
 from torchturbo import bench
+from torchturbo.tune.proposal import Candidate
 from torchturbo.tune.report import incremental_table, write_report
 from torchturbo.tune.search import TuneOptions, tune
-from torchturbo.tune.stages import STAGES, Candidate
+from torchturbo.tune.stages import STAGES
 from torchturbo.tune.tables import incremental_rows
 
 #: Printed figures are rounded (ratios to 2 decimals, throughputs to 3-4 digits).

@@ -43,7 +43,7 @@ from torchturbo.measure.memory import activation_bytes, track_peak_memory
 from torchturbo.measure.peak import mfu, stated_peak
 from torchturbo.measure.timing import Timing, measure_interleaved, time_once
 from torchturbo.recipe import Recipe
-from torchturbo.techniques.memory_format import has_2d_convolutions
+from torchturbo.techniques.nhwc import has_2d_convolutions
 
 
 def fixed_batches(recipe: Recipe, count: int, *, seed: int | None = None) -> list[Any]:

@@ -1,7 +1,8 @@
-"""The order in which the engine applies its model transforms, in one function.
+"""The model as the engine trains it: on its device, transformed, then wrapped by the strategy.
 
-``Turbo.setup`` calls :func:`compose` once; nothing else wraps or transforms the model. Each
-step says which constraint puts it where it is; ``tests/test_engine.py`` checks the order.
+``Turbo.setup`` calls :func:`compose` once. The model transforms and their order are the
+technique registry's (``techniques/registry.compose_model``, the same function both trainer
+callbacks call); distributed wrapping is the strategy's and comes last.
 """
 
 from __future__ import annotations
@@ -13,10 +14,7 @@ from torchturbo.config import DistributedConfig, TurboConfig
 from torchturbo.distributed.comm import CommStats
 from torchturbo.distributed.normalize import Reference
 from torchturbo.distributed.strategy import Strategy
-from torchturbo.techniques.checkpointing import apply_activation_checkpointing
-from torchturbo.techniques.compile import apply_compile
-from torchturbo.techniques.float8 import apply_float8_training
-from torchturbo.techniques.memory_format import apply_channels_last
+from torchturbo.techniques import registry
 from torchturbo.techniques.result import TechniqueResult, applied, not_applied
 
 
@@ -32,28 +30,15 @@ def compose(
 ) -> tuple[nn.Module, dict[str, TechniqueResult]]:
     """The model as training runs it, and what each requested technique did.
 
-    Parameter objects are kept through steps 1-4 (all in place), so ``optimizer`` stays valid;
-    FSDP in step 5 replaces them and re-points ``optimizer`` at the shards.
+    Parameter objects are kept through the transforms (all in place), so ``optimizer`` stays
+    valid; FSDP replaces them when it wraps and re-points ``optimizer`` at the shards.
     """
-    results: dict[str, TechniqueResult] = {}
-    # 1. Device first: every later step must see the final parameter storage (DDP registers
-    #    hooks on it, FSDP shards it, compile specializes on its device).
+    # Device first: every later step must see the final parameter storage (DDP registers hooks
+    # on it, FSDP shards it, compile specializes on its device).
     model = model.to(device)
-    # float8 swaps Linear modules (keeping their parameters) before anything wraps them.
-    if config.precision.float8:
-        results["float8"] = apply_float8_training(model, device)
-    # 2. Layout before compile, so the compiled graph is traced with NHWC strides.
-    if config.memory_format.channels_last:
-        results["channels_last"] = apply_channels_last(model)
-    # 3. Checkpointing before compile: compile must see the checkpoint regions to keep them
-    #    (torch.compile traces through checkpoint and honours its recompute boundaries).
-    if config.checkpointing.mode != "off":
-        results["checkpointing"] = apply_activation_checkpointing(model, config.checkpointing)
-    # 4. Compile last among single-device transforms: it traces the model as steps 2-3 left it,
-    #    and without the collectives of step 5 (DDP's hooks would break the graph).
-    if config.compile.mode != "off":
-        results["compile"] = apply_compile(model, config.compile)
-    # 5. Distributed wrapping last: DDP builds its buckets from the final parameters and FSDP
+    # The techniques' model transforms, in the registry's order (each says why its place).
+    results = registry.compose_model(model, config, device, "engine")
+    # Distributed wrapping last: DDP builds its buckets from the final parameters and FSDP
     #    replaces them by shards, so nothing may change them afterwards.
     wrapped = strategy.wrap(model, optimizer, reference, comm_stats)
     if strategy.env.is_distributed:

@@ -3,7 +3,7 @@
 Each section validates itself in ``__post_init__`` and raises :class:`ConfigError` naming the
 field, the bad value and what is allowed, for every bad field at once. Field types are checked
 from the annotations, so a TOML file with ``steps = "4"`` fails with a message, not deep inside
-the engine; numbers are checked against the range declared beside the field (``_between``):
+the engine; numbers are checked against the range declared beside the field (``between``):
 never NaN, never infinite unless the field says so, never beyond what the code can use.
 Checks that depend on the machine or the launch (fp16 on a CPU, a CUDA index, one process with
 a ``[distributed]`` section) are :func:`check_environment`'s, run when a command loads a config.
@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
+import importlib
 import math
 import os
 import re
@@ -124,12 +126,12 @@ class Bounds:
         return allowed + f", or no key for {self.absent}" * bool(self.absent)
 
 
-def _between(default: Any, low: float, **bounds: Any) -> Any:
+def between(default: Any, low: float, **bounds: Any) -> Any:
     """A dataclass field whose numeric value must lie within :class:`Bounds` ``(low, **bounds)``."""
     return field(default=default, metadata={"bounds": Bounds(low, **bounds)})
 
 
-def _validate(section: Any, *combinations: typing.Callable[[], list[str]]) -> None:
+def validate_section(section: Any, *combinations: typing.Callable[[], list[str]]) -> None:
     """Raise one :class:`ConfigError` for every bad field of ``section``.
 
     ``combinations`` check how fields go together; they run only once every field has the
@@ -143,7 +145,7 @@ def _validate(section: Any, *combinations: typing.Callable[[], list[str]]) -> No
 
 
 def _field_problems(section: Any) -> list[str]:
-    """Type and range problems of every field, from the annotations and ``_between`` bounds."""
+    """Type and range problems of every field, from the annotations and ``between`` bounds."""
     hints = typing.get_type_hints(type(section))
     problems = []
     for f in dataclasses.fields(section):
@@ -210,7 +212,7 @@ class PrecisionConfig:
     float8: bool = False
 
     def __post_init__(self) -> None:
-        _validate(self, self._combinations)
+        validate_section(self, self._combinations)
 
     def _combinations(self) -> list[str]:
         if self.dtype == "fp16" and self.grad_scaler is False:
@@ -240,7 +242,7 @@ class MemoryFormatConfig:
     channels_last: bool = False
 
     def __post_init__(self) -> None:
-        _validate(self)
+        validate_section(self)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -252,7 +254,7 @@ class BackendConfig:
     cudnn_benchmark: bool = False
 
     def __post_init__(self) -> None:
-        _validate(self)
+        validate_section(self)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -272,7 +274,7 @@ class CompileConfig:
     cache_dir: str = ""
 
     def __post_init__(self) -> None:
-        _validate(self)
+        validate_section(self)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -288,10 +290,10 @@ class CheckpointConfig:
     #: fnmatch pattern on qualified module names, e.g. "encoder.layers.*" (selective only).
     name_pattern: str = ""
     #: Checkpoint every n-th of the chosen blocks (1 = all of them).
-    every_n: int = _between(1, 1)
+    every_n: int = between(1, 1)
 
     def __post_init__(self) -> None:
-        _validate(self, self._combinations)
+        validate_section(self, self._combinations)
 
     def _combinations(self) -> list[str]:
         chooses_nothing = not (self.module_types or self.name_pattern) and self.every_n == 1
@@ -317,10 +319,10 @@ class AccumulationConfig:
     #: count of the window, so micro-batches of different sizes give the full-batch gradient.
     #: A window also closes at the end of an epoch: ``torchturbo train`` refuses more steps than
     #: an epoch has batches, which would make every window the epoch.
-    steps: int = _between(1, 1)
+    steps: int = between(1, 1)
 
     def __post_init__(self) -> None:
-        _validate(self)
+        validate_section(self)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -329,12 +331,12 @@ class ClippingConfig:
 
     SECTION: typing.ClassVar[str] = "clipping"
     #: Clip the total gradient norm to this value; None (no key) = no clipping.
-    max_norm: float | None = _between(None, 0, low_exclusive=True, absent="no clipping")
+    max_norm: float | None = between(None, 0, low_exclusive=True, absent="no clipping")
     #: The p of the p-norm: p >= 1 (a norm), or inf for the largest absolute value.
-    norm_type: float = _between(2.0, 1, inf_allowed=True)
+    norm_type: float = between(2.0, 1, inf_allowed=True)
 
     def __post_init__(self) -> None:
-        _validate(self)
+        validate_section(self)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -349,7 +351,7 @@ class OptimizerConfig:
     implementation: OptimizerImplementation = "as_built"
 
     def __post_init__(self) -> None:
-        _validate(self)
+        validate_section(self)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -358,13 +360,13 @@ class DataConfig:
 
     SECTION: typing.ClassVar[str] = "data"
     #: Loader worker processes (0 = load in the training process).
-    num_workers: int = _between(0, 0, high=1024, why="each worker is a process")
+    num_workers: int = between(0, 0, high=1024, why="each worker is a process")
     #: Page-locked host memory for faster, asynchronous host-to-device copies (CUDA only).
     pin_memory: bool = False
     #: Keep workers alive between epochs. Needs num_workers > 0.
     persistent_workers: bool = False
     #: Batches prefetched per worker. Needs num_workers > 0; None = torch's default (2).
-    prefetch_factor: int | None = _between(
+    prefetch_factor: int | None = between(
         None, 1, high=1024, why="each prefetched batch is held in memory"
     )
     #: Host-to-device copies with non_blocking=True (asynchronous only from pinned memory).
@@ -373,12 +375,12 @@ class DataConfig:
     bucketing: bool = False
     #: Token budget per bucketed batch, padding included; None = the recipe's batch size times
     #: its mean length, so that bucketing changes padding, not the amount of work per step.
-    max_tokens: int | None = _between(None, 1)
+    max_tokens: int | None = between(None, 1)
     #: Pad sequence lengths up to a multiple of this (8 suits tensor cores).
-    pad_to_multiple: int = _between(1, 1, high=65536, why="every sequence is padded to it")
+    pad_to_multiple: int = between(1, 1, high=65536, why="every sequence is padded to it")
 
     def __post_init__(self) -> None:
-        _validate(self, self._combinations)
+        validate_section(self, self._combinations)
 
     def _combinations(self) -> list[str]:
         problems = []
@@ -410,24 +412,24 @@ class ReliabilityConfig:
 
     SECTION: typing.ClassVar[str] = "reliability"
     #: Checkpoints kept by Turbo.save; older ones are deleted once a new one is complete.
-    keep_last: int = _between(3, 1)
+    keep_last: int = between(3, 1)
     #: Halve the micro-batch and retry the step when it runs out of memory (CUDA OOM, or the
     #: budget below). False: the out-of-memory error propagates.
     auto_microbatch: bool = True
     #: Activation budget in bytes: the tensors a micro-batch keeps for backward (parameters
     #: excluded). Exceeding it counts as out of memory, on any device. None = no budget.
-    memory_budget_bytes: int | None = _between(None, 1, absent="no budget")
+    memory_budget_bytes: int | None = between(None, 1, absent="no budget")
     #: Stop after this many consecutive optimizer steps whose loss, inputs or applied gradients
     #: are non-finite (fp16 overflow that the GradScaler skips does not count). 0 = never.
-    nonfinite_patience: int = _between(3, 0)
+    nonfinite_patience: int = between(3, 0)
     #: Seconds a run stopped by SIGTERM/SIGUSR1/SIGUSR2/Ctrl-C may take to finish the step
     #: under way and save it; past them it stops at once, keeping the previous checkpoint.
     #: Set it below the scheduler's kill delay (SLURM KillWait, Kubernetes
     #: terminationGracePeriodSeconds, torchrun's 30 s). 0 = no limit.
-    stop_grace_s: float = _between(0.0, 0, high=86_400, why="a day")
+    stop_grace_s: float = between(0.0, 0, high=86_400, why="a day")
 
     def __post_init__(self) -> None:
-        _validate(self)
+        validate_section(self)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -443,12 +445,12 @@ class DistributedConfig:
     #: needs NCCL), powersgd (low-rank), powersgd_fp16/powersgd_bf16 (low-rank, then cast).
     comm_hook: CommHookName = "none"
     #: PowerSGD matrix rank: bytes sent per (n x m) gradient are about rank x (n + m).
-    powersgd_rank: int = _between(4, 1)
+    powersgd_rank: int = between(4, 1)
     #: Plain all-reduce for this many steps before PowerSGD starts (torch needs >= 2: it starts
     #: error feedback from plain all-reduce steps).
-    powersgd_warmup: int = _between(10, 2)
+    powersgd_warmup: int = between(10, 2)
     #: DDP bucket size in MiB: larger buckets, fewer and larger all-reduces.
-    bucket_cap_mb: float = _between(
+    bucket_cap_mb: float = between(
         25.0, 0, low_exclusive=True, high=2**20, why="1 TiB, more than any device holds"
     )
     #: Gradients are views into DDP's buckets: saves one copy and the memory of the gradients.
@@ -462,10 +464,10 @@ class DistributedConfig:
     #: Pipeline parallelism (distributed/pipeline.py): the schedule of the stages.
     pipeline_schedule: PipelineSchedule = "1f1b"
     #: Pipeline parallelism: micro-batches each batch is split into.
-    pipeline_microbatches: int = _between(4, 1)
+    pipeline_microbatches: int = between(4, 1)
 
     def __post_init__(self) -> None:
-        _validate(self, self._combinations)
+        validate_section(self, self._combinations)
 
     def _combinations(self) -> list[str]:
         if self.strategy == "fsdp" and self.comm_hook != "none":
@@ -493,14 +495,36 @@ class TurboConfig:
     data: DataConfig = field(default_factory=DataConfig)
     reliability: ReliabilityConfig = field(default_factory=ReliabilityConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    #: The sections techniques declare themselves (``Technique.section_type``), as (name,
+    #: section) pairs; one left out is at its defaults. Read one with :meth:`section`.
+    declared: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
         problems = [] if (problem := device_problem(self.device)) is None else [problem]
-        for name, section_type in _SECTIONS.items():
+        for name, section_type in _CORE_SECTIONS.items():
             if not isinstance(getattr(self, name), section_type):
                 problems.append(f"[{name}] must be a {section_type.__name__}")
+        for name, value in self.declared:  # looked up only when a config has one
+            declared_type = _declared_sections().get(name)
+            if declared_type is None:
+                problems.append(f"[{name}] is no config section; allowed: {list(sections())}")
+            elif not isinstance(value, declared_type):
+                problems.append(f"[{name}] must be a {declared_type.__name__}")
         if problems:
             raise ConfigError(*problems)
+
+    def section(self, name: str) -> Any:
+        """The section called ``name``: a core one (``config.precision``) or one a technique
+        declared, at its defaults when this config does not set it."""
+        if name in _CORE_SECTIONS:
+            return getattr(self, name)
+        value = dict(self.declared).get(name)
+        if value is not None:
+            return value
+        section_type = sections().get(name)
+        if section_type is None:
+            raise AttributeError(f"no config section {name!r}; sections: {list(sections())}")
+        return section_type()
 
     def replace(self, **sections: Any) -> TurboConfig:
         """A copy with whole sections or ``section__field`` values replaced.
@@ -517,15 +541,24 @@ class TurboConfig:
             else:
                 updates[key] = value
         for section_name, values in fields.items():
-            base = updates.get(section_name, getattr(self, section_name))
+            base = updates.get(section_name, self.section(section_name))
             updates[section_name] = dataclasses.replace(base, **values)
-        return dataclasses.replace(self, **updates)
+        return self._with_sections(updates)
+
+    def _with_sections(self, updates: dict[str, Any]) -> TurboConfig:
+        """A copy with ``updates`` (core fields, core or declared sections by name) set."""
+        declared = dict(self.declared)
+        for name in [n for n in updates if n not in _CORE_SECTIONS and n != "device"]:
+            declared[name] = updates.pop(name)
+        # A declared section at its defaults is left out: configs that mean the same are equal.
+        kept = tuple(sorted((n, v) for n, v in declared.items() if v != type(v)()))
+        return dataclasses.replace(self, **updates, declared=kept)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict, TOML-ready: None values are omitted, tuples become lists."""
         out: dict[str, Any] = {"device": self.device}
-        for name in _SECTIONS:
-            section = getattr(self, name)
+        for name in sections():
+            section = self.section(name)
             out[name] = {
                 f.name: list(v) if isinstance(v, tuple) else v
                 for f in dataclasses.fields(section)
@@ -544,25 +577,26 @@ class TurboConfig:
         if not isinstance(data, dict):
             raise ConfigError(f"a config must be a table of sections, got {type(data).__name__}")
         problems = []
-        unknown = {str(key) for key in data} - set(_SECTIONS) - {"device"}
+        known = sections()
+        unknown = {str(key) for key in data} - set(known) - {"device"}
         if unknown:
             problems.append(
                 f"unknown config section(s) {sorted(unknown)}"
-                f"{_did_you_mean(unknown, {'device', *_SECTIONS})}; "
-                f"allowed: {['device', *_SECTIONS]}"
+                f"{_did_you_mean(unknown, {'device', *known})}; "
+                f"allowed: {['device', *known]}"
             )
         if "device" in data and (problem := device_problem(data["device"])) is not None:
             problems.append(problem)
         kwargs: dict[str, Any] = {"device": data.get("device", base.device)}
-        for name in _SECTIONS:
+        for name in known:
             if name in data:
                 try:
-                    kwargs[name] = _section_from_dict(getattr(base, name), name, data[name])
+                    kwargs[name] = _section_from_dict(base.section(name), name, data[name])
                 except ConfigError as err:
                     problems.extend(err.problems)
         if problems:
             raise ConfigError(*problems)
-        return dataclasses.replace(base, **kwargs)
+        return base._with_sections(kwargs)
 
     def to_toml(self) -> str:
         return tomli_w.dumps(self.to_dict())
@@ -690,7 +724,7 @@ def _not_a_file(mode: int) -> str | None:
     return next((f"{kind}, not a file" for test, kind in kinds.items() if test(mode)), None)
 
 
-_SECTIONS: dict[str, type] = {
+_CORE_SECTIONS: dict[str, type] = {
     "precision": PrecisionConfig,
     "memory_format": MemoryFormatConfig,
     "backend": BackendConfig,
@@ -703,6 +737,25 @@ _SECTIONS: dict[str, type] = {
     "reliability": ReliabilityConfig,
     "distributed": DistributedConfig,
 }
+
+
+def sections() -> dict[str, type]:
+    """Every config section by name: the core ones above, then those that registered
+    techniques declare (``Technique.section_type``), in the order of the file."""
+    return {**_CORE_SECTIONS, **_declared_sections()}
+
+
+@functools.cache
+def _declared_sections() -> dict[str, type]:
+    # The technique registry imports this module (its techniques read their sections), so the
+    # sections it declares are looked up by name at first use, as a plugin registry is.
+    registry = importlib.import_module("torchturbo.techniques.registry")
+    declared: dict[str, type] = registry.declared_sections()
+    clashes = sorted(set(declared) & set(_CORE_SECTIONS))
+    if clashes:
+        raise RuntimeError(f"techniques declare sections the config already has: {clashes}")
+    return declared
+
 
 PRESETS: dict[str, TurboConfig] = {
     "baseline": TurboConfig(),

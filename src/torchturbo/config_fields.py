@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
-from torchturbo.config import Bounds, TurboConfig
+from torchturbo.config import Bounds, TurboConfig, sections
 
 _DOC_LINE = re.compile(r"\s*#:\s?(?P<text>.*)")
 _DECLARATION = re.compile(r"\s*(?P<name>[a-z_][a-z0-9_]*)\s*:")
@@ -71,17 +71,15 @@ def _union_args(annotation: Any) -> tuple[Any, ...]:
 @functools.cache
 def config_fields() -> tuple[ConfigField, ...]:
     """Every key of turbo.toml, in the order of the file: ``device``, then section by section."""
-    top = typing.get_type_hints(TurboConfig)
     docs = _docs(sys.modules[TurboConfig.__module__].__file__)
     fields = [ConfigField("", "device", str, "auto", None, docs.get(("TurboConfig", "device"), ""))]
-    for section in dataclasses.fields(TurboConfig):
-        section_type = top[section.name]
-        if not isinstance(section_type, type) or not dataclasses.is_dataclass(section_type):
-            continue
+    for name, section_type in sections().items():
         hints = typing.get_type_hints(section_type)
+        if section_type.__module__ != TurboConfig.__module__:  # declared by a technique module
+            docs |= _docs(sys.modules[section_type.__module__].__file__)
         fields.extend(
             ConfigField(
-                section.name,
+                name,
                 f.name,
                 hints[f.name],
                 f.default,

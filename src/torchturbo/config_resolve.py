@@ -33,7 +33,7 @@ class Resolved:
 
 def value_of(config: TurboConfig, field: ConfigField) -> Any:
     """The value ``config`` holds for ``field``."""
-    section = getattr(config, field.section) if field.section else config
+    section = config.section(field.section) if field.section else config
     return getattr(section, field.name)
 
 

@@ -28,7 +28,7 @@ def config_schema() -> dict[str, Any]:
             continue
         sections.setdefault(field.section, {})[field.name] = _field_schema(field)
     for name, properties in sections.items():
-        section_type = type(getattr(TurboConfig(), name))
+        section_type = type(TurboConfig().section(name))
         top[name] = {
             "type": "object",
             "description": " ".join((section_type.__doc__ or "").split()),

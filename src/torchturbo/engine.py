@@ -1,13 +1,15 @@
 """Turbo: compose the configured techniques around a user's model, optimizer and data.
 
-The engine holds no technique logic of its own: each lives in ``techniques/`` as a plain
-function, the order they are applied in is ``compose.compose``, what differs across processes is
-the strategy (``distributed/strategy.py``, chosen from the launch environment), and everything
-precision changes is one :class:`~torchturbo.techniques.precision.Precision`. This module runs
-one training micro-step (``step``) with exact accumulation and clipping, and owns the run's state
-(``state_dict``). Reliability lives beside it: ``oom`` (micro-batching on out-of-memory), ``guard``
-(non-finite losses, unreadable batches), ``resume`` and ``checkpoint`` (``save``/``load``),
-``epochs`` (the resumable loader).
+The engine holds no technique logic of its own: each technique declares its hooks once
+(``techniques/spec.py``) and the engine reaches them only through ``techniques/registry.py``
+(model transforms in their order, the optimizer rebuild, input layout, failures, process-wide
+switches); ``compose.compose`` adds the device and the strategy's wrapping. What differs across
+processes is the strategy (``distributed/strategy.py``, chosen from the launch environment), and
+everything precision changes is one :class:`~torchturbo.techniques.precision.Precision`. This
+module runs one training micro-step (``step``) with exact accumulation and clipping, and owns the
+run's state (``state_dict``). Reliability lives beside it: ``oom`` (micro-batching on
+out-of-memory), ``guard`` (non-finite losses, unreadable batches), ``resume`` and ``checkpoint``
+(``save``/``load``), ``epochs`` (the resumable loader).
 """
 
 from __future__ import annotations
@@ -38,16 +40,14 @@ from torchturbo.oom import MicroBatcher, leading_size
 from torchturbo.preemption import StopRequest, agree_to_stop
 from torchturbo.random_state import capture_random_state, restore_random_state
 from torchturbo.resume import load_training_state, save_training_state
+from torchturbo.techniques import registry
 from torchturbo.techniques.accumulation import (
     AccumulationWindow,
     scale_and_clip_gradients,
     scale_gradients,
 )
-from torchturbo.techniques.backend import cudnn_benchmark
-from torchturbo.techniques.compile import CompileError, compile_failure
-from torchturbo.techniques.optimizer import rebuild_optimizer
 from torchturbo.techniques.precision import Precision
-from torchturbo.techniques.result import TechniqueResult, applied, not_applied, reasons
+from torchturbo.techniques.result import TechniqueResult, reasons
 
 LossOutput = torch.Tensor | tuple[torch.Tensor, int | float | torch.Tensor]
 LossFn = Callable[[nn.Module, Any], LossOutput]
@@ -115,6 +115,7 @@ class Turbo:
         self._results: dict[str, TechniqueResult] = {}
         self._notes: dict[str, str] = {}
         self._channels_last_inputs = False
+        self._step_switches = registry.step_switches(self.config, "engine")
 
     # -- setup ------------------------------------------------------------------------------
 
@@ -165,17 +166,11 @@ class Turbo:
             comm_stats=comm_stats,
         )
         precision = {} if self.precision.result is None else {"precision": self.precision.result}
-        self._results = {**precision, **results}
-        # After the model moved: a fused optimizer's support depends on the parameters' device.
         # A rebuilt optimizer is a new object: callers use the one setup returns.
-        implementation = self.config.optimizer.implementation
-        if implementation != "as_built":
-            optimizer, why_not = rebuild_optimizer(optimizer, implementation)
-            self._results["optimizer"] = (
-                applied("optimizer") if why_not is None else not_applied("optimizer", why_not)
-            )
+        optimizer, rebuilt = registry.rebuild_optimizer(optimizer, self.config)
+        self._results = {**precision, **results, **rebuilt}
         self.optimizer = optimizer
-        self._channels_last_inputs = self._took_effect("channels_last")
+        self._channels_last_inputs = registry.channels_last_inputs(self._results)
         self.microbatcher = self._microbatcher(self.model)
         if data is None:
             return self.model, optimizer, None
@@ -232,10 +227,6 @@ class Turbo:
         """fp16's GradScaler (``precision.scaler``); None for other dtypes."""
         return self.precision.scaler
 
-    def _took_effect(self, technique: str) -> bool:
-        result = self._results.get(technique)
-        return result is not None and result.applied
-
     # -- training -----------------------------------------------------------------------------
 
     @property
@@ -275,15 +266,16 @@ class Turbo:
         last_batch = self.loader is not None and self.loader.at_last_batch
         closing = self.batches_in_window + 1 >= self._window.micro_steps or last_batch
         micro_step = functools.partial(self._micro_step, loss_fn)
-        with self.precision.step_context(), cudnn_benchmark(self.config.backend):
+        with self.precision.step_context(), self._switches():
             try:
                 loss, count, pieces = self.microbatcher.run(
                     batch, micro_step, self._restart, closing
                 )
             except Exception as err:
-                failure = self._compile_error(err)
-                if failure is None:
+                explained = registry.explain_failure(err, self._results)
+                if explained is None:
                     raise
+                name, self._results[name], failure = explained
                 raise failure from err
             self.batches_in_window += 1
             stepped, skipped, grad_norm = False, False, None
@@ -292,15 +284,12 @@ class Turbo:
                 stepped = True
         return StepMetrics(loss, count, stepped, skipped, grad_norm, pieces)
 
-    def _compile_error(self, error: Exception) -> CompileError | None:
-        """A :class:`CompileError` (recorded in ``applied``) if compiling raised ``error``."""
-        if not self._took_effect("compile"):
-            return None
-        failure = compile_failure(error)
-        if failure is None or failure.reason is None:
-            return None
-        self._results["compile"] = failure
-        return CompileError(f"torch.compile {failure.reason}; [compile] mode = 'off' runs eager")
+    def _switches(self) -> contextlib.AbstractContextManager[Any]:
+        """The process-wide switches of the configured techniques, held for one step only (the
+        bench and the tuner interleave the steps of several engines in one process)."""
+        if not self._step_switches:
+            return contextlib.nullcontext()
+        return registry.held_switches(self.config, self.device, "engine", self._results)
 
     def _micro_step(
         self, loss_fn: LossFn, batch: Any, closing: bool

@@ -23,7 +23,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from torchturbo.data.bucketing import padding_fractions
 from torchturbo.measure.native import emulated, gemm_speedup
 from torchturbo.recipe import Recipe
-from torchturbo.techniques.memory_format import has_2d_convolutions
+from torchturbo.techniques.nhwc import has_2d_convolutions
 
 #: The low precisions compared with fp32.
 _LOW_PRECISIONS = ("bf16", "fp16", "tf32")

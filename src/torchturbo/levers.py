@@ -1,7 +1,8 @@
 """What each lever is expected to buy on this model and machine, before anything is trained.
 
 The tuner measures candidates in order of expected gain per second of measuring, and the doctor
-ranks the same levers by the same numbers, so the two never disagree about what to try first.
+ranks the same levers by the same numbers (each technique names its levers: ``Technique.levers``,
+ranked by ``techniques.registry.ranked_levers``), so the two never disagree about what to try first.
 The expectations are priors built from facts measured in seconds (``torchturbo.facts``): the
 rate of a matrix product in each precision against fp32 on this device, the padding that length
 buckets would remove, the share of the FLOPs in convolutions, whether batch shapes vary. They
@@ -14,6 +15,7 @@ import math
 from dataclasses import dataclass
 
 from torchturbo.facts import Facts
+from torchturbo.measure.native import emulated
 
 #: Share of a training step spent in dense maths (matmuls, convolutions) that a faster precision
 #: speeds up; the rest (elementwise ops, norms, the optimizer) is assumed unchanged. A prior from
@@ -108,6 +110,9 @@ def bucket_size(facts: Facts) -> Expectation:
 
 
 def float8(facts: Facts) -> Expectation:
+    reason = emulated(facts.device, "fp8")
+    if reason is not None:
+        return Expectation(None, f"float8 cannot pay off here: {reason}")
     return Expectation(FLOAT8_GAIN, "fp8 matmuls in the Linear layers, on top of bf16")
 
 
@@ -135,16 +140,3 @@ def priority(gain: float | None, cost_s: float) -> float:
 class RankedLever:
     name: str
     expectation: Expectation
-
-
-def ranked(facts: Facts) -> list[RankedLever]:
-    """The single-process levers by expected gain, applicable ones first: the doctor's ranking."""
-    levers = [
-        RankedLever("length buckets", length_buckets(facts)),
-        RankedLever("bf16", precision(facts, "bf16")),
-        RankedLever("fp16", precision(facts, "fp16")),
-        RankedLever("tf32", precision(facts, "tf32")),
-        RankedLever("channels_last", channels_last(facts)),
-        RankedLever("compile", compile_(facts)),
-    ]
-    return sorted(levers, key=lambda lever: -(lever.expectation.gain or 0.0))

@@ -38,8 +38,9 @@ from torchturbo.distributed import (
 from torchturbo.distributed.ddp import parameter_digest
 from torchturbo.engine import Turbo
 from torchturbo.recipe import Recipe
+from torchturbo.tune.proposal import Candidate, StageContext
 from torchturbo.tune.search import TuneOptions, tune
-from torchturbo.tune.stages import Candidate, StageContext, bucket_stage, comm_hook_stage
+from torchturbo.tune.stages import bucket_stage, comm_hook_stage
 
 #: Micro-batch sizes per rank: unequal within a window and across ranks.
 SIZES = {0: [3, 6, 5, 2], 1: [7, 2, 4, 4]}

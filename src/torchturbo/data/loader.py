@@ -36,7 +36,7 @@ from torchturbo.measure.timing import Timing, sync
 from torchturbo.nested import iter_tensors, map_tensors
 from torchturbo.preemption import leave_stop_signals_to_the_trainer
 from torchturbo.system import usable_cores
-from torchturbo.techniques.memory_format import is_image
+from torchturbo.techniques.nhwc import is_image
 
 T = TypeVar("T")
 
@@ -133,7 +133,7 @@ def to_device(
 
     The containers seen into are those of :func:`torchturbo.nested.map_tensors`; anything else
     (ints, strings) passes through unchanged. With ``channels_last``, image tensors
-    (:func:`~torchturbo.techniques.memory_format.is_image`) are laid out NHWC in the same copy;
+    (:func:`~torchturbo.techniques.nhwc.is_image`) are laid out NHWC in the same copy;
     integer tensors (labels, masks, token ids) never are. ``non_blocking=True`` makes the copy
     asynchronous only from pinned (page-locked) host memory to CUDA; from pageable memory it
     behaves as a blocking copy, and on CPU it changes nothing.

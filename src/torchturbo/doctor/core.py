@@ -39,6 +39,7 @@ from torchturbo.doctor.profiling import profile_training
 from torchturbo.engine import resolve_device
 from torchturbo.facts import Facts, gather
 from torchturbo.recipe import Recipe
+from torchturbo.techniques import registry
 
 #: Batches the quick comparisons cycle through.
 _SAMPLE_BATCHES = 2
@@ -133,7 +134,7 @@ def diagnose(
         comm_seconds_per_step=profile.comm_seconds_per_step,
         levers=[
             Lever(lever.name, lever.expectation.gain, lever.expectation.evidence)
-            for lever in levers.ranked(machine)
+            for lever in registry.ranked_levers(machine)
         ],
     )
 

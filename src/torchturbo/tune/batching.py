@@ -16,7 +16,7 @@ from torchturbo.oom import leading_size, split_batch
 from torchturbo.recipe import Recipe
 
 if TYPE_CHECKING:
-    from torchturbo.tune.stages import Candidate
+    from torchturbo.tune.proposal import Candidate
 
 
 def candidate_batches(

@@ -26,7 +26,7 @@ from torchturbo.tune.budget import candidate_seconds, compile_seconds, confirm_s
 from torchturbo.tune.compare import Measured, batch_cycle, compare, steps_per_round
 from torchturbo.tune.decide import MIN_ROUNDS, job_times, judge, loss_parity
 from torchturbo.tune.outcome import Outcome, State
-from torchturbo.tune.stages import Candidate
+from torchturbo.tune.proposal import Candidate
 from torchturbo.tune.state import (
     NUM_BATCHES,
     PARITY_STEPS,

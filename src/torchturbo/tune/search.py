@@ -56,7 +56,8 @@ from torchturbo.tune.confirm import confirm
 from torchturbo.tune.loader_stage import loader_stage
 from torchturbo.tune.outcome import Confirmation, Outcome, TuneResult
 from torchturbo.tune.previous import Previous, fingerprint, is_reusable
-from torchturbo.tune.stages import STAGES, Candidate, StageContext
+from torchturbo.tune.proposal import Candidate, StageContext
+from torchturbo.tune.stages import MEMORY_STAGES, STAGES
 from torchturbo.tune.state import (
     NUM_BATCHES,
     PARITY_STEPS,
@@ -286,7 +287,9 @@ def _search(
         # Estimates read this rank's clock and load: the pick is rank 0's on every rank.
         stage, candidate = proposals[agree(ranks.index(max(ranks)))]
         tried.add(candidate.name)
-        outcome, incumbent = try_candidate(run, stage, candidate, best, over and stage == "memory")
+        outcome, incumbent = try_candidate(
+            run, stage, candidate, best, over and stage in MEMORY_STAGES
+        )
         run.outcomes.append(outcome)
         if incumbent is not None:
             # The superseded best stays alive: the confirmation times every adoption again
@@ -357,7 +360,7 @@ def _over_memory_budget(run: Run, best: Incumbent) -> bool:
 
 def _rank(run: Run, stage: str, candidate: Candidate, best: Incumbent, over: bool) -> float:
     """Memory candidates first while the best does not fit the budget; then gain per second."""
-    if over and stage == "memory":
+    if over and stage in MEMORY_STAGES:
         return math.inf
     return priority(candidate.expected_gain, estimate(run, candidate, best).typical_s)
 

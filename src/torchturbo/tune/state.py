@@ -17,7 +17,7 @@ from torchturbo.tune.budget import Budget
 from torchturbo.tune.decide import MIN_ROUNDS
 from torchturbo.tune.horizon import Horizon, horizon
 from torchturbo.tune.outcome import Outcome
-from torchturbo.tune.stages import Candidate, StageContext
+from torchturbo.tune.proposal import Candidate, StageContext
 
 Stage = Callable[[StageContext], "list[Candidate] | str"]
 
