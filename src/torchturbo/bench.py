@@ -208,7 +208,7 @@ class Trial:
             # As a micro-step that does not close its window: under DDP, no_sync(), since a
             # forward outside it expects a backward with its all-reduce to follow.
             assert self.turbo.strategy is not None
-            with self.turbo.strategy.backward_context(closing=False):
+            with self.turbo.strategy.backward_context(closing=False), self.turbo.switches():
                 self._activation_bytes = activation_bytes(
                     lambda: self.turbo.forward(self.recipe.loss_fn, batch)[0], model=self.model
                 )

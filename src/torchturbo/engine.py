@@ -266,7 +266,7 @@ class Turbo:
         last_batch = self.loader is not None and self.loader.at_last_batch
         closing = self.batches_in_window + 1 >= self._window.micro_steps or last_batch
         micro_step = functools.partial(self._micro_step, loss_fn)
-        with self.precision.step_context(), self._switches():
+        with self.precision.step_context(), self.switches():
             try:
                 loss, count, pieces = self.microbatcher.run(
                     batch, micro_step, self._restart, closing
@@ -284,9 +284,11 @@ class Turbo:
                 stepped = True
         return StepMetrics(loss, count, stepped, skipped, grad_norm, pieces)
 
-    def _switches(self) -> contextlib.AbstractContextManager[Any]:
-        """The process-wide switches of the configured techniques, held for one step only (the
-        bench and the tuner interleave the steps of several engines in one process)."""
+    def switches(self) -> contextlib.AbstractContextManager[Any]:
+        """The process-wide switches of the configured techniques (cuDNN autotuning, saved
+        activations' storage), as each step holds them: for one step only, since the bench and
+        the tuner interleave the steps of several engines in one process. Hold it around a
+        forward run outside ``step`` that must see what a step sees (a memory measurement)."""
         if not self._step_switches:
             return contextlib.nullcontext()
         return registry.held_switches(self.config, self.device, "engine", self._results)
