@@ -28,7 +28,7 @@ from torchturbo.config import TurboConfig
 from torchturbo.distributed import current_env, is_main_process, launched
 from torchturbo.engine import Turbo
 from torchturbo.measure.timing import measure_interleaved, paired_noise
-from torchturbo.preemption import StopRequest
+from torchturbo.reliability.preemption import StopRequest
 from torchturbo.results import write_results
 from torchturbo.workloads import WORKLOADS, get_workload
 

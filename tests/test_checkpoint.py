@@ -24,7 +24,7 @@ from torch import nn
 
 from torchturbo import Turbo, TurboConfig, checkpoint
 from torchturbo.checkpoint import MANIFEST, CheckpointError, read_checkpoint, write_checkpoint
-from torchturbo.epochs import LoaderPosition
+from torchturbo.reliability.epochs import LoaderPosition
 
 TOTAL_STEPS = 9  # optimizer steps of 2-batch windows: more than two epochs of both datasets
 CONFIG = TurboConfig(device="cpu").replace(accumulation__steps=2)

@@ -159,7 +159,7 @@ def test_train_checkpoints_and_resumes(tmp_path, capsys):
 def test_train_exits_75_after_saving_or_128_plus_the_signal_when_stopped_at_once(
     tmp_path, monkeypatch, capsys, times, status
 ):
-    from torchturbo import preemption
+    from torchturbo.reliability import preemption
 
     monkeypatch.setattr(preemption, "SAME_SIGNAL_S", 0.0)  # the repeat is a second signal
     monkeypatch.setenv("MARKED_SIGTERMS", f"3:{times}")

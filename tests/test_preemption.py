@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from torchturbo.checkpoint import list_checkpoints, read_checkpoint
-from torchturbo.preemption import (
+from torchturbo.reliability.preemption import (
     EXIT_STOPPED,
     StopRequest,
     agree_to_stop,

@@ -21,8 +21,8 @@ _EXPORTS = {
     "RecipeError": "torchturbo.recipe",
     "train": "torchturbo.train",
     "CheckpointError": "torchturbo.checkpoint",
-    "NonFiniteError": "torchturbo.guard",
-    "MemoryBudgetError": "torchturbo.oom",
+    "NonFiniteError": "torchturbo.reliability.guard",
+    "MemoryBudgetError": "torchturbo.reliability.oom",
 }
 
 __all__ = ["__version__", *_EXPORTS]

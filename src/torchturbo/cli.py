@@ -914,7 +914,7 @@ PROGRESS_EVERY_S = 30.0
 
 
 def _run_train(args: argparse.Namespace) -> int:
-    from torchturbo.preemption import StopNow, stop_on_signals
+    from torchturbo.reliability.preemption import StopNow, stop_on_signals
 
     # From here on, not only once training runs: importing torch and building the recipe take
     # seconds, and a SIGTERM then would kill the run instead of stopping it after one step.
@@ -934,7 +934,7 @@ def _run_train(args: argparse.Namespace) -> int:
 def _train_command(args: argparse.Namespace) -> int:
     from torchturbo.config import INT64_MAX
     from torchturbo.distributed import is_main_process, launched, main_print
-    from torchturbo.preemption import EXIT_STOPPED
+    from torchturbo.reliability.preemption import EXIT_STOPPED
     from torchturbo.train import TrainInterrupted, train
 
     if not 1 <= args.steps <= INT64_MAX:

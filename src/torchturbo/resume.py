@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 from torchturbo.checkpoint import CheckpointError
 from torchturbo.config import ConfigError, TurboConfig
-from torchturbo.epochs import LoaderPosition
-from torchturbo.guard import refuse_nonfinite_state
+from torchturbo.reliability.epochs import LoaderPosition
+from torchturbo.reliability.guard import refuse_nonfinite_state
 from torchturbo.resume_checks import STATE_VERSION, check_resumable
 
 if TYPE_CHECKING:

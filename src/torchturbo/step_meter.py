@@ -37,8 +37,8 @@ from torchturbo.measure.flops import count_step_flops
 from torchturbo.measure.peak import dtype_for_precision, measured_peak_flops, mfu
 from torchturbo.measure.timing import sync
 from torchturbo.metrics_log import AnyLogger, as_metrics_logger
-from torchturbo.oom import leading_size
 from torchturbo.recipe import Recipe
+from torchturbo.reliability.oom import leading_size
 
 
 class StepMeter:

@@ -12,8 +12,8 @@ bytes, dicts) is copied page by page into every worker as it is read (pytorch/py
 :func:`tune_loader` measures each worker's unique resident memory while it runs and rejects
 settings whose projected total exceeds a limit.
 
-:func:`to_device` moves a nested batch through :mod:`torchturbo.nested` (the one walker every
-module shares; its docstring says why no library served).
+:func:`to_device` moves a nested batch through :mod:`torchturbo.reliability.nested` (the one walker
+every module shares; its docstring says why no library served).
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 from torchturbo.config import ConfigError, DataConfig
 from torchturbo.data.length import length_or_none
 from torchturbo.measure.timing import Timing, sync
-from torchturbo.nested import iter_tensors, map_tensors
-from torchturbo.preemption import leave_stop_signals_to_the_trainer
+from torchturbo.reliability.nested import iter_tensors, map_tensors
+from torchturbo.reliability.preemption import leave_stop_signals_to_the_trainer
 from torchturbo.system import usable_cores
 from torchturbo.techniques.memory_format import is_image
 
@@ -77,8 +77,8 @@ def build_loader(
       is ignored there (no error: one config file serves both devices).
     - ``persistent_workers`` and ``prefetch_factor`` are passed only with ``num_workers > 0``
       (torch rejects them otherwise; ``DataConfig`` already refuses such a config).
-    - workers ignore the stop signals (``torchturbo.preemption``), which the training process
-      handles; it ends its workers itself.
+    - workers ignore the stop signals (``torchturbo.reliability.preemption``), which the training
+      process handles; it ends its workers itself.
     - ``seed`` fixes the shuffle order and the workers' base seed through a dedicated generator,
       without touching the global RNG.
     - ``batch_sampler`` yields whole batches and owns their order and size, so it excludes
@@ -131,12 +131,12 @@ def to_device(
 ) -> T:
     """Move every tensor of a nested batch to ``device``, keeping the structure and its types.
 
-    The containers seen into are those of :func:`torchturbo.nested.map_tensors`; anything else
-    (ints, strings) passes through unchanged. With ``channels_last``, image tensors
+    The containers seen into are those of :func:`torchturbo.reliability.nested.map_tensors`;
+    anything else (ints, strings) passes through unchanged. With ``channels_last``, image tensors
     (:func:`~torchturbo.techniques.memory_format.is_image`) are laid out NHWC in the same copy;
     integer tensors (labels, masks, token ids) never are. ``non_blocking=True`` makes the copy
-    asynchronous only from pinned (page-locked) host memory to CUDA; from pageable memory it
-    behaves as a blocking copy, and on CPU it changes nothing.
+    asynchronous only from pinned (page-locked) host memory to CUDA; from pageable memory it behaves
+    as a blocking copy, and on CPU it changes nothing.
     """
 
     def move(tensor: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,7 @@ from typing import Any
 import psutil
 import torch
 
-from torchturbo.nested import iter_tensors
+from torchturbo.reliability.nested import iter_tensors
 
 #: Attribute the checkpointing technique sets to True on every module it wraps.
 CHECKPOINT_MARKER = "_torchturbo_checkpointed"

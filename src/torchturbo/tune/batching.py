@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from torchturbo.bench import bucketed_batches
-from torchturbo.oom import leading_size, split_batch
 from torchturbo.recipe import Recipe
+from torchturbo.reliability.oom import leading_size, split_batch
 
 if TYPE_CHECKING:
     from torchturbo.tune.stages import Candidate

@@ -31,12 +31,12 @@ from torchturbo.distributed.comm import CommStats
 from torchturbo.distributed.launch import init_distributed
 from torchturbo.distributed.select import select_strategy
 from torchturbo.distributed.strategy import Strategy
-from torchturbo.epochs import EpochLoader
-from torchturbo.guard import NonFiniteGuard, call_loss_fn
 from torchturbo.measure.breakdown import NullRecorder, Recorder
-from torchturbo.oom import MicroBatcher, leading_size
-from torchturbo.preemption import StopRequest, agree_to_stop
-from torchturbo.random_state import capture_random_state, restore_random_state
+from torchturbo.reliability.epochs import EpochLoader
+from torchturbo.reliability.guard import NonFiniteGuard, call_loss_fn
+from torchturbo.reliability.oom import MicroBatcher, leading_size
+from torchturbo.reliability.preemption import StopRequest, agree_to_stop
+from torchturbo.reliability.random_state import capture_random_state, restore_random_state
 from torchturbo.resume import load_training_state, save_training_state
 from torchturbo.techniques.accumulation import (
     AccumulationWindow,
