@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from torchturbo import TurboConfig
-from torchturbo.checkpoint import CheckpointError, read_checkpoint
 from torchturbo.config import ConfigError
 from torchturbo.recipe import load_recipe
 from torchturbo.reliability import preemption
 from torchturbo.reliability.guard import NonFiniteError
 from torchturbo.reliability.oom import MemoryBudgetError
 from torchturbo.reliability.preemption import StopNow
+from torchturbo.resume.files import CheckpointError, read_checkpoint
 from torchturbo.train import TrainInterrupted, train
 
 TINY = str(Path(__file__).parent / "recipes" / "tiny.py") + ":recipe"

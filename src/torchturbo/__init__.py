@@ -20,7 +20,7 @@ _EXPORTS = {
     "load_recipe": "torchturbo.recipe",
     "RecipeError": "torchturbo.recipe",
     "train": "torchturbo.train",
-    "CheckpointError": "torchturbo.checkpoint",
+    "CheckpointError": "torchturbo.resume.files",
     "NonFiniteError": "torchturbo.reliability.guard",
     "MemoryBudgetError": "torchturbo.reliability.oom",
 }

@@ -20,7 +20,6 @@ from pathlib import Path
 
 import torch
 
-from torchturbo.checkpoint import checkpoint_name
 from torchturbo.config import INT64_MAX, ConfigError, TurboConfig
 from torchturbo.data.length import length_or_none
 from torchturbo.distributed.launch import current_env
@@ -30,7 +29,8 @@ from torchturbo.metrics_log import AnyLogger
 from torchturbo.recipe import Recipe
 from torchturbo.reliability.oom import leading_size
 from torchturbo.reliability.preemption import StopRequest, stop_on_signals
-from torchturbo.resume_checks import check_steps
+from torchturbo.resume.checks import check_steps
+from torchturbo.resume.files import checkpoint_name
 from torchturbo.step_meter import recipe_meter
 
 

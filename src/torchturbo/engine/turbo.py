@@ -37,7 +37,7 @@ from torchturbo.reliability.guard import NonFiniteGuard, call_loss_fn
 from torchturbo.reliability.oom import MicroBatcher, leading_size
 from torchturbo.reliability.preemption import StopRequest, agree_to_stop
 from torchturbo.reliability.random_state import capture_random_state, restore_random_state
-from torchturbo.resume import load_training_state, save_training_state
+from torchturbo.resume.state import load_training_state, save_training_state
 from torchturbo.techniques.accumulation import (
     AccumulationWindow,
     scale_and_clip_gradients,
