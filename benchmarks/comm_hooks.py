@@ -42,7 +42,7 @@ from torchturbo.config import TurboConfig
 from torchturbo.distributed import DistEnv, Strategy, init_distributed, shutdown
 from torchturbo.engine import Turbo
 from torchturbo.measure.timing import measure_interleaved
-from torchturbo.results import write_results
+from torchturbo.output.results_file import write_results
 from torchturbo.workloads import WORKLOADS, get_workload
 
 HOOKS = ("none", "fp16", "powersgd")

@@ -27,7 +27,7 @@ import torch
 from torchturbo.bench import Trial, fixed_batches
 from torchturbo.config import TurboConfig
 from torchturbo.measure.timing import measure_interleaved, noise_band, ratio
-from torchturbo.results import write_results
+from torchturbo.output.results_file import write_results
 from torchturbo.techniques.optimizer import IMPLEMENTATIONS, rebuild_optimizer
 from torchturbo.workloads import WORKLOADS, get_workload
 

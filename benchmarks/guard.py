@@ -20,7 +20,7 @@ import torch
 from torchturbo import Turbo, TurboConfig
 from torchturbo.bench import fixed_batches
 from torchturbo.measure import measure_interleaved, noise_band
-from torchturbo.results import write_results
+from torchturbo.output.results_file import write_results
 from torchturbo.workloads import WORKLOADS, get_workload
 
 

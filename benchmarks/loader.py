@@ -47,7 +47,7 @@ from torchturbo.data.loader import (
     usable_cpus,
 )
 from torchturbo.measure.timing import Timing, measure_interleaved, sync
-from torchturbo.results import write_results
+from torchturbo.output.results_file import write_results
 from torchturbo.workloads import get_workload
 
 MEAN = torch.tensor([0.485, 0.456, 0.406]).view(3, 1, 1)

@@ -34,8 +34,8 @@ from torchturbo.bench import fixed_batches
 from torchturbo.config import TurboConfig
 from torchturbo.engine import Turbo
 from torchturbo.measure.timing import measure_interleaved, paired_noise
+from torchturbo.output.results_file import write_results
 from torchturbo.recipe import Recipe
-from torchturbo.results import write_results
 from torchturbo.workloads import WORKLOADS, get_workload
 
 ACCUMULATION = 2

@@ -28,8 +28,8 @@ from torchturbo.config import TurboConfig
 from torchturbo.distributed import current_env, is_main_process, launched
 from torchturbo.engine import Turbo
 from torchturbo.measure.timing import measure_interleaved, paired_noise
+from torchturbo.output.results_file import write_results
 from torchturbo.reliability.preemption import StopRequest
-from torchturbo.results import write_results
 from torchturbo.workloads import WORKLOADS, get_workload
 
 

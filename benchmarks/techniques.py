@@ -17,8 +17,8 @@ import torch
 
 from torchturbo.bench import compare_configs
 from torchturbo.config import TurboConfig
-from torchturbo.report import print_rows
-from torchturbo.results import write_results
+from torchturbo.output.results_file import write_results
+from torchturbo.output.tables import print_rows
 from torchturbo.workloads import WORKLOADS, get_workload
 
 

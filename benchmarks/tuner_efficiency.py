@@ -29,7 +29,7 @@ import torch
 from torchturbo.bench import compare_configs
 from torchturbo.config import TurboConfig
 from torchturbo.measure.native import emulated, gemm_speedup
-from torchturbo.results import write_results
+from torchturbo.output.results_file import write_results
 from torchturbo.system import summary
 from torchturbo.tune.search import TuneOptions, tune
 from torchturbo.tune.stages import STAGES

@@ -27,7 +27,7 @@ from torchturbo.measure.native import (
     native_dtypes,
 )
 from torchturbo.measure.peak import measured_peak_flops, mfu, stated_peak
-from torchturbo.report import OVER_PEAK_NOTE, format_mfu, peak_notes
+from torchturbo.output.tables import OVER_PEAK_NOTE, format_mfu, peak_notes
 from torchturbo.system import cpu_flags
 
 native = importlib.import_module("torchturbo.measure.native")

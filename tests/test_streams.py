@@ -20,7 +20,7 @@ from torchturbo.config import ConfigError, TurboConfig
 from torchturbo.doctor import diagnose
 from torchturbo.doctor.data_facts import dataset_facts
 from torchturbo.recipe import Recipe
-from torchturbo.train import train
+from torchturbo.runs.train import train
 from torchturbo.tune.search import TuneOptions, tune
 
 BATCH = 8

@@ -19,7 +19,7 @@ from torchturbo.reliability.guard import NonFiniteError
 from torchturbo.reliability.oom import MemoryBudgetError
 from torchturbo.reliability.preemption import StopNow
 from torchturbo.resume.files import CheckpointError, read_checkpoint
-from torchturbo.train import TrainInterrupted, train
+from torchturbo.runs.train import TrainInterrupted, train
 
 TINY = str(Path(__file__).parent / "recipes" / "tiny.py") + ":recipe"
 CONFIG = TurboConfig(device="cpu")

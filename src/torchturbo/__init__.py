@@ -19,7 +19,7 @@ _EXPORTS = {
     "Recipe": "torchturbo.recipe",
     "load_recipe": "torchturbo.recipe",
     "RecipeError": "torchturbo.recipe",
-    "train": "torchturbo.train",
+    "train": "torchturbo.runs.train",
     "CheckpointError": "torchturbo.resume.files",
     "NonFiniteError": "torchturbo.reliability.guard",
     "MemoryBudgetError": "torchturbo.reliability.oom",

@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from torchturbo.units import parse_duration, parse_size
+from torchturbo.output.units import parse_duration, parse_size
 
 EXIT_USAGE = 2
 
@@ -171,7 +171,7 @@ class _Parser(argparse.ArgumentParser):
 # The source article, named once here; help texts below say "the article".
 ARTICLE = "PyTorch深度学习性能优化10大实战技巧 (10 practical tips for PyTorch performance)"
 # Names from torchturbo.workloads.WORKLOADS, torchturbo.techniques.export.METHODS and
-# torchturbo.metrics_log.LOGGER_NAMES (tests keep them equal), listed here so that --help does
+# torchturbo.runs.metrics_log.LOGGER_NAMES (tests keep them equal), listed here so that --help does
 # not import torch.
 WORKLOADS = ("vision", "segmentation", "text")
 EXPORT_METHODS = ("export", "torchscript")
@@ -725,11 +725,11 @@ def _run_bench(args: argparse.Namespace) -> int:
     title = f"torchturbo bench: {recipe.name}"
     if env.is_distributed:
         title += f" ({env.world_size} processes, {env.backend})"
-    from torchturbo.report import print_rows
+    from torchturbo.output.tables import print_rows
 
     print_rows(title, rows)
     if args.json:
-        from torchturbo.results import write_results
+        from torchturbo.output.results_file import write_results
 
         payload = {
             "workload": recipe.name,
@@ -741,7 +741,7 @@ def _run_bench(args: argparse.Namespace) -> int:
 
 
 def _logger_list(text: str) -> tuple[str, ...]:
-    """``wandb,csv`` as a tuple of logger names, each one torchturbo.metrics_log can open."""
+    """``wandb,csv`` as a tuple of logger names, each one torchturbo.runs.metrics_log can open."""
     names = tuple(name.strip() for name in text.split(",") if name.strip())
     if not names or any(name not in LOGGERS for name in names):
         raise argparse.ArgumentTypeError(
@@ -767,8 +767,8 @@ def _run_tune(args: argparse.Namespace) -> int:
     from rich.text import Text
 
     from torchturbo.distributed import is_main_process, launched
-    from torchturbo.live import TuneLine
-    from torchturbo.table_fit import print_table
+    from torchturbo.output.live import TuneLine
+    from torchturbo.output.table_fit import print_table
     from torchturbo.tune.plots import plots_left_out
     from torchturbo.tune.report import (
         incremental_table,
@@ -871,15 +871,15 @@ def _run_doctor(args: argparse.Namespace) -> int:
             return 0
     render(diagnosis)
     if args.json:
-        from torchturbo.results import write_results
+        from torchturbo.output.results_file import write_results
 
         write_results(args.json, diagnosis.to_dict())
     return 0
 
 
 def _run_export(args: argparse.Namespace) -> int:
+    from torchturbo.output.tables import format_bytes
     from torchturbo.recipe import describe_exception
-    from torchturbo.report import format_bytes
     from torchturbo.techniques.export import export_recipe
 
     check_output_file(args.out, "--out")
@@ -935,7 +935,7 @@ def _train_command(args: argparse.Namespace) -> int:
     from torchturbo.config import INT64_MAX
     from torchturbo.distributed import is_main_process, launched, main_print
     from torchturbo.reliability.preemption import EXIT_STOPPED
-    from torchturbo.train import TrainInterrupted, train
+    from torchturbo.runs.train import TrainInterrupted, train
 
     if not 1 <= args.steps <= INT64_MAX:
         raise ValueError(f"--steps {args.steps} is invalid: expected 1 to 2**63 - 1 steps")
@@ -1004,7 +1004,7 @@ def _train_progress(title: str, steps: int) -> Iterator[Callable[[Any], None]]:
     from rich.console import Console
 
     from torchturbo.distributed import is_main_process
-    from torchturbo.live import TrainLine, live
+    from torchturbo.output.live import TrainLine, live
 
     line = TrainLine(title, steps)
     if not is_main_process():
@@ -1049,7 +1049,7 @@ def _train_loggers(
     if log_dir is None and names is None:
         yield None
         return
-    from torchturbo.metrics_log import open_loggers
+    from torchturbo.runs.metrics_log import open_loggers
 
     with open_loggers(log_dir, names, config=config) as loggers:
         for note in loggers.notes:
@@ -1088,7 +1088,7 @@ def check_output_file(path: Path, option: str) -> None:
 
 def _with_status(title: str, work: Callable[[Callable[[str], None]], Any]) -> Any:
     """Run ``work(say)`` under a live status line that ``say`` updates (rank 0 only)."""
-    from torchturbo.live import StatusLine
+    from torchturbo.output.live import StatusLine
 
     line = StatusLine(title)
     with _live_on_rank_zero(line):
@@ -1099,7 +1099,7 @@ def _with_status(title: str, work: Callable[[Callable[[str], None]], Any]) -> An
 def _live_on_rank_zero(line: Any) -> Iterator[None]:
     """The live line on rank 0; other ranks draw nothing."""
     from torchturbo.distributed import is_main_process
-    from torchturbo.live import live
+    from torchturbo.output.live import live
 
     with live(line) if is_main_process() else contextlib.nullcontext():
         yield

@@ -33,8 +33,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from torchturbo.output.results_file import write_atomic
 from torchturbo.recipe import Recipe
-from torchturbo.results import write_atomic
 
 _SUFFIXES = {"export": ".pt2", "torchscript": ".pt"}
 METHODS = tuple(_SUFFIXES)

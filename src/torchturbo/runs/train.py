@@ -25,13 +25,13 @@ from torchturbo.data.length import length_or_none
 from torchturbo.distributed.launch import current_env
 from torchturbo.engine import Turbo
 from torchturbo.measure.timing import sync
-from torchturbo.metrics_log import AnyLogger
 from torchturbo.recipe import Recipe
 from torchturbo.reliability.oom import leading_size
 from torchturbo.reliability.preemption import StopRequest, stop_on_signals
 from torchturbo.resume.checks import check_steps
 from torchturbo.resume.files import checkpoint_name
-from torchturbo.step_meter import recipe_meter
+from torchturbo.runs.metrics_log import AnyLogger
+from torchturbo.runs.step_meter import recipe_meter
 
 
 @dataclass(frozen=True)
