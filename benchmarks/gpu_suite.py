@@ -49,9 +49,9 @@ from torchturbo.kernels import bias_gelu, bias_gelu_reference
 from torchturbo.measure.datasheet import FORMATS, datasheet_peak_flops
 from torchturbo.measure.native import emulated
 from torchturbo.measure.peak import measured_format_peak, stated_peak
+from torchturbo.measure.summary import summary
 from torchturbo.output.results_file import write_results
 from torchturbo.output.tables import format_mfu
-from torchturbo.system import summary
 from torchturbo.techniques.float8 import convertible_linears
 from torchturbo.tune.search import TuneOptions, tune
 from torchturbo.workloads import get_workload

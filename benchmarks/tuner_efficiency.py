@@ -29,8 +29,8 @@ import torch
 from torchturbo.bench import compare_configs
 from torchturbo.config import TurboConfig
 from torchturbo.measure.native import emulated, gemm_speedup
+from torchturbo.measure.summary import summary
 from torchturbo.output.results_file import write_results
-from torchturbo.system import summary
 from torchturbo.tune.search import TuneOptions, tune
 from torchturbo.tune.stages import STAGES
 from torchturbo.workloads import WORKLOADS, get_workload

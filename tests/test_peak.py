@@ -27,8 +27,8 @@ from torchturbo.measure.native import (
     native_dtypes,
 )
 from torchturbo.measure.peak import measured_peak_flops, mfu, stated_peak
+from torchturbo.measure.system import cpu_flags
 from torchturbo.output.tables import OVER_PEAK_NOTE, format_mfu, peak_notes
-from torchturbo.system import cpu_flags
 
 native = importlib.import_module("torchturbo.measure.native")
 peak = importlib.import_module("torchturbo.measure.peak")
@@ -186,7 +186,7 @@ def test_this_cpus_bf16_verdict_agrees_with_the_ratio_it_measured(fresh_checks) 
 
 
 def test_the_flag_list_can_be_replaced_for_the_whole_process(monkeypatch) -> None:
-    system = importlib.import_module("torchturbo.system")
+    system = importlib.import_module("torchturbo.measure.system")
     monkeypatch.setenv("TORCHTURBO_CPU_FLAGS", "avx2 fma avx512_bf16")
     system.cpu_flags.cache_clear()
     try:

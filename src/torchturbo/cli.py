@@ -683,7 +683,7 @@ def _run_completion(args: argparse.Namespace) -> int:
 
 
 def _run_version(args: argparse.Namespace) -> int:
-    from torchturbo.system import summary
+    from torchturbo.measure.summary import summary
 
     for key, value in summary().items():
         print(f"{key:<22} {value}")

@@ -32,10 +32,10 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from torchturbo.config import ConfigError, DataConfig
 from torchturbo.data.length import length_or_none
+from torchturbo.measure.system import usable_cores
 from torchturbo.measure.timing import Timing, sync
 from torchturbo.reliability.nested import iter_tensors, map_tensors
 from torchturbo.reliability.preemption import leave_stop_signals_to_the_trainer
-from torchturbo.system import usable_cores
 from torchturbo.techniques.memory_format import is_image
 
 T = TypeVar("T")

@@ -19,8 +19,8 @@ import torch
 import torchturbo
 from torchturbo.data.length import length_or_none
 from torchturbo.distributed.launch import current_env
+from torchturbo.measure.system import cpu_model
 from torchturbo.recipe import Recipe
-from torchturbo.system import cpu_model
 from torchturbo.tune.horizon import horizon
 from torchturbo.tune.outcome import Outcome, outcome_from_dict
 

@@ -45,9 +45,9 @@ from torchturbo.engine import resolve_device
 from torchturbo.facts import gather
 from torchturbo.levers import priority
 from torchturbo.measure.breakdown import PhaseRecorder
+from torchturbo.measure.summary import summary
 from torchturbo.measure.timing import time_once
 from torchturbo.recipe import Recipe
-from torchturbo.system import summary
 from torchturbo.techniques.compile import compile_cache
 from torchturbo.tune import batching
 from torchturbo.tune.budget import Budget
