@@ -11,7 +11,7 @@ worker yields all of it, and whether it does cannot be seen from outside.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch.utils.data import DataLoader, IterableDataset
 
@@ -21,9 +21,7 @@ from torchturbo.data.loader import default_candidates, describe, to_device, tune
 from torchturbo.distributed.consensus import agree
 from torchturbo.measure.timing import time_once
 from torchturbo.tune.outcome import Outcome, State
-
-if TYPE_CHECKING:
-    from torchturbo.tune.search import Incumbent, Run
+from torchturbo.tune.state import Incumbent, Run
 
 #: Batches the probe times (after one untimed batch).
 PROBE_BATCHES = 3

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -23,9 +23,7 @@ from torchturbo.measure.system import cpu_model
 from torchturbo.recipe import Recipe
 from torchturbo.tune.horizon import horizon
 from torchturbo.tune.outcome import Outcome, outcome_from_dict
-
-if TYPE_CHECKING:
-    from torchturbo.tune.search import TuneOptions
+from torchturbo.tune.state import TuneOptions
 
 
 def fingerprint(
