@@ -43,9 +43,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from techniques import variants
 
-from torchturbo.bench import compare_configs
 from torchturbo.config import TurboConfig
 from torchturbo.kernels import bias_gelu, bias_gelu_reference
+from torchturbo.measure.compare import compare_configs
 from torchturbo.measure.datasheet import FORMATS, datasheet_peak_flops
 from torchturbo.measure.native import emulated
 from torchturbo.measure.peak import measured_format_peak, stated_peak

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from torchturbo.bench import compare_configs
 from torchturbo.config import TurboConfig
+from torchturbo.measure.compare import compare_configs
 from torchturbo.output.results_file import write_results
 from torchturbo.output.tables import print_rows
 from torchturbo.workloads import WORKLOADS, get_workload

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-from torchturbo.bench import compare_configs
 from torchturbo.config import TurboConfig
+from torchturbo.measure.compare import compare_configs
 from torchturbo.measure.native import emulated, gemm_speedup
 from torchturbo.measure.summary import summary
 from torchturbo.output.results_file import write_results

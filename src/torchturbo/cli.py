@@ -691,9 +691,9 @@ def _run_version(args: argparse.Namespace) -> int:
 
 
 def _run_bench(args: argparse.Namespace) -> int:
-    from torchturbo.bench import compare_configs
     from torchturbo.config import TurboConfig
     from torchturbo.distributed import is_main_process, launched
+    from torchturbo.measure.compare import compare_configs
 
     if args.steps < 2:
         raise ValueError(f"--steps {args.steps} is too few: give at least 2 timed steps")

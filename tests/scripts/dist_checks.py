@@ -20,7 +20,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from torchturbo.bench import Trial, fixed_batches
 from torchturbo.config import AccumulationConfig, DataConfig, DistributedConfig, TurboConfig
 from torchturbo.data.collate import IGNORE_INDEX
 from torchturbo.distributed import (
@@ -36,6 +35,7 @@ from torchturbo.distributed import (
 )
 from torchturbo.distributed.ddp import parameter_digest
 from torchturbo.engine import Turbo
+from torchturbo.measure.trial import Trial, fixed_batches
 from torchturbo.recipe import Recipe
 from torchturbo.resume.files import read_checkpoint
 from torchturbo.tune.search import TuneOptions, tune

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from torchturbo.bench import bucketed_batches
+from torchturbo.measure.trial import bucketed_batches
 from torchturbo.recipe import Recipe
 from torchturbo.reliability.oom import leading_size, split_batch
 

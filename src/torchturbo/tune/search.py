@@ -37,7 +37,6 @@ from typing import Any
 
 import torch
 
-from torchturbo.bench import fixed_batches, start_trial
 from torchturbo.config import TurboConfig
 from torchturbo.distributed.consensus import agree
 from torchturbo.distributed.launch import current_env
@@ -47,6 +46,7 @@ from torchturbo.levers import priority
 from torchturbo.measure.breakdown import PhaseRecorder
 from torchturbo.measure.summary import summary
 from torchturbo.measure.timing import time_once
+from torchturbo.measure.trial import fixed_batches, start_trial
 from torchturbo.recipe import Recipe
 from torchturbo.techniques.compile import compile_cache
 from torchturbo.tune import batching
