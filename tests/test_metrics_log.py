@@ -243,7 +243,7 @@ def test_lightning_loggers_receive_every_step(tmp_path):
 
 
 def test_the_cli_lists_the_loggers_that_open_loggers_opens():
-    from torchturbo.cli import LOGGERS
+    from torchturbo.cli.arguments import LOGGERS
     from torchturbo.runs.metrics_log import LOGGER_NAMES
 
     assert LOGGERS == LOGGER_NAMES
