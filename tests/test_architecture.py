@@ -187,7 +187,9 @@ PUBLIC_NAMES = {
         "NonFiniteError",
         "MemoryBudgetError",
     ],
-    "torchturbo.cli": ["main"],
+    "torchturbo.cli": ["main", "full_parser"],
+    # The loader grid search joined the tuner (issue 23); it was `torchturbo.data.tune_loader`.
+    "torchturbo.tune": ["tune_loader", "LoaderTuning", "LoaderTrial"],
 }
 
 
