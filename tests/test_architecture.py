@@ -231,3 +231,29 @@ def test_the_integrations_declare_their_public_names() -> None:
         _declared("torchturbo.integrations.transformers")
     )
     assert "TurboLightningCallback" in _declared("torchturbo.integrations.lightning")
+
+
+def _layout_entries(readme: Path) -> set[str]:
+    """The modules and packages the README's layout block lists under src/torchturbo/."""
+    text = readme.read_text()
+    start = text.index("```\nsrc/torchturbo/\n") + len("```\nsrc/torchturbo/\n")
+    entries = set()
+    for line in text[start:].splitlines():
+        if not line.startswith("  "):
+            break
+        if line.startswith("   "):  # the description's second line
+            continue
+        names = line.strip().split("  ")[0]  # two spaces end the names, the description follows
+        entries.update(name.strip() for name in names.split(",") if name.strip())
+    return entries
+
+
+@pytest.mark.parametrize("readme", ["README.md", "README.zh-CN.md"])
+def test_the_readme_layout_is_the_package(readme: str) -> None:
+    root = SRC / PACKAGE
+    present = {p.name for p in root.glob("*.py") if p.name != "__main__.py"} | {
+        f"{p.name}/" for p in root.iterdir() if (p / "__init__.py").is_file()
+    }
+    listed = _layout_entries(SRC.parent / readme)
+    assert sorted(present - listed) == [], f"{readme}'s layout leaves these out"
+    assert sorted(listed - present) == [], f"{readme}'s layout lists what does not exist"
