@@ -11,7 +11,7 @@ COMPLETION_SHELLS = ("bash", "zsh")
 
 def add_parser(commands: Any, full_parser: Callable[[], argparse.ArgumentParser]) -> None:
     """Add ``torchturbo completion`` to the parser's ``commands``; its script is read from
-    ``full_parser()``, passed in so that this module needs not import the parser it is part of."""
+    ``full_parser()``, passed in so that this module need not import the parser it is part of."""
     completion = commands.add_parser(
         "completion",
         help="print a bash or zsh completion script",
