@@ -18,18 +18,21 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 PACKAGE = "torchturbo"
 
 # The modules the package root may hold besides __init__.py and __main__.py, and why each one
-# is public API rather than an internal that belongs in a subpackage.
+# is there rather than in a subpackage.
 ROOT_MODULES = {
-    "config": "TurboConfig and ConfigError: `torchturbo.config` is the config users build",
-    # The lead moves these four into a config package when config.py is split (issue 23).
-    "config_fields": "the config's field table; moves into the config package with config.py",
-    "config_options": "the --section.field options; moves into the config package",
-    "config_resolve": "config layering (file, overrides); moves into the config package",
-    "config_schema": "the JSON Schema of the config; moves into the config package",
-    "recipe": "Recipe and load_recipe: what a user writes (`my_recipe.py:recipe`)",
-    "compose": "the one composition order of the techniques, called by engine and trainers",
-    "facts": "tuner inputs; the lead folds them into the technique registry (issue 23)",
-    "levers": "doctor levers; the lead folds them into the technique registry (issue 23)",
+    "config": "public: TurboConfig and ConfigError, the config users build, load and save",
+    "recipe": "public: Recipe, load_recipe and RecipeError, what users write (`file.py:recipe`)",
+    # Issue 23 splits config.py into a config package (validation core, sections, I/O); these
+    # four join it then.
+    "config_fields": "the config's fields as data; joins the config package",
+    "config_options": "every field as a --section.field option; joins the config package",
+    "config_resolve": "defaults < --preset < --config < options; joins the config package",
+    "config_schema": "the JSON Schema of turbo.toml; joins the config package",
+    # Issue 23's technique registry (one spec per technique) decides where these go: the one
+    # composition order, and the tuner's and the doctor's view of a recipe and its levers.
+    "compose": "the composition order; placed with the technique registry",
+    "facts": "what the tuner and the doctor measure of a recipe; placed with the registry",
+    "levers": "the doctor's ranked levers; derived from the technique registry",
 }
 
 
