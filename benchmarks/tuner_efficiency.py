@@ -27,9 +27,9 @@ from pathlib import Path
 import torch
 
 from torchturbo.config import TurboConfig
-from torchturbo.measure.compare import compare_configs
+from torchturbo.measure.machine import summary
 from torchturbo.measure.native import emulated, gemm_speedup
-from torchturbo.measure.summary import summary
+from torchturbo.measure.variants import compare_configs
 from torchturbo.output.results_file import write_results
 from torchturbo.tune.search import TuneOptions, tune
 from torchturbo.tune.stages import STAGES

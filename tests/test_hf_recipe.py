@@ -13,7 +13,7 @@ pytest.importorskip("transformers")
 
 from torchturbo.config import TurboConfig
 from torchturbo.doctor import diagnose
-from torchturbo.measure.compare import compare_configs
+from torchturbo.measure.variants import compare_configs
 from torchturbo.recipe import load_recipe
 from torchturbo.tune.search import TuneOptions, tune
 

@@ -40,8 +40,8 @@ from torchturbo.integrations.transformers import (  # noqa: E402
     training_arguments,
 )
 from torchturbo.integrations.translate import hf_arguments  # noqa: E402
-from torchturbo.measure.compare import compare_configs  # noqa: E402
 from torchturbo.measure.trial import fixed_batches  # noqa: E402
+from torchturbo.measure.variants import compare_configs  # noqa: E402
 from torchturbo.tune.document import render_markdown, trainer_blocks  # noqa: E402
 from torchturbo.tune.files import write_trainer_settings  # noqa: E402
 from torchturbo.tune.search import TuneOptions, tune  # noqa: E402

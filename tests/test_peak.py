@@ -16,7 +16,6 @@ import torch
 
 from torchturbo.cli import main
 from torchturbo.config import TurboConfig
-from torchturbo.measure.compare import compare_configs
 from torchturbo.measure.datasheet import TABLE, datasheet_peak_flops, known_gpu
 from torchturbo.measure.native import (
     CPU_INSTRUCTIONS,
@@ -28,6 +27,7 @@ from torchturbo.measure.native import (
 )
 from torchturbo.measure.peak import measured_peak_flops, mfu, stated_peak
 from torchturbo.measure.system import cpu_flags
+from torchturbo.measure.variants import compare_configs
 from torchturbo.output.tables import OVER_PEAK_NOTE, format_mfu, peak_notes
 
 native = importlib.import_module("torchturbo.measure.native")
@@ -382,7 +382,7 @@ def test_tune_names_the_emulated_candidate_formats_before_measuring(monkeypatch,
 def test_the_row_format_is_the_unit_doing_most_of_the_maths(monkeypatch) -> None:
     from conftest import MLP, ConvNet
 
-    from torchturbo.measure.compare import row_format
+    from torchturbo.measure.variants import row_format
 
     def trial(model, device="cuda", applied=None, **config):
         turbo = SimpleNamespace(applied=applied or {}, device=torch.device(device))

@@ -22,7 +22,7 @@ def add_parser(commands: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from torchturbo.measure.summary import summary
+    from torchturbo.measure.machine import summary
 
     for key, value in summary().items():
         print(f"{key:<22} {value}")

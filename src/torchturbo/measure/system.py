@@ -1,7 +1,7 @@
 """What this machine says it offers: CPU flags and model, usable cores.
 
 Read from the system, never measured: what is measured of the machine (is bf16 native?) is
-``measure.native``, which builds on this module; ``measure.summary`` puts both together.
+``measure.native``, which builds on this module; ``measure.machine`` puts both together.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def cpu_flags() -> frozenset[str]:
 
 def cpu_bf16_support() -> str:
     """Which bf16 instructions the CPU's flags list: bf16 autocast can only be fast with them,
-    and is not always fast with them (see :func:`torchturbo.measure.summary.cpu_bf16_verdict`)."""
+    and is not always fast with them (see :func:`torchturbo.measure.machine.cpu_bf16_verdict`)."""
     native = sorted(cpu_flags() & {"avx512_bf16", "amx_bf16", "avx_vnni"})
     return ", ".join(native) if native else "none listed"
 

@@ -5,7 +5,7 @@ weights) training on a fixed, pre-collated list of batches, so every variant see
 the same order and input loading is kept out of the compute measurement. Each trial also draws
 its random numbers (dropout) from its own stream, so that interleaving trials does not hand them
 different dropout masks: loss curves differ only by what the configuration changes.
-:func:`torchturbo.measure.compare.compare_configs` times trials side by side; the CLI's
+:func:`torchturbo.measure.variants.compare_configs` times trials side by side; the CLI's
 ``bench``, ``benchmarks/techniques.py``, the tuner and the doctor all measure through here.
 
 Under torchrun every rank builds the same trials and steps them in the same order (the

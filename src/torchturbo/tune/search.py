@@ -44,7 +44,7 @@ from torchturbo.engine import resolve_device
 from torchturbo.facts import gather
 from torchturbo.levers import priority
 from torchturbo.measure.breakdown import PhaseRecorder
-from torchturbo.measure.summary import summary
+from torchturbo.measure.machine import summary
 from torchturbo.measure.timing import time_once
 from torchturbo.measure.trial import fixed_batches, start_trial
 from torchturbo.recipe import Recipe
