@@ -114,6 +114,34 @@ def test_the_package_has_no_import_cycle() -> None:
     assert not cycle, "import cycle: " + " -> ".join(cycle)
 
 
+def _reachable(graph: dict[str, set[str]], package: str) -> set[str]:
+    """Every module that importing any module of ``package`` imports, directly or not."""
+    pending = [m for m in graph if m == package or m.startswith(package + ".")]
+    seen: set[str] = set()
+    while pending:
+        for imported in graph[pending.pop()] - seen:
+            seen.add(imported)
+            pending.append(imported)
+    return seen
+
+
+# Lower layers never reach the higher ones: the engine re-exports Turbo from its __init__, so a
+# module under it that imported engine.* would close a cycle through that __init__.
+LAYERS = {
+    "torchturbo.reliability": ("torchturbo.engine", "torchturbo.runs", "torchturbo.tune"),
+    "torchturbo.resume": ("torchturbo.engine", "torchturbo.runs", "torchturbo.tune"),
+    "torchturbo.techniques": ("torchturbo.engine", "torchturbo.tune", "torchturbo.doctor"),
+    "torchturbo.engine": ("torchturbo.runs", "torchturbo.tune", "torchturbo.doctor"),
+}
+
+
+@pytest.mark.parametrize("package", sorted(LAYERS))
+def test_a_lower_layer_does_not_reach_a_higher_one(package: str) -> None:
+    reached = _reachable(import_graph(), package)
+    above = [m for m in sorted(reached) if m.startswith((*LAYERS[package], "torchturbo.cli"))]
+    assert above == [], f"{package} imports, directly or not: {above}"
+
+
 def _write(root: Path, files: dict[str, str]) -> None:
     for name, text in files.items():
         path = root / PACKAGE / name
