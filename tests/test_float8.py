@@ -11,9 +11,9 @@ import torch
 from conftest import classification_loss, cpu_stage_context
 from torch import nn
 
-from torchturbo.bench import Trial, fixed_batches
 from torchturbo.config import TurboConfig
 from torchturbo.engine import Turbo
+from torchturbo.measure.trial import Trial, fixed_batches
 from torchturbo.recipe import Recipe
 from torchturbo.techniques.float8 import (
     apply_float8_training,

@@ -31,7 +31,6 @@ from transformers import (  # noqa: E402
 )
 
 from torchturbo import TurboConfig  # noqa: E402
-from torchturbo.bench import compare_configs, fixed_batches  # noqa: E402
 from torchturbo.config import sections  # noqa: E402
 from torchturbo.data.bucketing import BucketBatchSampler  # noqa: E402
 from torchturbo.integrations.transformers import (  # noqa: E402
@@ -41,6 +40,8 @@ from torchturbo.integrations.transformers import (  # noqa: E402
     training_arguments,
 )
 from torchturbo.integrations.translate import hf_arguments  # noqa: E402
+from torchturbo.measure.trial import fixed_batches  # noqa: E402
+from torchturbo.measure.variants import compare_configs  # noqa: E402
 from torchturbo.techniques import registry  # noqa: E402
 from torchturbo.tune.document import render_markdown, trainer_blocks  # noqa: E402
 from torchturbo.tune.files import write_trainer_settings  # noqa: E402

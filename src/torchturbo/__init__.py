@@ -19,10 +19,10 @@ _EXPORTS = {
     "Recipe": "torchturbo.recipe",
     "load_recipe": "torchturbo.recipe",
     "RecipeError": "torchturbo.recipe",
-    "train": "torchturbo.train",
-    "CheckpointError": "torchturbo.checkpoint",
-    "NonFiniteError": "torchturbo.guard",
-    "MemoryBudgetError": "torchturbo.oom",
+    "train": "torchturbo.runs.train",
+    "CheckpointError": "torchturbo.resume.files",
+    "NonFiniteError": "torchturbo.reliability.guard",
+    "MemoryBudgetError": "torchturbo.reliability.oom",
 }
 
 __all__ = ["__version__", *_EXPORTS]

@@ -780,7 +780,7 @@ class Environment:
     def current(cls) -> Environment:
         import torch
 
-        from torchturbo.system import cpu_flags
+        from torchturbo.measure.system import cpu_flags
 
         world_size = os.environ.get("WORLD_SIZE", "1")
         return cls(

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any, get_origin
 
 from torchturbo.config_fields import ConfigField, config_fields
-from torchturbo.units import UnitError, parse_size
+from torchturbo.output.units import UnitError, parse_size
 
 #: Where the parsed options go in the namespace: a list of :class:`Override`, in command order.
 DEST = "config_overrides"

@@ -20,8 +20,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from torchturbo.bench import Trial, fixed_batches
-from torchturbo.checkpoint import read_checkpoint
 from torchturbo.config import AccumulationConfig, DataConfig, DistributedConfig, TurboConfig
 from torchturbo.data.collate import IGNORE_INDEX
 from torchturbo.distributed import (
@@ -37,7 +35,9 @@ from torchturbo.distributed import (
 )
 from torchturbo.distributed.ddp import parameter_digest
 from torchturbo.engine import Turbo
+from torchturbo.measure.trial import Trial, fixed_batches
 from torchturbo.recipe import Recipe
+from torchturbo.resume.files import read_checkpoint
 from torchturbo.tune.proposal import Candidate, StageContext
 from torchturbo.tune.search import TuneOptions, tune
 from torchturbo.tune.stages import bucket_stage, comm_hook_stage

@@ -33,18 +33,18 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import BatchSampler, Dataset, DistributedSampler
 
-from torchturbo.checkpoint import (
+from torchturbo.config import TurboConfig
+from torchturbo.distributed.comm import CommStats
+from torchturbo.distributed.consensus import any_rank
+from torchturbo.distributed.launch import DistEnv
+from torchturbo.distributed.normalize import Reference, global_count
+from torchturbo.resume.files import (
     SHARDS,
     CheckpointError,
     checkpoint_name,
     read_latest,
     write_checkpoint,
 )
-from torchturbo.config import TurboConfig
-from torchturbo.distributed.comm import CommStats
-from torchturbo.distributed.consensus import any_rank
-from torchturbo.distributed.launch import DistEnv
-from torchturbo.distributed.normalize import Reference, global_count
 
 _NULL = contextlib.nullcontext()
 #: ``rng.rank1.pt``: a file of rank 1; ``shards/__1_0.distcp``: the shard rank 1 wrote.

@@ -20,7 +20,6 @@ import torch
 from torch.utils.data import DataLoader
 
 from torchturbo import levers
-from torchturbo.bench import fixed_batches
 from torchturbo.config import CompileConfig, Precision, PrecisionConfig, TurboConfig
 from torchturbo.data.bucketing import padding_fractions
 from torchturbo.data.loader import build_loader, to_device
@@ -38,6 +37,7 @@ from torchturbo.doctor.model_facts import ModelFacts, inspect_model
 from torchturbo.doctor.profiling import profile_training
 from torchturbo.engine import resolve_device
 from torchturbo.facts import Facts, gather
+from torchturbo.measure.trial import fixed_batches
 from torchturbo.recipe import Recipe
 from torchturbo.techniques import registry
 

@@ -26,7 +26,7 @@ from typing import Any
 import psutil
 import torch
 
-from torchturbo.nested import iter_tensors
+from torchturbo.reliability.nested import iter_tensors
 from torchturbo.techniques.saved_tensors import saved_tensor_packer
 
 #: Attribute the checkpointing technique sets to True on every module it wraps.

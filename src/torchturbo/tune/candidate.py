@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
-from torchturbo.bench import Trial, start_trial
 from torchturbo.distributed.consensus import agree, any_rank
 from torchturbo.facts import shape_key
 from torchturbo.measure.timing import time_once
+from torchturbo.measure.trial import Trial, start_trial
 from torchturbo.techniques.compile import compiled_graphs
 from torchturbo.tune import batching
 from torchturbo.tune.budget import candidate_seconds, compile_seconds, confirm_seconds

@@ -37,7 +37,6 @@ from typing import Any
 
 import torch
 
-from torchturbo.bench import fixed_batches, start_trial
 from torchturbo.config import TurboConfig
 from torchturbo.distributed.consensus import agree
 from torchturbo.distributed.launch import current_env
@@ -45,9 +44,10 @@ from torchturbo.engine import resolve_device
 from torchturbo.facts import gather
 from torchturbo.levers import priority
 from torchturbo.measure.breakdown import PhaseRecorder
+from torchturbo.measure.machine import summary
 from torchturbo.measure.timing import time_once
+from torchturbo.measure.trial import fixed_batches, start_trial
 from torchturbo.recipe import Recipe
-from torchturbo.system import summary
 from torchturbo.techniques.compile import compile_cache
 from torchturbo.tune import batching
 from torchturbo.tune.budget import Budget

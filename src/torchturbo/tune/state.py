@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 
-from torchturbo.bench import Trial
 from torchturbo.config import TurboConfig
 from torchturbo.facts import Facts
+from torchturbo.measure.trial import Trial
 from torchturbo.recipe import Recipe
 from torchturbo.tune.budget import Budget
 from torchturbo.tune.decide import MIN_ROUNDS

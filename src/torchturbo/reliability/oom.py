@@ -34,8 +34,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchturbo.guard import describe_batch
-from torchturbo.nested import iter_tensors, map_tensors
+from torchturbo.reliability.guard import describe_batch
+from torchturbo.reliability.nested import iter_tensors, map_tensors
 
 log = logging.getLogger("torchturbo")
 
@@ -167,7 +167,7 @@ class MicroBatcher:
 
 def leading_size(batch: Any) -> int:
     """Samples in a batch: the leading size of its first tensor with at least one dimension
-    (in the order :func:`torchturbo.nested.iter_tensors` visits them)."""
+    (in the order :func:`torchturbo.reliability.nested.iter_tensors` visits them)."""
     for tensor in iter_tensors(batch):
         if tensor.dim() > 0:
             return tensor.shape[0]

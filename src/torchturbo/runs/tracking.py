@@ -1,6 +1,6 @@
 """Step metrics to W&B and MLflow runs: ``train --logger wandb,mlflow``.
 
-Each is a ``log(step, metrics)`` logger (:mod:`torchturbo.metrics_log`) over the service's own
+Each is a ``log(step, metrics)`` logger (:mod:`torchturbo.runs.metrics_log`) over the service's own
 client, which is imported only when one is opened (``pip install 'torchturbo[wandb]'`` or
 ``'torchturbo[mlflow]'``). Both work without a network: W&B with ``WANDB_MODE=offline`` writes
 the run under ``<dir>/wandb/offline-run-*`` for ``wandb sync`` to upload later; MLflow with no

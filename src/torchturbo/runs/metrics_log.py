@@ -19,7 +19,7 @@ holds before the group is joined (and for commands that never join one).
 :func:`log_tune_results` logs a tuner's ``results.json`` the same way: each candidate's loss curve
 and its per-round step times, under the candidate's name.
 
-W&B and MLflow are :mod:`torchturbo.tracking`'s; :func:`open_loggers` opens any of the four by
+W&B and MLflow are :mod:`torchturbo.runs.tracking`'s; :func:`open_loggers` opens any of the four by
 name (``train --logger tensorboard,csv,wandb,mlflow``).
 
 Why hand-written: Lightning's and Hugging Face's loggers belong to their trainers (and bring
@@ -52,7 +52,7 @@ DEFAULT_LOGGERS = ("tensorboard", "csv")
 
 @runtime_checkable
 class MetricsLogger(Protocol):
-    """What ``train`` and :class:`~torchturbo.step_meter.StepMeter` log to: one method.
+    """What ``train`` and :class:`~torchturbo.runs.step_meter.StepMeter` log to: one method.
 
     ``step`` is the optimizer step (or the index along a curve); ``metrics`` maps names such as
     ``"train/loss"`` to finite or non-finite floats. Implement it to send metrics anywhere (W&B,
@@ -214,7 +214,7 @@ def open_loggers(
     nothing on other ranks.
 
     TensorBoard and CSV write into ``log_dir``; W&B puts its run directory there too and MLflow
-    its ``mlruns`` store, unless their own settings say where (:mod:`torchturbo.tracking`).
+    its ``mlruns`` store, unless their own settings say where (:mod:`torchturbo.runs.tracking`).
     ``config``, the run's config as a dict, becomes W&B's run config and MLflow's parameters.
     A logger whose package is missing is an error when named, and a note in ``notes`` when it
     is a default (without tensorboard the CSV is still written).
@@ -257,7 +257,7 @@ def _open(name: str, directory: Path | None, config: Mapping[str, Any] | None) -
     if name == "csv":
         assert directory is not None
         return CSVWriter(directory / CSV_NAME)
-    from torchturbo import tracking
+    from torchturbo.runs import tracking
 
     opener = tracking.WandbLogger if name == "wandb" else tracking.MLflowLogger
     return opener(directory, config=config)

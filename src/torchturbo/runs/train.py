@@ -1,13 +1,13 @@
 """A checkpointed training run of a recipe: what ``torchturbo train`` runs.
 
-It trains for a number of optimizer steps with the engine, saves a checkpoint every
-``save_every`` steps and at the end, resumes from the newest valid checkpoint when asked, and
-reports the micro-batch the run settled on when out-of-memory (or the activation budget) made
-the engine split batches. The loop is the one ``docs/reliability.md`` shows, so that a resumed
-run continues bit-identically. With a ``logger`` (``metrics_log``), every optimizer step's loss,
-throughput, MFU, memory, learning rate, skipped steps and micro-batch split are logged
-(``step_meter``). With a checkpoint directory, a stop signal (SIGTERM, SIGUSR1, SIGUSR2,
-Ctrl-C: ``torchturbo.preemption``) finishes the optimizer step under way, on every rank the same
+It trains for a number of optimizer steps with the engine, saves a checkpoint every ``save_every``
+steps and at the end, resumes from the newest valid checkpoint when asked, and reports the
+micro-batch the run settled on when out-of-memory (or the activation budget) made the engine split
+batches. The loop is the one ``docs/reliability.md`` shows, so that a resumed run continues
+bit-identically. With a ``logger`` (``metrics_log``), every optimizer step's loss, throughput, MFU,
+memory, learning rate, skipped steps and micro-batch split are logged (``step_meter``). With a
+checkpoint directory, a stop signal (SIGTERM, SIGUSR1, SIGUSR2, Ctrl-C:
+``torchturbo.reliability.preemption``) finishes the optimizer step under way, on every rank the same
 one, and saves it before stopping (:class:`TrainInterrupted`); a second signal stops at once.
 """
 
@@ -20,18 +20,18 @@ from pathlib import Path
 
 import torch
 
-from torchturbo.checkpoint import checkpoint_name
 from torchturbo.config import INT64_MAX, ConfigError, TurboConfig
 from torchturbo.data.length import length_or_none
 from torchturbo.distributed.launch import current_env
 from torchturbo.engine import Turbo
 from torchturbo.measure.timing import sync
-from torchturbo.metrics_log import AnyLogger
-from torchturbo.oom import leading_size
-from torchturbo.preemption import StopRequest, stop_on_signals
 from torchturbo.recipe import Recipe
-from torchturbo.resume_checks import check_steps
-from torchturbo.step_meter import recipe_meter
+from torchturbo.reliability.oom import leading_size
+from torchturbo.reliability.preemption import StopRequest, stop_on_signals
+from torchturbo.resume.checks import check_steps
+from torchturbo.resume.files import checkpoint_name
+from torchturbo.runs.metrics_log import AnyLogger
+from torchturbo.runs.step_meter import recipe_meter
 
 
 @dataclass(frozen=True)
@@ -100,16 +100,17 @@ def train(
     ``save_every`` > 0 saves every that many optimizer steps into ``checkpoint_dir``, which is
     also saved at the end; ``resume`` continues from its newest valid checkpoint, whose step must
     not exceed ``steps``. A run that ends on skipped non-finite steps raises
-    :class:`~torchturbo.guard.NonFiniteError` instead of returning, and saves nothing.
+    :class:`~torchturbo.reliability.guard.NonFiniteError` instead of returning, and saves nothing.
     ``logger`` receives each optimizer step's metrics (under torchrun, pass it on every rank: the
     meter all-reduces the counts; ``metrics_log.open_loggers`` gives rank 0 the only writers).
     ``on_event`` receives the micro-batcher's events and how the loader resumed;
     ``on_progress`` a :class:`TrainProgress` after each optimizer step.
 
-    With ``checkpoint_dir``, a stop signal (``torchturbo.preemption``: SIGTERM, SIGUSR1,
+    With ``checkpoint_dir``, a stop signal (``torchturbo.reliability.preemption``: SIGTERM, SIGUSR1,
     SIGUSR2, Ctrl-C) finishes the optimizer step under way, saves it and raises
     :class:`TrainInterrupted`; under torchrun the ranks agree on that step. A second signal, or
-    ``[reliability] stop_grace_s`` running out, raises :class:`~torchturbo.preemption.StopNow`.
+    ``[reliability] stop_grace_s`` running out, raises
+    :class:`~torchturbo.reliability.preemption.StopNow`.
     """
     _check_arguments(steps, save_every, checkpoint_dir, resume)
     graceful = checkpoint_dir is not None

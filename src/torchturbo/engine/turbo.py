@@ -33,13 +33,13 @@ from torchturbo.distributed.comm import CommStats
 from torchturbo.distributed.launch import init_distributed
 from torchturbo.distributed.select import select_strategy
 from torchturbo.distributed.strategy import Strategy
-from torchturbo.epochs import EpochLoader
-from torchturbo.guard import NonFiniteGuard, call_loss_fn
 from torchturbo.measure.breakdown import NullRecorder, Recorder
-from torchturbo.oom import MicroBatcher, leading_size
-from torchturbo.preemption import StopRequest, agree_to_stop
-from torchturbo.random_state import capture_random_state, restore_random_state
-from torchturbo.resume import load_training_state, save_training_state
+from torchturbo.reliability.epochs import EpochLoader
+from torchturbo.reliability.guard import NonFiniteGuard, call_loss_fn
+from torchturbo.reliability.oom import MicroBatcher, leading_size
+from torchturbo.reliability.preemption import StopRequest, agree_to_stop
+from torchturbo.reliability.random_state import capture_random_state, restore_random_state
+from torchturbo.resume.state import load_training_state, save_training_state
 from torchturbo.techniques import registry
 from torchturbo.techniques.accumulation import (
     AccumulationWindow,
@@ -59,7 +59,7 @@ class StepMetrics:
 
     ``loss`` is the micro-batch's mean loss as a detached tensor: reading it with ``float()`` is
     a device sync, so the engine leaves that to the caller. ``micro_batches`` is how many pieces
-    the batch ran as (more than 1 after an out-of-memory split, see ``torchturbo.oom``).
+    the batch ran as (more than 1 after an out-of-memory split, see ``torchturbo.reliability.oom``).
     """
 
     loss: torch.Tensor
@@ -259,7 +259,8 @@ class Turbo:
     def step(self, loss_fn: LossFn, batch: Any) -> StepMetrics:
         """Run one micro-batch: forward, backward, and the optimizer step when a window closes.
 
-        A batch that runs out of memory is retried in smaller pieces (``torchturbo.oom``).
+        A batch that runs out of memory is retried in smaller pieces
+        (``torchturbo.reliability.oom``).
         """
         if self.microbatcher is None:
             raise RuntimeError("call Turbo.setup(model, optimizer, ...) before Turbo.step")
@@ -374,9 +375,9 @@ class Turbo:
 
     def agree_to_stop(self, request: StopRequest) -> bool:
         """Whether the loop should stop now: True on every rank once any rank's stop ``request``
-        (``torchturbo.preemption.stop_on_signals``) is set. Call it on every rank after each step
-        whose metrics say ``optimizer_stepped`` (under torchrun it is one small all-reduce), then
-        ``save`` and leave the loop when it says so."""
+        (``torchturbo.reliability.preemption.stop_on_signals``) is set. Call it on every rank
+        after each step whose metrics say ``optimizer_stepped`` (under torchrun it is one small
+        all-reduce), then ``save`` and leave the loop when it says so."""
         return agree_to_stop(request, self.device)
 
     # -- state --------------------------------------------------------------------------------

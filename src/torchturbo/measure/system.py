@@ -1,4 +1,8 @@
-"""What this machine offers: torch build, CUDA devices, CPU instruction sets for bf16."""
+"""What this machine says it offers: CPU flags and model, usable cores.
+
+Read from the system, never measured: what is measured of the machine (is bf16 native?) is
+``measure.native``, which builds on this module; ``measure.machine`` puts both together.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +10,6 @@ import os
 import platform
 from functools import cache
 from pathlib import Path
-
-import torch
-
-import torchturbo
 
 #: Replaces the flag list read from /proc/cpuinfo (space-separated), to see how torchturbo decides
 #: on a CPU whose flags differ from this one's: the test suite runs under it with bf16 claimed on
@@ -36,45 +36,13 @@ def cpu_flags() -> frozenset[str]:
 
 def cpu_bf16_support() -> str:
     """Which bf16 instructions the CPU's flags list: bf16 autocast can only be fast with them,
-    and is not always fast with them (see :func:`cpu_bf16_verdict`)."""
+    and is not always fast with them (see :func:`torchturbo.measure.machine.cpu_bf16_verdict`)."""
     native = sorted(cpu_flags() & {"avx512_bf16", "amx_bf16", "avx_vnni"})
     return ", ".join(native) if native else "none listed"
 
 
 def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-def summary() -> dict[str, str]:
-    """The facts `torchturbo version` prints and reports embed."""
-    cuda = torch.version.cuda or "none (CPU build)"
-    if torch.cuda.is_available():
-        device = f"cuda: {torch.cuda.get_device_name(0)} (x{torch.cuda.device_count()})"
-    else:
-        device = f"cpu: {platform.processor() or platform.machine()}, {usable_cores()} cores"
-    return {
-        "torchturbo": torchturbo.__version__,
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "cuda": cuda,
-        "device": device,
-        "cpu": cpu_model(),
-        "cpu capability": torch.backends.cpu.get_cpu_capability(),
-        "cpu bf16 instructions": cpu_bf16_support(),
-        "cpu bf16, measured": cpu_bf16_verdict(),
-    }
-
-
-def cpu_bf16_verdict() -> str:
-    """Whether this CPU computes bf16 natively, as measured: the class of machine a figure comes
-    from. Flags cannot tell (an Intel VM listing ``avx512_bf16`` ran bf16 GEMMs at 0.52x fp32);
-    ``measure.native`` decides by a GEMM probe (about a second, once per process)."""
-    from torchturbo.measure.native import emulated, gemm_speedup  # native imports this module
-
-    reason = emulated("cpu", "bf16")
-    if reason is None:
-        return f"native (a bf16 matmul ran at {gemm_speedup('cpu', 'bf16'):.2f}x the fp32 rate)"
-    return f"emulated ({reason})"
 
 
 @cache

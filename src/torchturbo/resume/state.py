@@ -8,7 +8,7 @@ TOML. The engine's strategy writes them (``distributed/strategy.py``): rank 0 wr
 files, every rank's random state travels beside them (``rng.rank1.pt``...), and under FSDP the
 model and optimizer are sharded through ``torch.distributed.checkpoint``. Tensors go to ``.pt``
 files, everything else to JSON, so ``torch.load(weights_only=True)`` can read the checkpoint back
-(``torchturbo.checkpoint``).
+(``torchturbo.resume.files``).
 
 A run killed inside an accumulation window resumes from the checkpoint before that window and
 re-trains the window from its first batch: the loader position makes that exact.
@@ -18,19 +18,40 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from torchturbo.checkpoint import CheckpointError
+import torch
+from torch import nn
+
 from torchturbo.config import ConfigError, TurboConfig
-from torchturbo.epochs import LoaderPosition
-from torchturbo.guard import refuse_nonfinite_state
-from torchturbo.resume_checks import STATE_VERSION, check_resumable
+from torchturbo.distributed.strategy import Strategy
+from torchturbo.reliability.epochs import EpochLoader, LoaderPosition
+from torchturbo.reliability.guard import refuse_nonfinite_state
+from torchturbo.resume.checks import STATE_VERSION, check_resumable
+from torchturbo.resume.files import CheckpointError
 
-if TYPE_CHECKING:
-    from torchturbo.engine import Turbo
+
+class Resumable(Protocol):
+    """What saving and restoring a run reads of it: the engine (:class:`~torchturbo.Turbo`) is
+    one. Declared here, not imported, so that the run checkpoints sit below the engine."""
+
+    config: TurboConfig
+    model: nn.Module | None
+    optimizer: torch.optim.Optimizer | None
+    strategy: Strategy | None
+    loader: EpochLoader | None
+    optimizer_steps: int
+    batches_in_window: int
+
+    @property
+    def window_open(self) -> bool: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
-def save_training_state(turbo: Turbo, directory: str | Path, scheduler: Any = None) -> Path:
+def save_training_state(turbo: Resumable, directory: str | Path, scheduler: Any = None) -> Path:
     """Write the state of ``turbo`` (a set-up :class:`~torchturbo.engine.Turbo`) atomically."""
     if turbo.model is None or turbo.optimizer is None or turbo.strategy is None:
         raise CheckpointError("Turbo.save needs Turbo.setup(model, optimizer, ...) first")
@@ -83,7 +104,7 @@ def save_training_state(turbo: Turbo, directory: str | Path, scheduler: Any = No
     )
 
 
-def load_training_state(turbo: Turbo, directory: str | Path, scheduler: Any = None) -> Path:
+def load_training_state(turbo: Resumable, directory: str | Path, scheduler: Any = None) -> Path:
     """Restore the newest valid checkpoint under ``directory`` into ``turbo``; returns its path."""
     if turbo.model is None or turbo.optimizer is None or turbo.strategy is None:
         raise CheckpointError("Turbo.load needs Turbo.setup(model, optimizer, ...) first")

@@ -2,7 +2,7 @@
 
 A figure without its machine and torch version cannot be compared with another, so every
 benchmark and command that writes JSON goes through :func:`write_results`, which adds ``system``
-(:func:`torchturbo.system.summary`) unless the payload has its own. Files are written to a
+(:func:`torchturbo.measure.machine.summary`) unless the payload has its own. Files are written to a
 temporary name beside the target and renamed into place, so an interrupted run leaves the old
 file or the new one, never half of one.
 """
@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from torchturbo.system import summary
+from torchturbo.measure.machine import summary
 
 
 def write_atomic(path: Path, data: bytes) -> None:

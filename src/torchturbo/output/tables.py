@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from torchturbo.table_fit import print_table
+from torchturbo.output.table_fit import print_table
 
 
 def format_bytes(n: int | None) -> str:

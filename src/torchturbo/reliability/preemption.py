@@ -10,7 +10,7 @@ after the same step and saves the same checkpoint.
 
 A second signal stops at once (:class:`StopNow` is raised wherever the main thread is; a
 checkpoint being written is abandoned, and the one before it stays intact, see
-``torchturbo.checkpoint``). So does the grace period (``grace_s``) running out; should the main
+``torchturbo.resume.files``). So does the grace period (``grace_s``) running out; should the main
 thread be stuck in native code, the process exits 5 s later with ``os._exit``. A repeat of the
 *same* signal within :data:`SAME_SIGNAL_S` counts as the first one: torchrun's agent forwards to
 its workers the signal that a terminal or a scheduler already sent to the whole job.
