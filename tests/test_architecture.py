@@ -20,19 +20,7 @@ PACKAGE = "torchturbo"
 # The modules the package root may hold besides __init__.py and __main__.py, and why each one
 # is there rather than in a subpackage.
 ROOT_MODULES = {
-    "config": "public: TurboConfig and ConfigError, the config users build, load and save",
     "recipe": "public: Recipe, load_recipe and RecipeError, what users write (`file.py:recipe`)",
-    # Issue 23 splits config.py into a config package (validation core, sections, I/O); these
-    # four join it then.
-    "config_fields": "the config's fields as data; joins the config package",
-    "config_options": "every field as a --section.field option; joins the config package",
-    "config_resolve": "defaults < --preset < --config < options; joins the config package",
-    "config_schema": "the JSON Schema of turbo.toml; joins the config package",
-    # Issue 23's technique registry (one spec per technique) decides where these go: the one
-    # composition order, and the tuner's and the doctor's view of a recipe and its levers.
-    "compose": "the composition order; placed with the technique registry",
-    "facts": "what the tuner and the doctor measure of a recipe; placed with the registry",
-    "levers": "the doctor's ranked levers; derived from the technique registry",
 }
 
 
@@ -221,6 +209,14 @@ PUBLIC_NAMES = {
     "torchturbo.cli": ["main", "full_parser"],
     # The loader grid search joined the tuner (issue 23); it was `torchturbo.data.tune_loader`.
     "torchturbo.tune": ["tune_loader", "LoaderTuning", "LoaderTrial"],
+    "torchturbo.techniques": [
+        "apply_activation_checkpointing",
+        "apply_channels_last",
+        "apply_compile",
+        "apply_float8_training",
+        "rebuild_optimizer",
+    ],
+    "torchturbo.config": ["TurboConfig", "ConfigError", "DataConfig", "DistributedConfig"],
 }
 
 
@@ -233,6 +229,7 @@ def _declared(module: str) -> list[str]:
     [
         *PUBLIC_NAMES,
         "torchturbo.data",
+        "torchturbo.distributed",
         "torchturbo.integrations.transformers",
         "torchturbo.integrations.lightning",
     ],

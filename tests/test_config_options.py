@@ -17,9 +17,9 @@ from torchturbo.cli import full_parser, main
 from torchturbo.cli.arguments import DEFAULT_PRESETS, Parser
 from torchturbo.cli.parser import build_parser
 from torchturbo.config import ConfigError, TurboConfig
-from torchturbo.config_fields import config_fields
-from torchturbo.config_options import DEST
-from torchturbo.config_resolve import resolve
+from torchturbo.config.fields import config_fields
+from torchturbo.config.options import DEST
+from torchturbo.config.resolve import resolve
 
 TINY = str(Path(__file__).parent / "recipes" / "tiny.py") + ":recipe"
 SECTION_FIELDS = [field for field in config_fields() if field.section]
@@ -281,7 +281,7 @@ def test_the_schema_accepts_what_the_config_accepts_and_refuses_what_it_refuses(
 
 
 def test_the_schema_documents_every_key():
-    from torchturbo.config_schema import config_schema
+    from torchturbo.config.schema import config_schema
 
     schema = config_schema()
     for field in config_fields():

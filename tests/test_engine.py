@@ -13,9 +13,10 @@ import torch
 from conftest import MLP, ConvNet, classification_loss
 from torch import nn
 
-from torchturbo import Turbo, TurboConfig, compose
+from torchturbo import Turbo, TurboConfig
 from torchturbo.distributed.launch import DistEnv
 from torchturbo.distributed.strategy import Strategy
+from torchturbo.engine import compose
 from torchturbo.measure.breakdown import NullRecorder, PhaseRecorder
 from torchturbo.techniques import registry
 from torchturbo.techniques.checkpointing import CHECKPOINTED_MARK

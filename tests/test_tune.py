@@ -13,6 +13,7 @@ from conftest import ConvNet, classification_loss, cpu_stage_context
 from torchturbo.config import TurboConfig
 from torchturbo.measure.trial import Trial, fixed_batches, start_trial
 from torchturbo.recipe import Recipe
+from torchturbo.techniques.proposal import Candidate
 from torchturbo.tune import candidate as candidate_module
 from torchturbo.tune import search
 from torchturbo.tune.budget import COMPILE_BASE_S
@@ -20,7 +21,6 @@ from torchturbo.tune.compare import batch_cycle, compare, steps_per_round
 from torchturbo.tune.decide import MIN_ROUNDS, Verdict
 from torchturbo.tune.outcome import STATES
 from torchturbo.tune.previous import Previous
-from torchturbo.tune.proposal import Candidate
 from torchturbo.tune.search import TuneInterrupted, TuneOptions, select_stages, tune
 from torchturbo.tune.stages import STAGES, bucket_stage, comm_hook_stage
 

@@ -38,7 +38,7 @@ from torchturbo.engine import Turbo
 from torchturbo.measure.trial import Trial, fixed_batches
 from torchturbo.recipe import Recipe
 from torchturbo.resume.files import read_checkpoint
-from torchturbo.tune.proposal import Candidate, StageContext
+from torchturbo.techniques.proposal import Candidate, StageContext
 from torchturbo.tune.search import TuneOptions, tune
 from torchturbo.tune.stages import bucket_stage, comm_hook_stage
 

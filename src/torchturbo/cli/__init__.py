@@ -9,14 +9,14 @@ readable line, ``torchturbo CMD: error: ...``, and exits with code 2; warnings p
 each. ``--debug`` shows the traceback instead; a bug of torchturbo always shows it (exit 1).
 
 Every command that takes a config (bench, train, doctor, config show) takes every config field
-as ``--section.field`` too (:mod:`torchturbo.config_options`), over ``--config`` and
-``--preset`` (:mod:`torchturbo.config_resolve`).
+as ``--section.field`` too (:mod:`torchturbo.config.options`), over ``--config`` and
+``--preset`` (:mod:`torchturbo.config.resolve`).
 
 Why hand-written on argparse: argparse is in the standard library, costs nothing at start-up
 (``--help`` must not wait for torch), and shtab turns it into bash and zsh completion. Click and
 Typer would be a dependency for the same subcommands and options, and none of the libraries
 that build a CLI from dataclasses gives what the config options need (see
-:mod:`torchturbo.config_options`); what is left by hand is the one-line error reporting below.
+:mod:`torchturbo.config.options`); what is left by hand is the one-line error reporting below.
 """
 
 from __future__ import annotations

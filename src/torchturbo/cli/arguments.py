@@ -33,7 +33,7 @@ class Parser(argparse.ArgumentParser):
     def with_config_options(self) -> Parser:
         """This parser with its config options added, if it takes them and has not got them."""
         if self.config_options_pending:
-            from torchturbo.config_options import add_config_options
+            from torchturbo.config.options import add_config_options
 
             self.config_options_pending = False
             add_config_options(self)
@@ -51,7 +51,7 @@ class Parser(argparse.ArgumentParser):
     ) -> tuple[argparse.Namespace, list[str]]:
         tokens = list(sys.argv[1:] if args is None else args)
         if self.takes_config:
-            from torchturbo.config_options import explicit, unknown_option
+            from torchturbo.config.options import explicit, unknown_option
 
             known = self.with_config_options()._option_string_actions
             problem = unknown_option(tokens, known)
@@ -105,7 +105,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def is_config_option(action: argparse.Action) -> bool:
-    """An option of torchturbo.config_options (told by its mark, not importing the module)."""
+    """An option of torchturbo.config.options (told by its mark, not importing the module)."""
     return getattr(action, "config_option", False)
 
 

@@ -68,7 +68,7 @@ def add_parser(commands: Any) -> None:
 
 
 def run_show(args: argparse.Namespace) -> int:
-    from torchturbo.config_resolve import annotated_toml
+    from torchturbo.config.resolve import annotated_toml
 
     if args.like is not None:
         args.default_preset = DEFAULT_PRESETS[args.like]
@@ -84,7 +84,7 @@ def run_show(args: argparse.Namespace) -> int:
 def run_schema(args: argparse.Namespace) -> int:
     import json
 
-    from torchturbo.config_schema import config_schema
+    from torchturbo.config.schema import config_schema
 
     print(json.dumps(config_schema(), indent=2))
     return 0

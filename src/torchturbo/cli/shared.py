@@ -15,9 +15,9 @@ from typing import Any
 
 def resolved_config(args: argparse.Namespace) -> Any:
     """The config of the command line and where each value came from
-    (:class:`~torchturbo.config_resolve.Resolved`): the defaults, then --preset (the command's
+    (:class:`~torchturbo.config.resolve.Resolved`): the defaults, then --preset (the command's
     own without --config), --config's keys, the --section.field options and --device."""
-    from torchturbo.config_resolve import resolve
+    from torchturbo.config.resolve import resolve
 
     preset = args.preset or (None if args.config else args.default_preset)
     return resolve(

@@ -5,7 +5,7 @@ launch environment, with no call from the user: one process -> :class:`Strategy`
 torchrun -> ``[distributed] strategy`` (``ddp``: ``DDPStrategy`` in ``ddp.py``, ``fsdp``:
 ``FSDPStrategy`` in ``fsdp.py``). A strategy owns what differs between them:
 
-- step 5 of composition, the distributed wrap (``wrap``; steps 1-4 are in ``torchturbo.compose``);
+- step 5 of composition, the distributed wrap (``wrap``; steps 1-4 are in ``engine.compose``);
 - the context each micro-step's backward runs in (``backward_context``: DDP's ``no_sync``);
 - turning this rank's sample/token count into the global one (``reduce_count``, see
   ``distributed/normalize.py``);

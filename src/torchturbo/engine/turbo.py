@@ -25,7 +25,6 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from torchturbo.compose import compose
 from torchturbo.config import TurboConfig
 from torchturbo.data.loader import to_device
 from torchturbo.data.training import training_loader
@@ -33,6 +32,7 @@ from torchturbo.distributed.comm import CommStats
 from torchturbo.distributed.launch import init_distributed
 from torchturbo.distributed.select import select_strategy
 from torchturbo.distributed.strategy import Strategy
+from torchturbo.engine.compose import compose
 from torchturbo.measure.breakdown import NullRecorder, Recorder
 from torchturbo.reliability.epochs import EpochLoader
 from torchturbo.reliability.guard import NonFiniteGuard, call_loss_fn

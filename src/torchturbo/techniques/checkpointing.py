@@ -29,9 +29,9 @@ import torch.utils.checkpoint
 from torch import nn
 
 from torchturbo.config import CheckpointConfig, TurboConfig
+from torchturbo.techniques.proposal import Candidate, StageContext
 from torchturbo.techniques.result import TechniqueResult, applied, not_applied
 from torchturbo.techniques.spec import Stage, Technique, TrainerArguments
-from torchturbo.tune.proposal import Candidate, StageContext
 
 #: Attribute set on every checkpointed module; measure/memory.py reads it to count the inputs
 #: that checkpoint keeps alive through a closure rather than through saved-tensor hooks.

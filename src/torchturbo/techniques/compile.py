@@ -21,11 +21,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchturbo import levers
 from torchturbo.config import CompileConfig, TurboConfig
+from torchturbo.techniques import levers
+from torchturbo.techniques.proposal import Candidate, StageContext, candidate
 from torchturbo.techniques.result import TechniqueResult, applied, not_applied
 from torchturbo.techniques.spec import Lever, Stage, Technique, TrainerArguments
-from torchturbo.tune.proposal import Candidate, StageContext, candidate
 
 
 class CompileError(RuntimeError):

@@ -22,12 +22,12 @@ import importlib.util
 import torch
 from torch import nn
 
-from torchturbo import levers
 from torchturbo.config import TurboConfig
 from torchturbo.measure.native import emulated
+from torchturbo.techniques import levers
+from torchturbo.techniques.proposal import Candidate, StageContext, candidate
 from torchturbo.techniques.result import TechniqueResult, applied, not_applied
 from torchturbo.techniques.spec import Lever, Stage, Technique, TrainerArguments
-from torchturbo.tune.proposal import Candidate, StageContext, candidate
 
 #: torch._scaled_mm needs both dimensions of each fp8 operand divisible by 16.
 ALIGNMENT = 16

@@ -7,10 +7,10 @@ the doctor ranks it and the trainers' arguments carry it.
 
 from __future__ import annotations
 
-from torchturbo import levers
 from torchturbo.config import DataConfig, TurboConfig
+from torchturbo.techniques import levers
+from torchturbo.techniques.proposal import Candidate, StageContext, candidate
 from torchturbo.techniques.spec import Lever, Stage, Technique, TrainerArguments
-from torchturbo.tune.proposal import Candidate, StageContext, candidate
 
 
 def dynamic_batching_stage(ctx: StageContext) -> list[Candidate] | str:

@@ -25,11 +25,11 @@ from typing import Any
 
 import torch
 
-from torchturbo import levers
 from torchturbo.config import TurboConfig
+from torchturbo.techniques import levers
+from torchturbo.techniques.proposal import Candidate, StageContext, candidate
 from torchturbo.techniques.result import TechniqueResult, applied, not_applied
 from torchturbo.techniques.spec import Lever, Stage, Technique, TrainerArguments
-from torchturbo.tune.proposal import Candidate, StageContext, candidate
 
 #: The flags a rebuild can set; each excludes the other (torch refuses both True).
 IMPLEMENTATIONS = ("foreach", "fused")

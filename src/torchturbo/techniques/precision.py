@@ -20,11 +20,11 @@ from typing import Any
 
 import torch
 
-from torchturbo import levers
 from torchturbo.config import PrecisionConfig, TurboConfig
+from torchturbo.techniques import levers
+from torchturbo.techniques.proposal import Candidate, StageContext, candidate
 from torchturbo.techniques.result import TechniqueResult, applied, not_applied
 from torchturbo.techniques.spec import Lever, Stage, Technique, TrainerArguments
-from torchturbo.tune.proposal import Candidate, StageContext, candidate
 
 AUTOCAST_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16}
 _NULL = contextlib.nullcontext()

@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 import torchturbo.techniques
-from torchturbo.facts import Facts
-from torchturbo.levers import RankedLever
+from torchturbo.techniques.facts import Facts
+from torchturbo.techniques.levers import RankedLever
 from torchturbo.techniques.result import TechniqueResult, applied, not_applied
 from torchturbo.techniques.spec import Host, Lever, Stage, Technique, Trainer, TrainerArguments
 

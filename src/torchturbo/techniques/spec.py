@@ -24,10 +24,10 @@ import torch
 from torch import nn
 
 from torchturbo.config import TurboConfig
-from torchturbo.facts import Facts
-from torchturbo.levers import Expectation
+from torchturbo.techniques.facts import Facts
+from torchturbo.techniques.levers import Expectation
+from torchturbo.techniques.proposal import Candidate, StageContext
 from torchturbo.techniques.result import TechniqueResult
-from torchturbo.tune.proposal import Candidate, StageContext
 
 #: Where a technique runs: torchturbo's own engine, or a trainer's torchturbo callback.
 Host = Literal["engine", "transformers", "lightning"]

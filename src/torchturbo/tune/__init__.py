@@ -5,6 +5,14 @@ keep what makes the whole job faster (``search``), then write the report (``repo
 loader on its own, on any dataset.
 """
 
-from torchturbo.tune.loader_search import LoaderTrial, LoaderTuning, tune_loader
+from torchturbo import lazy_exports
+
+_EXPORTS = {
+    "LoaderTrial": "torchturbo.tune.loader_search",
+    "LoaderTuning": "torchturbo.tune.loader_search",
+    "tune_loader": "torchturbo.tune.loader_search",
+}
 
 __all__ = ["LoaderTrial", "LoaderTuning", "tune_loader"]
+
+__getattr__ = lazy_exports(__name__, _EXPORTS)

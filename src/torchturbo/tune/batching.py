@@ -16,7 +16,7 @@ from torchturbo.recipe import Recipe
 from torchturbo.reliability.oom import leading_size, split_batch
 
 if TYPE_CHECKING:
-    from torchturbo.tune.proposal import Candidate
+    from torchturbo.techniques.proposal import Candidate
 
 
 def candidate_batches(

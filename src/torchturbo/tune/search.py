@@ -5,9 +5,9 @@ as a procedure:
 
 1. **Baseline**: the recipe in fp32 eager on fixed batches; its first steps are the loss reference.
 2. **Facts** (seconds): GEMM rates per precision, padding with and without length buckets, the
-   convolution share of the FLOPs (``torchturbo.facts``). A precision that cannot help on this
+   convolution share of the FLOPs (``techniques.facts``). A precision that cannot help on this
    hardware (TF32 on a CPU, bf16 without bf16 units) is decided here, not by training.
-3. **Candidates by expected gain per second of measuring** (``torchturbo.levers``), each built on
+3. **Candidates by expected gain per second of measuring** (``techniques.levers``), each built on
    the current best and timed against it in paired rounds on the same batches until the ratio is
    decided (``compare``; rules in ``decide``). A candidate that does not fit in what is left of
    the budget is not measured, and says how long it would have needed.
@@ -41,14 +41,15 @@ from torchturbo.config import TurboConfig
 from torchturbo.distributed.consensus import agree
 from torchturbo.distributed.launch import current_env
 from torchturbo.engine import resolve_device
-from torchturbo.facts import gather
-from torchturbo.levers import priority
 from torchturbo.measure.breakdown import PhaseRecorder
 from torchturbo.measure.machine import summary
 from torchturbo.measure.timing import time_once
 from torchturbo.measure.trial import fixed_batches, start_trial
 from torchturbo.recipe import Recipe
 from torchturbo.techniques.compile import compile_cache
+from torchturbo.techniques.facts import gather
+from torchturbo.techniques.levers import priority
+from torchturbo.techniques.proposal import Candidate, StageContext
 from torchturbo.tune import batching
 from torchturbo.tune.budget import Budget
 from torchturbo.tune.candidate import estimate, try_candidate
@@ -56,7 +57,6 @@ from torchturbo.tune.confirm import confirm
 from torchturbo.tune.loader_stage import loader_stage
 from torchturbo.tune.outcome import Confirmation, Outcome, TuneResult
 from torchturbo.tune.previous import Previous, fingerprint, is_reusable
-from torchturbo.tune.proposal import Candidate, StageContext
 from torchturbo.tune.stages import MEMORY_STAGES, STAGES
 from torchturbo.tune.state import (
     NUM_BATCHES,

@@ -2,7 +2,7 @@
 
 A stage is a plain function ``(context) -> list[Candidate] | str`` (``proposal.py``): the
 candidates to measure, or the reason the whole stage does not apply. A candidate carries the gain
-it is expected to bring (``torchturbo.levers``, from facts measured in seconds), which orders the
+it is expected to bring (``techniques.levers``, from facts measured in seconds), which orders the
 measuring, or the fact that makes it not applicable here (bf16 without bf16 units, channels_last
 without convolutions), which spares training it at all. The technique stages are declared by the
 techniques themselves (``Technique.stage``, gathered by ``techniques/registry.py``); this module
@@ -15,10 +15,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from torchturbo import levers
-from torchturbo.techniques import registry
+from torchturbo.techniques import levers, registry
+from torchturbo.techniques.proposal import Candidate, StageContext, candidate
 from torchturbo.techniques.spec import Stage
-from torchturbo.tune.proposal import Candidate, StageContext, candidate
 
 #: The formats the precision stage tries (the CLI says up front which of them are emulated).
 PRECISION_FORMATS = ("tf32", "bf16", "fp16")

@@ -12,10 +12,10 @@ from typing import Any
 
 import torch
 
-from torchturbo import levers
 from torchturbo.config import TurboConfig
-from torchturbo.facts import Facts
 from torchturbo.recipe import Recipe
+from torchturbo.techniques import levers
+from torchturbo.techniques.facts import Facts
 
 
 @dataclass(frozen=True)

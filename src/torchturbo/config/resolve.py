@@ -17,8 +17,8 @@ from typing import Any
 import tomli_w
 
 from torchturbo.config import ConfigError, TurboConfig, read_table
-from torchturbo.config_fields import ConfigField, config_fields
-from torchturbo.config_options import Override
+from torchturbo.config.fields import ConfigField, config_fields
+from torchturbo.config.options import Override
 
 DEFAULT = "default"
 

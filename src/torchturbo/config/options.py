@@ -1,11 +1,11 @@
 """Every config field as a command-line option: ``--precision.dtype bf16``, ``--data.bucketing``.
 
-One option per key of turbo.toml (:func:`~torchturbo.config_fields.config_fields`), named as in
+One option per key of turbo.toml (:func:`~torchturbo.config.fields.config_fields`), named as in
 the file and taking values in the file's units (bytes, MiB, counts): a choice for a ``Literal``
 field, ``--x`` / ``--no-x`` for a boolean, a comma-separated list for a list, ``none`` for a
 field the file may leave out (``--x=none`` for a boolean one); ``*_bytes`` fields also read
 sizes such as ``64MiB``. The text is only converted to the field's type here: what a value
-may be is decided by the config's own validation (:func:`torchturbo.config_resolve.resolve`),
+may be is decided by the config's own validation (:func:`torchturbo.config.resolve.resolve`),
 so an option and a file get the same one-line errors. A misspelt ``--section.field`` is
 refused with the closest name (:func:`unknown_option`): argparse alone would take
 ``--precision.dtyp`` as an abbreviation.
@@ -27,7 +27,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, get_origin
 
-from torchturbo.config_fields import ConfigField, config_fields
+from torchturbo.config.fields import ConfigField, config_fields
 from torchturbo.output.units import UnitError, parse_size
 
 #: Where the parsed options go in the namespace: a list of :class:`Override`, in command order.

@@ -1,6 +1,6 @@
 """The config's fields as data: section, name, type, default, range and documentation.
 
-The command line's ``--section.field`` options (:mod:`torchturbo.config_options`), ``config
+The command line's ``--section.field`` options (:mod:`torchturbo.config.options`), ``config
 show`` and ``config schema`` are generated from this one list, so a field added to a section of
 :mod:`torchturbo.config` appears in all three with no other line of code. A field's
 documentation is the ``#:`` comment above its declaration (the convention Sphinx's autodoc
@@ -73,9 +73,11 @@ def config_fields() -> tuple[ConfigField, ...]:
     """Every key of turbo.toml, in the order of the file: ``device``, then section by section."""
     docs = _docs(sys.modules[TurboConfig.__module__].__file__)
     fields = [ConfigField("", "device", str, "auto", None, docs.get(("TurboConfig", "device"), ""))]
+    read = {TurboConfig.__module__}
     for name, section_type in sections().items():
         hints = typing.get_type_hints(section_type)
-        if section_type.__module__ != TurboConfig.__module__:  # declared by a technique module
+        if section_type.__module__ not in read:  # core sections, or a technique's own module
+            read.add(section_type.__module__)
             docs |= _docs(sys.modules[section_type.__module__].__file__)
         fields.extend(
             ConfigField(

@@ -13,7 +13,7 @@ import math
 from typing import Any, get_args, get_origin
 
 from torchturbo.config import INT64_MAX, MAX_CUDA_INDEX, TurboConfig
-from torchturbo.config_fields import ConfigField, config_fields
+from torchturbo.config.fields import ConfigField, config_fields
 
 DRAFT = "http://json-schema.org/draft-07/schema#"
 
