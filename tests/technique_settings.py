@@ -42,6 +42,9 @@ class Run:
     probes: list[dict[str, Any]] = field(default_factory=list)
     #: Padded input elements over all batches (the data techniques' observable).
     input_elements: int = 0
+    #: One batch and the loss function, to look inside a forward afterwards.
+    batch: Any = None
+    loss_fn: Any = None
     #: The baseline's run it was compared with (itself for the baseline), and the largest
     #: relative difference from it.
     baseline: Run | None = None
@@ -58,6 +61,9 @@ class Setting:
     unavailable: Callable[[], str | None] = lambda: None
     #: True, or why it does not stack with the others in the composition tests.
     stacks: bool | str = True
+    #: Techniques it does not apply beside, with why; it must say so itself (a reason in
+    #: ``Turbo.applied``), which the composition test checks.
+    excludes: dict[str, str] = field(default_factory=dict)
     #: It trains through ``Turbo.setup``'s loader on variable-length samples (data techniques).
     data: bool = False
     #: Its runs compile (tens of seconds): marked slow.

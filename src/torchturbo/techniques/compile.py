@@ -80,16 +80,21 @@ def use_compile_cache(directory: str) -> str | None:
         return None
     if _users_folder() is None:
         os.environ[CACHE_ENV] = str(Path(directory).resolve())
+        _SET_HERE.add(os.environ[CACHE_ENV])
     Path(os.environ[CACHE_ENV]).mkdir(parents=True, exist_ok=True)
     return os.environ[CACHE_ENV]
+
+
+#: The folders this process put into the variable: a later config's folder replaces them.
+_SET_HERE: set[str] = set()
 
 
 def _users_folder() -> str | None:
     """The cache folder the user chose, if any. Inductor writes its default into the variable
     the first time it asks (importing torchao does), so a value equal to that default is
-    inductor's, not the user's."""
+    inductor's, not the user's; one set here for an earlier config is ours."""
     current = os.environ.get(CACHE_ENV)
-    if current is None:
+    if current is None or current in _SET_HERE:
         return None
     try:  # TODO: a public API for the default folder, once torch has one
         from torch._inductor.runtime.cache_dir_utils import default_cache_dir
