@@ -67,6 +67,8 @@ def train(config: TurboConfig, setting: Setting, *, break_model: bool = False) -
     """A few steps from the same weights and batches; ``break_model`` perturbs the composed
     model's first parameter, as a technique that corrupted it would."""
     torch.manual_seed(0)
+    if config.compile.mode != "off":  # from scratch: a graph an earlier test compiled is reused
+        torch.compiler.reset()
     model = model_for(setting)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0 if setting.data else 0.1, momentum=0.9)
     turbo = Turbo(config)
