@@ -25,9 +25,11 @@ import torch
 from conftest import ConvNet
 from torch import nn
 
+from torchturbo.reliability.nested import iter_tensors
 from torchturbo.techniques.checkpointing import CHECKPOINTED_MARK
 from torchturbo.techniques.compile import CACHE_ENV, compiled_graphs
 from torchturbo.techniques.float8 import float8_unavailable
+from torchturbo.techniques.saved_tensors import saved_tensor_packer
 
 
 @dataclass
@@ -75,6 +77,20 @@ class Setting:
 
 def _applied(run: Run, name: str) -> bool:
     return run.turbo.applied.get(name, "not requested") is None
+
+
+def _stores_compressed(run: Run) -> bool:
+    """Whether a forward, as a step runs it, stores some saved tensor in bf16 (what autograd
+    keeps, seen by a packer after the technique's own)."""
+    stored: list[Any] = []
+
+    def look(value: Any) -> Any:
+        stored.extend(t.dtype for t in iter_tensors(value))
+        return value
+
+    with run.turbo.switches(), saved_tensor_packer(look, lambda value: value):
+        run.turbo.forward(run.loss_fn, run.batch)
+    return torch.bfloat16 in stored
 
 
 def _compile_cache() -> dict[str, Any]:
@@ -147,6 +163,16 @@ SETTINGS: dict[str, Setting] = {
         stacks="it changes which samples share a batch, not the step: the step techniques "
         "stack with it in the tuner's tests (tests/test_tune.py), on its own batches",
         data=True,
+    ),
+    "activation_compression": Setting(
+        on={"activation_compression__dtype": "bf16", "activation_compression__min_bytes": 1024},
+        # Saved activations rounded to bf16 (0.4% each) reach the gradients only.
+        tolerance=0.02,
+        took_effect=lambda run: _applied(run, "activation_compression") and _stores_compressed(run),
+        excludes={
+            name: "compiled graphs save their tensors out of reach of saved-tensor hooks"
+            for name in ("compile", "compile_cache")
+        },
     ),
 }
 
