@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from torchturbo.measure import measure_interleaved, noise_band
-from torchturbo.results import write_results
+from torchturbo.output.results_file import write_results
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
 from torchturbo.data.augment import BatchAugment
-from torchturbo.results import write_results
+from torchturbo.output.results_file import write_results
 
 MEAN = (0.485, 0.456, 0.406)
 STD = (0.229, 0.224, 0.225)

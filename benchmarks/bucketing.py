@@ -32,8 +32,8 @@ from torchturbo.data.bucketing import BucketBatchSampler, pack_batches, padding_
 from torchturbo.data.collate import pad_collate
 from torchturbo.data.loader import to_device
 from torchturbo.measure.timing import measure_interleaved
+from torchturbo.output.results_file import write_results
 from torchturbo.recipe import Recipe
-from torchturbo.results import write_results
 from torchturbo.workloads import get_workload
 
 VARIANTS = ("naive", "bucketed")

@@ -117,7 +117,7 @@ def main() -> int:
         )
     result["torch"] = torch.__version__
     if args.json:
-        from torchturbo.results import write_results
+        from torchturbo.output.results_file import write_results
 
         write_results(args.json, result)
     return 0

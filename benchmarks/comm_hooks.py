@@ -2,13 +2,13 @@
 NCCL with ``--device cuda``, one GPU per process).
 
 Each hook (``none``, ``fp16``, ``powersgd`` rank 4; ``bf16`` too when the backend is NCCL) trains
-its own copy of a built-in workload (``--workload``, default text) as a ``bench.Trial`` under DDP:
-the same initial weights and, on each rank, the same seeded batches for every hook. Per hook:
-bytes all-reduced per step and the wall time with a bucket reduction in flight (counted by
-torchturbo.distributed.comm, means over the later half of the steps, when PowerSGD is past its
-2 plain warm-up steps), step time, and the loss at the start and over the last pass through the
-rank's batches. Steps of the variants are interleaved (measure.timing.measure_interleaved:
-warm-up, rotating order, medians, spread).
+its own copy of a built-in workload (``--workload``, default text) as a ``measure.trial.Trial``
+under DDP: the same initial weights and, on each rank, the same seeded batches for every hook. Per
+hook: bytes all-reduced per step and the wall time with a bucket reduction in flight (counted by
+torchturbo.distributed.comm, means over the later half of the steps, when PowerSGD is past its 2
+plain warm-up steps), step time, and the loss at the start and over the last pass through the rank's
+batches. Steps of the variants are interleaved (measure.timing.measure_interleaved: warm-up,
+rotating order, medians, spread).
 
 Scaling efficiency 1 -> N processes: the ``single`` variant trains the same per-process batches
 with the plain engine on rank 0 alone (the other ranks skip it), so
@@ -37,12 +37,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from torchturbo.bench import Trial, fixed_batches
 from torchturbo.config import TurboConfig
 from torchturbo.distributed import DistEnv, Strategy, init_distributed, shutdown
 from torchturbo.engine import Turbo
 from torchturbo.measure.timing import measure_interleaved
-from torchturbo.results import write_results
+from torchturbo.measure.trial import Trial, fixed_batches
+from torchturbo.output.results_file import write_results
 from torchturbo.workloads import WORKLOADS, get_workload
 
 HOOKS = ("none", "fp16", "powersgd")

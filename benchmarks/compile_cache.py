@@ -33,8 +33,8 @@ import torch
 from torch import nn
 
 from torchturbo.config import TurboConfig
+from torchturbo.output.results_file import write_results
 from torchturbo.recipe import Recipe
-from torchturbo.results import write_results
 
 _FIRST = re.compile(r"first step (?P<first>[0-9.]+) s .*?then (?P<later>[0-9.]+) s a step")
 

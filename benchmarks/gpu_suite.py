@@ -43,15 +43,15 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from techniques import variants
 
-from torchturbo.bench import compare_configs
 from torchturbo.config import TurboConfig
 from torchturbo.kernels import bias_gelu, bias_gelu_reference
 from torchturbo.measure.datasheet import FORMATS, datasheet_peak_flops
+from torchturbo.measure.machine import summary
 from torchturbo.measure.native import emulated
 from torchturbo.measure.peak import measured_format_peak, stated_peak
-from torchturbo.report import format_mfu
-from torchturbo.results import write_results
-from torchturbo.system import summary
+from torchturbo.measure.variants import compare_configs
+from torchturbo.output.results_file import write_results
+from torchturbo.output.tables import format_mfu
 from torchturbo.techniques.float8 import convertible_linears
 from torchturbo.tune.search import TuneOptions, tune
 from torchturbo.workloads import get_workload

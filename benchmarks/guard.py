@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 
 from torchturbo import Turbo, TurboConfig
-from torchturbo.bench import fixed_batches
 from torchturbo.measure import measure_interleaved, noise_band
-from torchturbo.results import write_results
+from torchturbo.measure.trial import fixed_batches
+from torchturbo.output.results_file import write_results
 from torchturbo.workloads import WORKLOADS, get_workload
 
 

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from torchturbo.measure.timing import measure_interleaved, ratio
-from torchturbo.results import write_results
+from torchturbo.output.results_file import write_results
 
 #: Batches as the built-in workloads hand them over, plus one large transfer.
 SHAPES = {

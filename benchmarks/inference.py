@@ -35,8 +35,8 @@ from rich.table import Table
 from torch import nn
 
 from torchturbo.measure import measure_interleaved, noise_band, time_once
-from torchturbo.results import write_results
-from torchturbo.table_fit import print_table
+from torchturbo.output.results_file import write_results
+from torchturbo.output.table_fit import print_table
 from torchturbo.techniques.export import capture_model_inputs
 from torchturbo.techniques.fusion import fuse_for_inference
 from torchturbo.workloads import WORKLOADS, get_workload

@@ -19,7 +19,7 @@ import torch
 
 from torchturbo.kernels import bias_gelu, bias_gelu_reference, load_cpu_kernels
 from torchturbo.measure import measure_interleaved, noise_band, ratio, time_once
-from torchturbo.results import write_results
+from torchturbo.output.results_file import write_results
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

@@ -39,7 +39,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from torchturbo.data.memmap import MemmapDataset, write_memmap
-from torchturbo.results import write_results
+from torchturbo.output.results_file import write_results
 
 IMAGE_SHAPE = (3, 64, 64)
 GiB = 1 << 30

@@ -30,12 +30,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchturbo.bench import fixed_batches
 from torchturbo.config import TurboConfig
 from torchturbo.engine import Turbo
 from torchturbo.measure.timing import measure_interleaved, paired_noise
+from torchturbo.measure.trial import fixed_batches
+from torchturbo.output.results_file import write_results
 from torchturbo.recipe import Recipe
-from torchturbo.results import write_results
 from torchturbo.workloads import WORKLOADS, get_workload
 
 ACCUMULATION = 2

@@ -64,7 +64,7 @@ from torchturbo.integrations.transformers import (
     training_arguments,
 )
 from torchturbo.measure.timing import sync
-from torchturbo.results import write_results
+from torchturbo.output.results_file import write_results
 from torchturbo.tune.report import write_report
 from torchturbo.tune.search import TuneOptions, tune
 from torchturbo.workloads.text import VOCAB_SIZE, make_sequences

@@ -144,7 +144,7 @@ def main() -> int:
     result["drain_over_skip"] = ratio
     print(f"draining takes {ratio:.0f}x as long as skipping by index")
     if args.json:
-        from torchturbo.results import write_results
+        from torchturbo.output.results_file import write_results
 
         write_results(args.json, result)
     return 0

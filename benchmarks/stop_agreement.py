@@ -23,13 +23,13 @@ from pathlib import Path
 
 import torch
 
-from torchturbo.bench import fixed_batches
 from torchturbo.config import TurboConfig
 from torchturbo.distributed import current_env, is_main_process, launched
 from torchturbo.engine import Turbo
 from torchturbo.measure.timing import measure_interleaved, paired_noise
-from torchturbo.preemption import StopRequest
-from torchturbo.results import write_results
+from torchturbo.measure.trial import fixed_batches
+from torchturbo.output.results_file import write_results
+from torchturbo.reliability.preemption import StopRequest
 from torchturbo.workloads import WORKLOADS, get_workload
 
 

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import torch
 
-from torchturbo.bench import compare_configs
 from torchturbo.config import TurboConfig
-from torchturbo.report import print_rows
-from torchturbo.results import write_results
+from torchturbo.measure.variants import compare_configs
+from torchturbo.output.results_file import write_results
+from torchturbo.output.tables import print_rows
 from torchturbo.workloads import WORKLOADS, get_workload
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from torchturbo.measure import measure_interleaved, noise_band, ratio, time_once
-from torchturbo.results import write_results
+from torchturbo.output.results_file import write_results
 from torchturbo.techniques.tensor_pool import TensorPool
 
 

@@ -26,11 +26,11 @@ from pathlib import Path
 
 import torch
 
-from torchturbo.bench import compare_configs
 from torchturbo.config import TurboConfig
+from torchturbo.measure.machine import summary
 from torchturbo.measure.native import emulated, gemm_speedup
-from torchturbo.results import write_results
-from torchturbo.system import summary
+from torchturbo.measure.variants import compare_configs
+from torchturbo.output.results_file import write_results
 from torchturbo.tune.search import TuneOptions, tune
 from torchturbo.tune.stages import STAGES
 from torchturbo.workloads import WORKLOADS, get_workload

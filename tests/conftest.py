@@ -50,8 +50,8 @@ def cpu_stage_context(recipe, *, facts=None, **overrides):
     """A tuner ``StageContext`` on CPU with neutral facts (``facts`` overrides some of them), to
     call one stage directly."""
     from torchturbo.config import TurboConfig
-    from torchturbo.facts import Facts
-    from torchturbo.tune.stages import StageContext
+    from torchturbo.techniques.facts import Facts
+    from torchturbo.techniques.proposal import StageContext
 
     neutral = dict(
         device="cpu",

@@ -22,9 +22,10 @@ import torch
 from conftest import edit_checkpoint_json
 from torch import nn
 
-from torchturbo import Turbo, TurboConfig, checkpoint
-from torchturbo.checkpoint import MANIFEST, CheckpointError, read_checkpoint, write_checkpoint
-from torchturbo.epochs import LoaderPosition
+from torchturbo import Turbo, TurboConfig
+from torchturbo.reliability.epochs import LoaderPosition
+from torchturbo.resume import files as checkpoint
+from torchturbo.resume.files import MANIFEST, CheckpointError, read_checkpoint, write_checkpoint
 
 TOTAL_STEPS = 9  # optimizer steps of 2-batch windows: more than two epochs of both datasets
 CONFIG = TurboConfig(device="cpu").replace(accumulation__steps=2)

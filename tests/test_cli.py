@@ -63,8 +63,8 @@ def test_tune_writes_a_loadable_config_and_a_self_contained_report(tmp_path, cap
 def test_ctrl_c_in_tune_keeps_the_measurements_and_the_same_command_goes_on(
     tmp_path, capsys, monkeypatch
 ):
+    from torchturbo.techniques.proposal import Candidate
     from torchturbo.tune import search
-    from torchturbo.tune.stages import Candidate
 
     def clipping(ctx):
         return [
@@ -159,7 +159,7 @@ def test_train_checkpoints_and_resumes(tmp_path, capsys):
 def test_train_exits_75_after_saving_or_128_plus_the_signal_when_stopped_at_once(
     tmp_path, monkeypatch, capsys, times, status
 ):
-    from torchturbo import preemption
+    from torchturbo.reliability import preemption
 
     monkeypatch.setattr(preemption, "SAME_SIGNAL_S", 0.0)  # the repeat is a second signal
     monkeypatch.setenv("MARKED_SIGTERMS", f"3:{times}")
@@ -175,9 +175,9 @@ def test_train_exits_75_after_saving_or_128_plus_the_signal_when_stopped_at_once
 
 
 def test_train_prints_plain_progress_lines_when_its_output_is_no_terminal(monkeypatch, capsys):
-    from torchturbo import cli
+    from torchturbo.cli import train as train_command
 
-    monkeypatch.setattr(cli, "PROGRESS_EVERY_S", 0.0)  # every step, for the test
+    monkeypatch.setattr(train_command, "PROGRESS_EVERY_S", 0.0)  # every step, for the test
     assert main(["train", TINY, "--device", "cpu", "--steps", "3"]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("train ")]
     assert [line.split(" · ")[0] for line in lines] == [f"train tiny step {n}/3" for n in (1, 2, 3)]

@@ -9,14 +9,16 @@ from pathlib import Path
 import pytest
 
 from torchturbo import __version__
-from torchturbo.cli import EXPORT_METHODS, WORKLOADS, _parser, main
+from torchturbo.cli import main
+from torchturbo.cli.arguments import EXPORT_METHODS, WORKLOADS
+from torchturbo.cli.parser import build_parser
 from torchturbo.recipe import RecipeError
 
 TINY = str(Path(__file__).parent / "recipes" / "tiny.py") + ":recipe"
 
 
 def _subcommands() -> dict[str, argparse.ArgumentParser]:
-    action = next(a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction))
+    action = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     return dict(action.choices)
 
 
@@ -66,13 +68,13 @@ def test_help_shows_choices_and_defaults() -> None:
 
 def test_every_help_fits_80_columns(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("COLUMNS", "80")
-    texts = [_parser().format_help(), *(p.format_help() for p in _subcommands().values())]
+    texts = [build_parser().format_help(), *(p.format_help() for p in _subcommands().values())]
     for text in texts:
         assert max(len(line) for line in text.splitlines()) <= 80
 
 
 def test_the_article_is_named_once() -> None:
-    texts = [_parser().format_help(), *(p.format_help() for p in _subcommands().values())]
+    texts = [build_parser().format_help(), *(p.format_help() for p in _subcommands().values())]
     assert sum(text.count("实战技巧") for text in texts) == 1
 
 
@@ -103,7 +105,7 @@ def test_help_does_not_import_torch() -> None:
     import sys
 
     probe = (
-        "import sys; from torchturbo.cli import _parser; _parser().format_help(); "
+        "import sys; from torchturbo.cli.parser import build_parser; build_parser().format_help(); "
         "print(sorted(m for m in ('torch', 'rich', 'matplotlib') if m in sys.modules))"
     )
     result = subprocess.run(

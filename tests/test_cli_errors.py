@@ -24,11 +24,12 @@ import torch
 from conftest import edit_checkpoint_json
 
 from torchturbo import Turbo, TurboConfig
-from torchturbo.checkpoint import MANIFEST
-from torchturbo.cli import error_line, main
+from torchturbo.cli import main
+from torchturbo.cli.errors import error_line
 from torchturbo.config import DataConfig
 from torchturbo.data.loader import build_loader
 from torchturbo.recipe import UserCodeError
+from torchturbo.resume.files import MANIFEST
 from torchturbo.workloads import get_workload
 
 RECIPES = Path(__file__).parent / "recipes"

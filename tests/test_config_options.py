@@ -13,11 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from torchturbo.cli import DEFAULT_PRESETS, _Parser, _parser, full_parser, main
+from torchturbo.cli import full_parser, main
+from torchturbo.cli.arguments import DEFAULT_PRESETS, Parser
+from torchturbo.cli.parser import build_parser
 from torchturbo.config import ConfigError, TurboConfig
-from torchturbo.config_fields import config_fields
-from torchturbo.config_options import DEST
-from torchturbo.config_resolve import resolve
+from torchturbo.config.fields import config_fields
+from torchturbo.config.options import DEST
+from torchturbo.config.resolve import resolve
 
 TINY = str(Path(__file__).parent / "recipes" / "tiny.py") + ":recipe"
 SECTION_FIELDS = [field for field in config_fields() if field.section]
@@ -32,7 +34,7 @@ def _subcommand(*names: str) -> argparse.ArgumentParser:
 
 
 def _overrides(*argv: str) -> dict[str, object]:
-    args = _parser().parse_args(["config", "show", *argv])
+    args = build_parser().parse_args(["config", "show", *argv])
     return {given.field.key: given.value for given in getattr(args, DEST)}
 
 
@@ -78,7 +80,9 @@ READ_AS_IN_THE_FILE = [
 @pytest.mark.parametrize(("argv", "expected"), READ_AS_IN_THE_FILE)
 def test_values_are_read_as_the_file_reads_them(argv, expected):
     assert _overrides(*argv) == expected
-    config = resolve(overrides=_parser().parse_args(["config", "show", *argv]).config_overrides)
+    config = resolve(
+        overrides=build_parser().parse_args(["config", "show", *argv]).config_overrides
+    )
     for key, value in expected.items():
         section, name = key.split(".")
         assert getattr(getattr(config.config, section), name) == value
@@ -101,7 +105,7 @@ def test_every_option_given_its_default_reads_back_the_default(field):
         argv = [f"--{field.key}" if field.default else f"--no-{field.key}"]
     else:
         argv = [f"--{field.key}", _as_typed(field.default)]
-    given = _parser().parse_args(["config", "show", *argv]).config_overrides
+    given = build_parser().parse_args(["config", "show", *argv]).config_overrides
     resolved = resolve(overrides=given)
     assert resolved.config == TurboConfig()
     assert resolved.sources[field.key] == argv[0].split("=")[0]
@@ -160,18 +164,18 @@ def test_a_flag_that_may_be_none_takes_none_true_or_false_but_never_the_next_wor
         (["--compile.dynamic=false"], False),
         (["--config", str(path), "--compile.dynamic=none"], None),  # back to torch's choice
     ]:
-        args = _parser().parse_args(["config", "show", *argv])
+        args = build_parser().parse_args(["config", "show", *argv])
         assert (
             resolve(config_file=args.config, overrides=args.config_overrides).config.compile.dynamic
             is expected
         )
-    args = _parser().parse_args(["bench", "--compile.dynamic", TINY])
+    args = build_parser().parse_args(["bench", "--compile.dynamic", TINY])
     assert args.recipe == TINY and [o.value for o in args.config_overrides] == [True]
 
 
 def test_negative_control_argparse_alone_takes_a_misspelt_option_as_an_abbreviation():
     bench = _subcommand("bench")
-    args, _ = super(_Parser, bench).parse_known_args([TINY, "--precision.dtyp", "bf16"])
+    args, _ = super(Parser, bench).parse_known_args([TINY, "--precision.dtyp", "bf16"])
     assert [(o.field.key, o.value) for o in args.config_overrides] == [("precision.dtype", "bf16")]
 
 
@@ -179,7 +183,7 @@ def test_precedence_is_options_then_file_then_preset_then_defaults(tmp_path):
     path = tmp_path / "turbo.toml"
     path.write_text('[precision]\ndtype = "fp32"\n[compile]\nmode = "default"\n')
     argv = ["--preset", "fast", "--config", str(path), "--compile.mode", "max-autotune"]
-    args = _parser().parse_args(["config", "show", *argv, "--device", "cpu"])
+    args = build_parser().parse_args(["config", "show", *argv, "--device", "cpu"])
     resolved = resolve(
         preset=args.preset,
         config_file=args.config,
@@ -208,7 +212,7 @@ def test_a_file_without_preset_goes_over_the_defaults_not_the_commands_preset(tm
 
 def test_options_that_are_only_valid_together_are_checked_together():
     argv = ["--checkpointing.mode", "selective", "--checkpointing.every_n", "2"]
-    args = _parser().parse_args(["config", "show", *argv])
+    args = build_parser().parse_args(["config", "show", *argv])
     config = resolve(overrides=args.config_overrides).config
     assert config.checkpointing.mode == "selective" and config.checkpointing.every_n == 2
 
@@ -277,7 +281,7 @@ def test_the_schema_accepts_what_the_config_accepts_and_refuses_what_it_refuses(
 
 
 def test_the_schema_documents_every_key():
-    from torchturbo.config_schema import config_schema
+    from torchturbo.config.schema import config_schema
 
     schema = config_schema()
     for field in config_fields():

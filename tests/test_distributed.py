@@ -322,8 +322,8 @@ def test_torchrun_train_is_ddp_equal_to_one_process_on_the_union_of_batches(tmp_
     import subprocess
     import sys
 
-    from torchturbo.checkpoint import read_checkpoint
     from torchturbo.distributed.ddp import parameter_digest
+    from torchturbo.resume.files import read_checkpoint
 
     config = tmp_path / "ddp.toml"
     config.write_text('[distributed]\nstrategy = "ddp"\n')

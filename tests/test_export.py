@@ -229,7 +229,7 @@ def test_a_checkpoint_of_another_model_is_refused_by_name(tmp_path: Path) -> Non
 
 
 def test_a_missing_or_empty_checkpoint_directory_is_named(tmp_path: Path) -> None:
-    from torchturbo.checkpoint import CheckpointError
+    from torchturbo.resume.files import CheckpointError
 
     recipe = _conv_bn_recipe()
     with pytest.raises(CheckpointError, match=r"no trained weights to export: .* does not exist"):

@@ -11,19 +11,19 @@ import torch
 from conftest import classification_loss, cpu_stage_context
 from torch import nn
 
-from torchturbo.bench import Trial, fixed_batches
 from torchturbo.config import TurboConfig
 from torchturbo.engine import Turbo
+from torchturbo.measure.trial import Trial, fixed_batches
 from torchturbo.recipe import Recipe
 from torchturbo.techniques.float8 import (
     apply_float8_training,
     convert_linears,
     convertible_linears,
+    float8_stage,
     float8_unavailable,
 )
 from torchturbo.tune.decide import loss_parity
 from torchturbo.tune.search import TuneOptions, tune
-from torchturbo.tune.stages import float8_stage
 from torchturbo.tune.state import PARITY_STEPS
 
 float8_module = importlib.import_module("torchturbo.techniques.float8")

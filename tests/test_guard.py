@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from torchturbo import Turbo, TurboConfig
-from torchturbo.guard import BatchError, NonFiniteError, describe_batch
+from torchturbo.reliability.guard import BatchError, NonFiniteError, describe_batch
 
 
 class Log(nn.Module):

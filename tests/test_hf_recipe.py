@@ -11,9 +11,9 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from torchturbo.bench import compare_configs
 from torchturbo.config import TurboConfig
 from torchturbo.doctor import diagnose
+from torchturbo.measure.variants import compare_configs
 from torchturbo.recipe import load_recipe
 from torchturbo.tune.search import TuneOptions, tune
 

@@ -17,12 +17,12 @@ pl = pytest.importorskip("lightning.pytorch")
 from conftest import run_two_ranks  # noqa: E402
 
 from torchturbo import Turbo, TurboConfig  # noqa: E402
-from torchturbo.bench import compare_configs  # noqa: E402
 from torchturbo.integrations.lightning import (  # noqa: E402
     TurboLightningCallback,
     recipe_from_lightning,
     trainer_kwargs,
 )
+from torchturbo.measure.variants import compare_configs  # noqa: E402
 from torchturbo.recipe import RecipeError  # noqa: E402
 from torchturbo.tune.files import write_trainer_settings  # noqa: E402
 

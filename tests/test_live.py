@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from torchturbo.live import StatusLine, TrainLine, TuneLine, fmt_clock
+from torchturbo.output.live import StatusLine, TrainLine, TuneLine, fmt_clock
 
 
 class _Clock:
@@ -64,7 +64,7 @@ def test_a_status_line_counts_up_from_its_last_report() -> None:
 
 
 def test_the_train_line_shows_step_loss_throughput_eta_and_the_last_checkpoint() -> None:
-    from torchturbo.train import TrainProgress
+    from torchturbo.runs.train import TrainProgress
 
     clock = _Clock()
     line = TrainLine("train tiny", steps=400, clock=clock)
@@ -89,7 +89,7 @@ def test_the_train_line_shows_step_loss_throughput_eta_and_the_last_checkpoint()
 _SCRIPT = r"""
 import contextlib, os, sys, time
 from rich.console import Console
-import torchturbo.live as live_module
+import torchturbo.output.live as live_module
 
 if sys.argv[1] == "uncaptured":  # the negative control: rich's Live alone
     live_module._captured = contextlib.contextmanager(lambda: (yield Console(stderr=True)))

@@ -1,4 +1,5 @@
-"""DataLoader building, nested batch transfer and measured loader tuning (data/loader.py).
+"""DataLoader building, nested batch transfer (data/loader.py) and measured loader tuning
+(tune/loader_search.py).
 
 Worker processes take a fraction of a second to start, so the tuning tests use few candidates,
 few batches and one or two repeats; each is bounded by a timeout.
@@ -16,12 +17,11 @@ import torch
 from torch.utils.data import BatchSampler, Dataset, SequentialSampler, TensorDataset
 
 from torchturbo.config import ConfigError, DataConfig
-from torchturbo.data.loader import (
+from torchturbo.data.loader import build_loader, to_device
+from torchturbo.tune.loader_search import (
     _choose,
     _Run,
-    build_loader,
     default_candidates,
-    to_device,
     tune_loader,
     usable_cpus,
 )

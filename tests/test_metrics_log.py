@@ -11,7 +11,8 @@ from conftest import torchrun_two
 
 from torchturbo import TurboConfig
 from torchturbo.cli import main
-from torchturbo.metrics_log import (
+from torchturbo.recipe import load_recipe
+from torchturbo.runs.metrics_log import (
     CSV_NAME,
     CSVWriter,
     Loggers,
@@ -19,8 +20,7 @@ from torchturbo.metrics_log import (
     metric_name,
     open_loggers,
 )
-from torchturbo.recipe import load_recipe
-from torchturbo.train import train
+from torchturbo.runs.train import train
 from torchturbo.workloads.text import text
 
 event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
@@ -222,7 +222,7 @@ def test_a_log_metrics_logger_gets_the_same_records_as_a_log_one():
 
 
 def test_a_logger_with_neither_method_is_refused_by_name():
-    from torchturbo.metrics_log import as_metrics_logger
+    from torchturbo.runs.metrics_log import as_metrics_logger
 
     with pytest.raises(TypeError, match=r"log_metrics.*Path has neither"):
         as_metrics_logger(Path("."))  # type: ignore[arg-type]
@@ -243,8 +243,8 @@ def test_lightning_loggers_receive_every_step(tmp_path):
 
 
 def test_the_cli_lists_the_loggers_that_open_loggers_opens():
-    from torchturbo.cli import LOGGERS
-    from torchturbo.metrics_log import LOGGER_NAMES
+    from torchturbo.cli.arguments import LOGGERS
+    from torchturbo.runs.metrics_log import LOGGER_NAMES
 
     assert LOGGERS == LOGGER_NAMES
 

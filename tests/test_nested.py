@@ -9,8 +9,8 @@ from typing import NamedTuple
 import torch
 
 from torchturbo.data.loader import to_device
-from torchturbo.nested import iter_tensors, map_tensors, named_tensors
-from torchturbo.oom import leading_size, split_batch
+from torchturbo.reliability.nested import iter_tensors, map_tensors, named_tensors
+from torchturbo.reliability.oom import leading_size, split_batch
 
 
 class Pair(NamedTuple):

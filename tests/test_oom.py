@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from torchturbo import Turbo, TurboConfig
-from torchturbo.oom import MemoryBudgetError, split_batch
+from torchturbo.reliability.oom import MemoryBudgetError, split_batch
 
 # fp32 sums in a different order after a split: 1e-5 relative is many float32 ulps (1.2e-7)
 # and far below what a wrong normalization gives (see the negative control).

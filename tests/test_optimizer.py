@@ -13,8 +13,11 @@ from torch import nn
 from torchturbo.config import TurboConfig
 from torchturbo.engine import Turbo
 from torchturbo.recipe import Recipe
-from torchturbo.techniques.optimizer import implementation_unsupported, rebuild_optimizer
-from torchturbo.tune.stages import optimizer_stage
+from torchturbo.techniques.optimizer import (
+    implementation_unsupported,
+    optimizer_stage,
+    rebuild_optimizer,
+)
 
 #: (class, hyper-parameters): the built-in workloads' AdamW, plus Adam, SGD and Adagrad.
 OPTIMIZERS = [

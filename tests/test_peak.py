@@ -14,7 +14,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from torchturbo.bench import compare_configs
 from torchturbo.cli import main
 from torchturbo.config import TurboConfig
 from torchturbo.measure.datasheet import TABLE, datasheet_peak_flops, known_gpu
@@ -27,8 +26,9 @@ from torchturbo.measure.native import (
     native_dtypes,
 )
 from torchturbo.measure.peak import measured_peak_flops, mfu, stated_peak
-from torchturbo.report import OVER_PEAK_NOTE, format_mfu, peak_notes
-from torchturbo.system import cpu_flags
+from torchturbo.measure.system import cpu_flags
+from torchturbo.measure.variants import compare_configs
+from torchturbo.output.tables import OVER_PEAK_NOTE, format_mfu, peak_notes
 
 native = importlib.import_module("torchturbo.measure.native")
 peak = importlib.import_module("torchturbo.measure.peak")
@@ -186,7 +186,7 @@ def test_this_cpus_bf16_verdict_agrees_with_the_ratio_it_measured(fresh_checks) 
 
 
 def test_the_flag_list_can_be_replaced_for_the_whole_process(monkeypatch) -> None:
-    system = importlib.import_module("torchturbo.system")
+    system = importlib.import_module("torchturbo.measure.system")
     monkeypatch.setenv("TORCHTURBO_CPU_FLAGS", "avx2 fma avx512_bf16")
     system.cpu_flags.cache_clear()
     try:
@@ -382,7 +382,7 @@ def test_tune_names_the_emulated_candidate_formats_before_measuring(monkeypatch,
 def test_the_row_format_is_the_unit_doing_most_of_the_maths(monkeypatch) -> None:
     from conftest import MLP, ConvNet
 
-    from torchturbo.bench import row_format
+    from torchturbo.measure.variants import row_format
 
     def trial(model, device="cuda", applied=None, **config):
         turbo = SimpleNamespace(applied=applied or {}, device=torch.device(device))

@@ -22,14 +22,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from torchturbo.checkpoint import list_checkpoints, read_checkpoint
-from torchturbo.preemption import (
+from torchturbo.reliability.preemption import (
     EXIT_STOPPED,
     StopRequest,
     agree_to_stop,
     leave_stop_signals_to_the_trainer,
     stop_on_signals,
 )
+from torchturbo.resume.files import list_checkpoints, read_checkpoint
 
 MARKED = str(Path(__file__).parent / "recipes" / "marked.py") + ":recipe"
 STALLED_SAVE = Path(__file__).parent / "scripts" / "stalled_save.py"

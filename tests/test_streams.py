@@ -15,12 +15,12 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 
-from torchturbo.bench import fixed_batches
 from torchturbo.config import ConfigError, TurboConfig
 from torchturbo.doctor import diagnose
 from torchturbo.doctor.data_facts import dataset_facts
+from torchturbo.measure.trial import fixed_batches
 from torchturbo.recipe import Recipe
-from torchturbo.train import train
+from torchturbo.runs.train import train
 from torchturbo.tune.search import TuneOptions, tune
 
 BATCH = 8

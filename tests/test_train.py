@@ -11,14 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from torchturbo import TurboConfig, preemption
-from torchturbo.checkpoint import CheckpointError, read_checkpoint
+from torchturbo import TurboConfig
 from torchturbo.config import ConfigError
-from torchturbo.guard import NonFiniteError
-from torchturbo.oom import MemoryBudgetError
-from torchturbo.preemption import StopNow
 from torchturbo.recipe import load_recipe
-from torchturbo.train import TrainInterrupted, train
+from torchturbo.reliability import preemption
+from torchturbo.reliability.guard import NonFiniteError
+from torchturbo.reliability.oom import MemoryBudgetError
+from torchturbo.reliability.preemption import StopNow
+from torchturbo.resume.files import CheckpointError, read_checkpoint
+from torchturbo.runs.train import TrainInterrupted, train
 
 TINY = str(Path(__file__).parent / "recipes" / "tiny.py") + ":recipe"
 CONFIG = TurboConfig(device="cpu")

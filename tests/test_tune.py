@@ -10,10 +10,10 @@ import pytest
 import torch
 from conftest import ConvNet, classification_loss, cpu_stage_context
 
-from torchturbo import bench
-from torchturbo.bench import fixed_batches, start_trial
 from torchturbo.config import TurboConfig
+from torchturbo.measure.trial import Trial, fixed_batches, start_trial
 from torchturbo.recipe import Recipe
+from torchturbo.techniques.proposal import Candidate
 from torchturbo.tune import candidate as candidate_module
 from torchturbo.tune import search
 from torchturbo.tune.budget import COMPILE_BASE_S
@@ -22,7 +22,7 @@ from torchturbo.tune.decide import MIN_ROUNDS, Verdict
 from torchturbo.tune.outcome import STATES
 from torchturbo.tune.previous import Previous
 from torchturbo.tune.search import TuneInterrupted, TuneOptions, select_stages, tune
-from torchturbo.tune.stages import STAGES, Candidate, bucket_stage, comm_hook_stage
+from torchturbo.tune.stages import STAGES, bucket_stage, comm_hook_stage
 
 
 def tiny_recipe(**overrides) -> Recipe:
@@ -376,14 +376,14 @@ def test_a_previous_run_of_another_recipe_is_not_reused():
 def _slowed(monkeypatch, max_norm: float, seconds: float) -> None:
     """Trials whose config clips at ``max_norm`` sleep ``seconds`` per step: a deterministic
     "technique" that makes training slower."""
-    real = bench.Trial.step
+    real = Trial.step
 
     def step(self):
         real(self)
         if self.config.clipping.max_norm == max_norm:
             time.sleep(seconds)
 
-    monkeypatch.setattr(bench.Trial, "step", step)
+    monkeypatch.setattr(Trial, "step", step)
 
 
 def test_an_adoption_the_confirmation_contradicts_is_dropped_and_the_baseline_kept(monkeypatch):
@@ -435,13 +435,13 @@ def test_a_decided_comparison_settles_on_more_rounds_only_while_the_budget_allow
     # Steps timed on a clock they advance themselves, the reference 4x slower: decided in the
     # fewest rounds whatever else loads the machine (with real sleeps, a busy machine needed 10).
     now = [0.0]
-    real_step = bench.Trial.step
+    real_step = Trial.step
 
     def step(self):
         real_step(self)
         now[0] += 0.04 if self.config.clipping.max_norm == 123.0 else 0.01
 
-    monkeypatch.setattr(bench.Trial, "step", step)
+    monkeypatch.setattr(Trial, "step", step)
     recipe = tiny_recipe()
     batches = fixed_batches(recipe, 8)
     slow, _ = start_trial(

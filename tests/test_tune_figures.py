@@ -21,10 +21,11 @@ import torch
 from rich.console import Console
 from test_tune import tiny_recipe
 
-from torchturbo import bench
+from torchturbo.measure.trial import Trial
+from torchturbo.techniques.proposal import Candidate
 from torchturbo.tune.report import incremental_table, write_report
 from torchturbo.tune.search import TuneOptions, tune
-from torchturbo.tune.stages import STAGES, Candidate
+from torchturbo.tune.stages import STAGES
 from torchturbo.tune.tables import incremental_rows
 
 #: Printed figures are rounded (ratios to 2 decimals, throughputs to 3-4 digits).
@@ -108,13 +109,13 @@ def _paced(monkeypatch: pytest.MonkeyPatch, seconds: dict[float | None, float]) 
     """Trials step on a clock they advance themselves, by ``seconds[max_norm]`` per step: a
     deterministic chain of techniques, each faster than the one before."""
     now = [0.0]
-    real_step = bench.Trial.step
+    real_step = Trial.step
 
-    def step(self: bench.Trial) -> None:
+    def step(self: Trial) -> None:
         real_step(self)
         now[0] += seconds[self.config.clipping.max_norm]
 
-    monkeypatch.setattr(bench.Trial, "step", step)
+    monkeypatch.setattr(Trial, "step", step)
     return now
 
 

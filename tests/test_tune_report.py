@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-import torchturbo.results as results_module
+import torchturbo.output.results_file as results_module
 from torchturbo.config import TurboConfig
 from torchturbo.tune.decide import Parity, RatioEstimate
 from torchturbo.tune.outcome import Comparison, Confirmation, Outcome, TuneResult

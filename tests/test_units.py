@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torchturbo.units import MAX_BYTES, MAX_SECONDS, UnitError, parse_duration, parse_size
+from torchturbo.output.units import MAX_BYTES, MAX_SECONDS, UnitError, parse_duration, parse_size
 
 GiB, MiB = 2**30, 2**20
 # No example database: the tests leave no .hypothesis/ folder behind and every run is fresh.

@@ -7,6 +7,7 @@ and ``version`` should not pay for building the whole package).
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable, Mapping
 from typing import Any
 
 __version__ = "0.1.0"
@@ -19,17 +20,29 @@ _EXPORTS = {
     "Recipe": "torchturbo.recipe",
     "load_recipe": "torchturbo.recipe",
     "RecipeError": "torchturbo.recipe",
-    "train": "torchturbo.train",
-    "CheckpointError": "torchturbo.checkpoint",
-    "NonFiniteError": "torchturbo.guard",
-    "MemoryBudgetError": "torchturbo.oom",
+    "train": "torchturbo.runs.train",
+    "CheckpointError": "torchturbo.resume.files",
+    "NonFiniteError": "torchturbo.reliability.guard",
+    "MemoryBudgetError": "torchturbo.reliability.oom",
 }
 
 __all__ = ["__version__", *_EXPORTS]
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'torchturbo' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+def lazy_exports(package: str, exports: Mapping[str, str]) -> Callable[[str], Any]:
+    """A module ``__getattr__`` that imports each of ``exports`` (name -> module) on first use.
+
+    A package whose ``__init__`` re-exports its modules' names this way imports none of them
+    itself: importing one of its modules does not import them all, nor close an import cycle
+    through them (``tests/test_architecture.py``)."""
+
+    def getattr_(name: str) -> Any:
+        module = exports.get(name)
+        if module is None:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        return getattr(importlib.import_module(module), name)
+
+    return getattr_
+
+
+__getattr__ = lazy_exports("torchturbo", _EXPORTS)

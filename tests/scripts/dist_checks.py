@@ -20,8 +20,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from torchturbo.bench import Trial, fixed_batches
-from torchturbo.checkpoint import read_checkpoint
 from torchturbo.config import AccumulationConfig, DataConfig, DistributedConfig, TurboConfig
 from torchturbo.data.collate import IGNORE_INDEX
 from torchturbo.distributed import (
@@ -37,9 +35,12 @@ from torchturbo.distributed import (
 )
 from torchturbo.distributed.ddp import parameter_digest
 from torchturbo.engine import Turbo
+from torchturbo.measure.trial import Trial, fixed_batches
 from torchturbo.recipe import Recipe
+from torchturbo.resume.files import read_checkpoint
+from torchturbo.techniques.proposal import Candidate, StageContext
 from torchturbo.tune.search import TuneOptions, tune
-from torchturbo.tune.stages import Candidate, StageContext, bucket_stage, comm_hook_stage
+from torchturbo.tune.stages import bucket_stage, comm_hook_stage
 
 #: Micro-batch sizes per rank: unequal within a window and across ranks.
 SIZES = {0: [3, 6, 5, 2], 1: [7, 2, 4, 4]}

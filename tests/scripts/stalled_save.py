@@ -7,7 +7,7 @@ starts) stall once all files are written and before the rename: a test SIGKILLs 
 import sys
 import time
 
-import torchturbo.checkpoint as checkpoint
+import torchturbo.resume.files as checkpoint
 from torchturbo.cli import main
 
 save_every = int(sys.argv[1])

@@ -26,11 +26,11 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from torchturbo.checkpoint import SHARDS, CheckpointError, checkpoint_name
 from torchturbo.config import DistributedConfig
 from torchturbo.distributed.comm import CommStats
 from torchturbo.distributed.normalize import Reference, scale_output_gradients
 from torchturbo.distributed.strategy import DataParallel
+from torchturbo.resume.files import SHARDS, CheckpointError, checkpoint_name
 from torchturbo.techniques.checkpointing import find_blocks
 from torchturbo.techniques.result import TechniqueResult, applied
 

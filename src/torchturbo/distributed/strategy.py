@@ -5,7 +5,7 @@ launch environment, with no call from the user: one process -> :class:`Strategy`
 torchrun -> ``[distributed] strategy`` (``ddp``: ``DDPStrategy`` in ``ddp.py``, ``fsdp``:
 ``FSDPStrategy`` in ``fsdp.py``). A strategy owns what differs between them:
 
-- step 5 of composition, the distributed wrap (``wrap``; steps 1-4 are in ``torchturbo.compose``);
+- step 5 of composition, the distributed wrap (``wrap``; steps 1-4 are in ``engine.compose``);
 - the context each micro-step's backward runs in (``backward_context``: DDP's ``no_sync``);
 - turning this rank's sample/token count into the global one (``reduce_count``, see
   ``distributed/normalize.py``);
@@ -33,18 +33,18 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import BatchSampler, Dataset, DistributedSampler
 
-from torchturbo.checkpoint import (
+from torchturbo.config import TurboConfig
+from torchturbo.distributed.comm import CommStats
+from torchturbo.distributed.consensus import any_rank
+from torchturbo.distributed.launch import DistEnv
+from torchturbo.distributed.normalize import Reference, global_count
+from torchturbo.resume.files import (
     SHARDS,
     CheckpointError,
     checkpoint_name,
     read_latest,
     write_checkpoint,
 )
-from torchturbo.config import TurboConfig
-from torchturbo.distributed.comm import CommStats
-from torchturbo.distributed.consensus import any_rank
-from torchturbo.distributed.launch import DistEnv
-from torchturbo.distributed.normalize import Reference, global_count
 
 _NULL = contextlib.nullcontext()
 #: ``rng.rank1.pt``: a file of rank 1; ``shards/__1_0.distcp``: the shard rank 1 wrote.

@@ -20,7 +20,7 @@ from torchturbo.doctor.findings import (
     Findings,
 )
 from torchturbo.doctor.model_facts import SIGNIFICANT_FLOP_SHARE, Misaligned
-from torchturbo.report import format_bytes
+from torchturbo.output.tables import format_bytes
 
 Verdict = tuple[State, str, str | None]
 

@@ -19,8 +19,6 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from torchturbo import levers
-from torchturbo.bench import fixed_batches
 from torchturbo.config import CompileConfig, Precision, PrecisionConfig, TurboConfig
 from torchturbo.data.bucketing import padding_fractions
 from torchturbo.data.loader import build_loader, to_device
@@ -37,8 +35,10 @@ from torchturbo.doctor.gains import Gain, fold_gain, measure_variants
 from torchturbo.doctor.model_facts import ModelFacts, inspect_model
 from torchturbo.doctor.profiling import profile_training
 from torchturbo.engine import resolve_device
-from torchturbo.facts import Facts, gather
+from torchturbo.measure.trial import fixed_batches
 from torchturbo.recipe import Recipe
+from torchturbo.techniques import levers, registry
+from torchturbo.techniques.facts import Facts, gather
 
 #: Batches the quick comparisons cycle through.
 _SAMPLE_BATCHES = 2
@@ -133,7 +133,7 @@ def diagnose(
         comm_seconds_per_step=profile.comm_seconds_per_step,
         levers=[
             Lever(lever.name, lever.expectation.gain, lever.expectation.evidence)
-            for lever in levers.ranked(machine)
+            for lever in registry.ranked_levers(machine)
         ],
     )
 

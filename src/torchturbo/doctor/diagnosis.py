@@ -81,7 +81,7 @@ class Diagnosis:
     #: flight per step (overlapping backward); None without DDP.
     comm_bytes_per_step: float | None = None
     comm_seconds_per_step: float | None = None
-    #: The levers by expected gain on this model and machine (``torchturbo.levers``): what
+    #: The levers by expected gain on this model and machine (``techniques.levers``): what
     #: ``torchturbo tune`` measures first. Each: name, expected gain (None: cannot help here),
     #: and the fact behind it.
     levers: list[Lever] = dataclasses.field(default_factory=list)

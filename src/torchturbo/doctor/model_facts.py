@@ -22,7 +22,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from torchturbo.measure.memory import activation_bytes
 from torchturbo.techniques.checkpointing import find_blocks
-from torchturbo.techniques.memory_format import has_2d_convolutions
+from torchturbo.techniques.nhwc import has_2d_convolutions
 
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 _ALL_CONVS = (*_CONVS, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)

@@ -8,7 +8,7 @@ from rich.table import Table
 from rich.text import Text
 
 from torchturbo.doctor.diagnosis import CHECKLIST, Diagnosis
-from torchturbo.report import format_bytes
+from torchturbo.output.tables import format_bytes
 
 #: The narrowest terminal that gets the estimated gain as a column of its own: in 80 columns a
 #: fourth column leaves each a dozen characters and cuts intervals short ("(1.25-…").

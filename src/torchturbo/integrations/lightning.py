@@ -8,9 +8,9 @@
   accumulation, clipping, cuDNN autotuning, the DDP strategy with its comm hook and buckets), with
   notes for what Lightning has no keyword for (see ``translate.py``).
 - :class:`TurboLightningCallback`: the model transforms, applied in ``setup`` (before Lightning
-  wraps the model for DDP and calls ``configure_optimizers``) in the engine's order, by the very
-  functions the engine and so the tuner use: float8, channels_last, activation checkpointing,
-  compile.
+  wraps the model for DDP and calls ``configure_optimizers``) by the function the engine and so
+  the tuner use (``techniques/registry.compose_model``), in its order; the techniques'
+  process-wide switches held from setup to teardown.
 
 Needs ``pip install 'torchturbo[lightning]'`` (the ``lightning`` package; the standalone
 ``pytorch_lightning`` package has its own, incompatible Callback class).
@@ -42,11 +42,7 @@ from torchturbo.integrations.lengths import sample_lengths
 from torchturbo.integrations.optimizers import clone_optimizer, parameter_owner
 from torchturbo.integrations.translate import DDPSpec, Translation, lightning_arguments
 from torchturbo.recipe import Recipe, RecipeError
-from torchturbo.techniques.checkpointing import apply_activation_checkpointing
-from torchturbo.techniques.compile import apply_compile
-from torchturbo.techniques.float8 import apply_float8_training
-from torchturbo.techniques.memory_format import apply_channels_last
-from torchturbo.techniques.precision import float32_matmul_precision
+from torchturbo.techniques import registry
 from torchturbo.techniques.result import TechniqueResult, applied, reasons
 
 __all__ = ["TurboLightningCallback", "recipe_from_lightning", "trainer_kwargs"]
@@ -85,17 +81,19 @@ def ddp_strategy(spec: DDPSpec) -> pl.strategies.DDPStrategy:
 
 
 class TurboLightningCallback(pl.Callback):
-    """Apply a turbo.toml's model transforms to the LightningModule when ``fit`` sets up.
+    """Apply a turbo.toml's techniques to the LightningModule when ``fit`` sets up.
 
-    The order is the engine's (``Turbo._compose``): channels_last before compile, so the graph is
-    traced with NHWC strides; checkpointing before compile, so compile keeps its recompute
-    boundaries; compile before Lightning wraps the module for DDP. Compile is in place on the
-    module (``nn.Module.compile``), so ``self(x)`` in ``training_step`` runs compiled, as it does
-    in the tuner. TF32 on a CPU (float32 matmul precision "high") is held from setup to teardown.
-    Under DDP on a CPU it registers the comm hook, which Lightning itself registers on CUDA only.
-    Layers created in ``configure_model`` come after ``setup`` and are not transformed.
-    ``results`` holds each technique's :class:`TechniqueResult`, as ``Turbo.results`` does;
-    ``applied`` says, per technique, None when applied or why not.
+    The model transforms are the engine's, by the same function and in the same order
+    (``registry.compose_model``): each technique says why its place (channels_last and
+    checkpointing before compile, compile before Lightning wraps the module for DDP). Compile is
+    in place on the module (``nn.Module.compile``), so ``self(x)`` in ``training_step`` runs
+    compiled, as it does in the tuner. The techniques' process-wide switches (TF32, the compile
+    cache) are held from setup to teardown; what Lightning's own arguments carry
+    (``Trainer(precision=..., benchmark=True)``) is left to them. Under DDP on a CPU it registers
+    the comm hook, which Lightning itself registers on CUDA only. Layers created in
+    ``configure_model`` come after ``setup`` and are not transformed. ``results`` holds each
+    technique's :class:`TechniqueResult`, as ``Turbo.results`` does; ``applied`` says, per
+    technique, None when applied or why not.
     """
 
     def __init__(self, config: TurboConfig) -> None:
@@ -111,21 +109,11 @@ class TurboLightningCallback(pl.Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        config = self.config
-        if config.precision.float8:
-            device = trainer.strategy.root_device
-            self.results["float8"] = apply_float8_training(pl_module, device)
-        if config.memory_format.channels_last:
-            self.results["channels_last"] = apply_channels_last(pl_module)
-        if config.checkpointing.mode != "off":
-            self.results["checkpointing"] = apply_activation_checkpointing(
-                pl_module, config.checkpointing
-            )
-        if config.compile.mode != "off":
-            self.results["compile"] = apply_compile(pl_module, config.compile)
-        if config.precision.dtype == "tf32" and not torch.cuda.is_available():
-            self._switches.enter_context(float32_matmul_precision(config.precision))
-            self.results["tf32"] = applied("tf32")
+        device = trainer.strategy.root_device
+        self.results |= registry.compose_model(pl_module, self.config, device, "lightning")
+        self._switches.enter_context(
+            registry.held_switches(self.config, device, "lightning", self.results)
+        )
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Lightning's DDPStrategy registers comm hooks on CUDA only (its comment dates from torch

@@ -6,9 +6,9 @@
   own loss, weighted by label tokens.
 - :func:`training_arguments`: the ``TrainingArguments`` keywords that realise a turbo.toml, with a
   note for every setting that has no Trainer argument (see ``translate.py``).
-- :class:`TurboCallback`: what the Trainer has no argument for and must touch the model or the
-  process: float8 Linears, channels_last, cuDNN autotuning, TF32 on CPU, checkpointing by module
-  type.
+- :class:`TurboCallback`: every technique the Trainer's arguments do not carry, applied by the
+  engine's own function (``techniques/registry.compose_model``, in its order) and its
+  process-wide switches held while training runs.
 - :class:`TurboTrainer`: a ``Trainer`` that also replaces the sampler by token-budget length
   buckets and registers the DDP comm hook, both of which live below the Trainer's arguments.
 
@@ -47,12 +47,8 @@ from torchturbo.integrations.lengths import sample_lengths, token_budget
 from torchturbo.integrations.optimizers import clone_optimizer, parameter_owner
 from torchturbo.integrations.translate import Translation, hf_arguments
 from torchturbo.recipe import Recipe, RecipeError
-from torchturbo.techniques.checkpointing import apply_activation_checkpointing
-from torchturbo.techniques.compile import use_compile_cache
-from torchturbo.techniques.float8 import apply_float8_training
-from torchturbo.techniques.memory_format import apply_channels_last
-from torchturbo.techniques.precision import float32_matmul_precision
-from torchturbo.techniques.result import TechniqueResult, applied, reasons
+from torchturbo.techniques import registry
+from torchturbo.techniques.result import TechniqueResult, reasons
 
 __all__ = [
     "TurboCallback",
@@ -257,12 +253,14 @@ def _trainer_loss(trainer: Trainer, model: nn.Module, batch: dict[str, Any]) -> 
 class TurboCallback(TrainerCallback):
     """Apply what ``TrainingArguments`` cannot express, once the Trainer holds the model.
 
-    float8, channels_last and checkpointing by module type change the model, at the end of the
-    Trainer's ``__init__`` (before accelerate compiles or wraps it), and at ``train()`` a model
-    that ``model_init`` built there (each model once). cuDNN autotuning and TF32 on a CPU are
-    process-wide switches: set at the start of training, restored at its end. ``results`` holds
-    each technique's :class:`TechniqueResult`, as ``Turbo.results`` does; ``applied`` says, per
-    technique, None when applied or why not.
+    The model transforms the arguments do not carry (float8, channels_last, checkpointing by
+    module type: each technique's ``carried_by`` says what the Trainer does itself) are applied
+    by ``registry.compose_model``, the engine's function and order, at the end of the Trainer's
+    ``__init__`` (before accelerate compiles or wraps the model), and at ``train()`` to a model
+    that ``model_init`` built there (each model once). The techniques' process-wide switches
+    (cuDNN autotuning, the compile cache) are held from the start of training to its end.
+    ``results`` holds each technique's :class:`TechniqueResult`, as ``Turbo.results`` does;
+    ``applied`` says, per technique, None when applied or why not.
     """
 
     def __init__(self, config: TurboConfig) -> None:
@@ -279,23 +277,13 @@ class TurboCallback(TrainerCallback):
 
     def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._transform(kwargs.get("model"))
-        if self.config.compile.mode != "off" and self.config.compile.cache_dir:
-            # Before train() compiles: the first step loads what tune compiled into it.
-            folder = use_compile_cache(self.config.compile.cache_dir)
-            self.results["compile_cache"] = applied("compile_cache", (str(folder),))
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._transform(kwargs.get("model"))
         self._switches.close()
-        if self.config.precision.dtype == "tf32" and not torch.cuda.is_available():
-            self._switches.enter_context(float32_matmul_precision(self.config.precision))
-            self.results["tf32"] = applied("tf32")
-        if self.config.backend.cudnn_benchmark:
-            self._switches.callback(
-                setattr, torch.backends.cudnn, "benchmark", torch.backends.cudnn.benchmark
-            )
-            torch.backends.cudnn.benchmark = True
-            self.results["cudnn_benchmark"] = applied("cudnn_benchmark")
+        self._switches.enter_context(
+            registry.held_switches(self.config, args.device, "transformers", self.results)
+        )
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._switches.close()
@@ -304,17 +292,8 @@ class TurboCallback(TrainerCallback):
         if model is None or model in self._transformed:
             return
         self._transformed.add(model)
-        if self.config.precision.float8:
-            # The engine's order: float8 swaps Linear modules before anything wraps them.
-            device = next(model.parameters()).device
-            self.results["float8"] = apply_float8_training(model, device)
-        if self.config.memory_format.channels_last:
-            # Weights only: a convolution with NHWC weights runs NHWC and returns NHWC, so the
-            # layout reaches the rest of the network from the first convolution on.
-            self.results["channels_last"] = apply_channels_last(model)
-        checkpointing = self.config.checkpointing
-        if checkpointing.module_types or checkpointing.name_pattern:
-            self.results["checkpointing"] = apply_activation_checkpointing(model, checkpointing)
+        device = next(model.parameters()).device
+        self.results |= registry.compose_model(model, self.config, device, "transformers")
 
 
 class TurboTrainer(Trainer):

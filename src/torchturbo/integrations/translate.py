@@ -8,7 +8,10 @@ trainer; applied by torchturbo's callback (``TurboCallback``, ``TurboLightningCa
 ``TurboTrainer`` where the trainer has no argument for it (channels_last, DDP comm hooks,
 token-budget bucketing); or listed in ``notes`` with why it does not carry over. A field at a
 value that changes nothing in a run (no clipping, no memory budget, one process's defaults) needs
-no note. ``tests/test_integrations_transformers.py`` checks the accounting field by field.
+no note. Each technique translates its own fields (``Technique.translations``, gathered by
+``techniques/registry.translate``); this module adds the sections that are the engine's
+(device, accumulation, clipping, the loader, reliability, distributed).
+``tests/test_integrations_transformers.py`` checks the accounting field by field.
 """
 
 from __future__ import annotations
@@ -18,9 +21,9 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
-from torchturbo.config import CommHookName, DataConfig, DistributedConfig, TurboConfig
+from torchturbo.config import CommHookName, DistributedConfig, TurboConfig
+from torchturbo.techniques import registry
+from torchturbo.techniques.spec import TrainerArguments
 
 #: Where each trainer's callbacks live, for the notes.
 HF_CALLBACK = "torchturbo.integrations.transformers.TurboCallback"
@@ -59,10 +62,6 @@ def _key(section: str, name: str) -> str:
     return f"[{section}] {name}"
 
 
-def _uses_cuda(device: str) -> bool:
-    return device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
-
-
 def _installed_hf_fields() -> frozenset[str] | None:
     try:
         from transformers import TrainingArguments
@@ -77,32 +76,19 @@ def hf_arguments(config: TurboConfig, fields: Collection[str] | None = None) -> 
     ``fields`` are the names ``TrainingArguments`` accepts (default: the installed version's,
     else transformers 5's): 5.x spells length grouping ``train_sampling_strategy`` and
     checkpointing ``activation_checkpointing``, 4.x ``group_by_length`` and
-    ``gradient_checkpointing``.
+    ``gradient_checkpointing``. Each technique translates itself (``Technique.translations``);
+    this function adds the engine's own sections.
     """
-    fields = _installed_hf_fields() if fields is None else frozenset(fields)
-    v5 = fields is None or "train_sampling_strategy" in fields
-    kwargs: dict[str, Any] = {}
-    notes: dict[str, str] = {}
+    accepts = _installed_hf_fields() if fields is None else frozenset(fields)
+    arguments = TrainerArguments("transformers", accepts, HF_CALLBACK, HF_TRAINER)
+    kwargs, notes = arguments.kwargs, arguments.notes
     _hf_device(config, kwargs, notes)
-    _hf_precision(config, kwargs, notes)
-    if config.precision.float8:
-        notes[_key("precision", "float8")] = (
-            f"applied by {HF_CALLBACK} (the Trainer has no argument for torchao's float8 Linears)"
-        )
-    _optimizer_note(
-        config, notes, "set optim: 'adamw_torch_fused' (the Trainer's default) is AdamW fused"
-    )
-    if config.memory_format.channels_last:
-        notes[_key("memory_format", "channels_last")] = f"applied by {HF_CALLBACK}"
-    if config.backend.cudnn_benchmark:
-        notes[_key("backend", "cudnn_benchmark")] = f"applied by {HF_CALLBACK}"
-    _hf_compile(config, kwargs, notes)
-    _hf_checkpointing(config, kwargs, notes, v5)
+    registry.translate(config, arguments)
     if config.accumulation.steps > 1:
         # One means "as the recipe's batches come": the user's own accumulation stays theirs.
         kwargs["gradient_accumulation_steps"] = config.accumulation.steps
     _clipping(config, kwargs, notes, "max_grad_norm", "Trainer clips at 1.0 unless told")
-    _hf_data(config, kwargs, notes, v5)
+    _hf_data(config, kwargs, notes)
     _reliability(config, notes, "save_total_limit")
     _hf_distributed(config, kwargs, notes)
     return Translation(kwargs, notes)
@@ -115,76 +101,6 @@ def _hf_device(config: TurboConfig, kwargs: dict[str, Any], notes: dict[str, str
         notes["device"] = (
             f"{config.device!r} is not carried: Trainer uses the GPU of LOCAL_RANK; select one "
             "with CUDA_VISIBLE_DEVICES"
-        )
-
-
-def _hf_precision(config: TurboConfig, kwargs: dict[str, Any], notes: dict[str, str]) -> None:
-    dtype = config.precision.dtype
-    if dtype in ("bf16", "fp16"):
-        kwargs[dtype] = True  # fp16 brings Trainer's own GradScaler
-    elif dtype == "tf32":
-        if _uses_cuda(config.device):
-            kwargs["tf32"] = True
-        else:
-            notes[_key("precision", "dtype")] = (
-                f"'tf32' applied by {HF_CALLBACK} (float32 matmul precision 'high'): Trainer's "
-                "tf32 argument needs an Ampere or newer GPU"
-            )
-
-
-def _hf_compile(config: TurboConfig, kwargs: dict[str, Any], notes: dict[str, str]) -> None:
-    compile_ = config.compile
-    if compile_.mode == "off":
-        return
-    kwargs["torch_compile"] = True
-    if compile_.mode != "default":
-        kwargs["torch_compile_mode"] = compile_.mode
-    if compile_.fullgraph:
-        notes[_key("compile", "fullgraph")] = "not carried: Trainer compiles with fullgraph=False"
-    if compile_.dynamic is not None:
-        notes[_key("compile", "dynamic")] = (
-            f"{compile_.dynamic}: applied by TurboTrainer (accelerate's dynamo plugin); a plain "
-            "Trainer lets torch decide dynamic shapes"
-        )
-    if compile_.cache_dir:
-        notes[_key("compile", "cache_dir")] = (
-            f"{compile_.cache_dir!r}: loaded by TurboTrainer (TORCHINDUCTOR_CACHE_DIR); with a "
-            "plain Trainer, set that variable to this folder"
-        )
-
-
-def _hf_checkpointing(
-    config: TurboConfig, kwargs: dict[str, Any], notes: dict[str, str], v5: bool
-) -> None:
-    checkpointing = config.checkpointing
-    if checkpointing.mode == "off":
-        return
-    key = _key("checkpointing", "mode")
-    if checkpointing.module_types or checkpointing.name_pattern:
-        notes[key] = (
-            f"selective by module type or name: applied by {HF_CALLBACK} (Trainer checkpoints "
-            "every layer of the model's own choosing)"
-        )
-        return
-    name = "activation_checkpointing" if v5 else "gradient_checkpointing"
-    kwargs[name] = True
-    # Non-reentrant: the reentrant variant ignores inputs without grad and is being removed.
-    options: dict[str, Any] = {"use_reentrant": False}
-    if checkpointing.every_n > 1:
-        if v5:
-            options["every_n_layers"] = checkpointing.every_n
-        else:
-            notes[_key("checkpointing", "every_n")] = (
-                f"{checkpointing.every_n} not carried: transformers 4 checkpoints every layer"
-            )
-    kwargs[f"{name}_kwargs"] = options
-
-
-def _optimizer_note(config: TurboConfig, notes: dict[str, str], how: str) -> None:
-    implementation = config.optimizer.implementation
-    if implementation != "as_built":
-        notes[_key("optimizer", "implementation")] = (
-            f"{implementation!r} not carried: the trainer builds the optimizer; {how}"
         )
 
 
@@ -204,7 +120,7 @@ def _clipping(
         )
 
 
-def _hf_data(config: TurboConfig, kwargs: dict[str, Any], notes: dict[str, str], v5: bool) -> None:
+def _hf_data(config: TurboConfig, kwargs: dict[str, Any], notes: dict[str, str]) -> None:
     data = config.data
     kwargs["dataloader_num_workers"] = data.num_workers
     kwargs["dataloader_pin_memory"] = data.pin_memory
@@ -213,26 +129,10 @@ def _hf_data(config: TurboConfig, kwargs: dict[str, Any], notes: dict[str, str],
         kwargs["dataloader_prefetch_factor"] = data.prefetch_factor
     if data.pin_memory and data.non_blocking:
         kwargs["accelerator_config"] = {"non_blocking": True}
-    if data.bucketing:
-        if v5:
-            kwargs["train_sampling_strategy"] = "group_by_length"
-        else:
-            kwargs["group_by_length"] = True
-        notes[_key("data", "bucketing")] = (
-            f"length buckets under a token budget ({_budget(data)}) need {HF_TRAINER}, "
-            "which replaces the sampler; a plain Trainer gets length grouping (fixed rows per "
-            "batch), the nearest it has"
-        )
     if data.pad_to_multiple > 1:
         notes[_key("data", "pad_to_multiple")] = (
             f"pass pad_to_multiple_of={data.pad_to_multiple} to your data collator"
         )
-
-
-def _budget(data: DataConfig) -> str:
-    if data.max_tokens is None:
-        return "batch size x mean length padded tokens"
-    return f"{data.max_tokens} padded tokens"
 
 
 def _reliability(config: TurboConfig, notes: dict[str, str], keep_option: str) -> None:
@@ -302,38 +202,18 @@ def _distributed_leftovers(dist: DistributedConfig, notes: dict[str, str]) -> No
         notes[_key("distributed", "pipeline_microbatches")] = "not carried"
 
 
-_LIGHTNING_PRECISION = {"fp32": "32-true", "tf32": "32-true", "bf16": "bf16-mixed"}
-
-
 def lightning_arguments(config: TurboConfig) -> Translation:
     """Lightning ``Trainer`` keywords realising ``config``; ``strategy`` is a :class:`DDPSpec`
     when the [distributed] section asks for anything but DDP's defaults."""
-    kwargs: dict[str, Any] = {}
-    notes: dict[str, str] = {}
+    arguments = TrainerArguments("lightning", None, LIGHTNING_CALLBACK, LIGHTNING_CALLBACK)
+    kwargs, notes = arguments.kwargs, arguments.notes
     if config.device == "cpu":
         kwargs["accelerator"] = "cpu"
     elif config.device.startswith("cuda"):
         kwargs["accelerator"] = "gpu"
         if ":" in config.device:
             kwargs["devices"] = [int(config.device.split(":", 1)[1])]
-    kwargs["precision"] = _LIGHTNING_PRECISION.get(config.precision.dtype, "16-mixed")
-    if config.precision.dtype == "tf32":
-        notes[_key("precision", "dtype")] = (
-            f"'tf32' applied by {LIGHTNING_CALLBACK} (float32 matmul precision 'high')"
-        )
-    _optimizer_note(
-        config, notes, "build it with fused=True or foreach=True in configure_optimizers"
-    )
-    for section, name in (
-        ("precision", "float8"),
-        ("memory_format", "channels_last"),
-        ("compile", "mode"),
-        ("checkpointing", "mode"),
-    ):
-        if getattr(getattr(config, section), name) not in (False, "off"):
-            notes[_key(section, name)] = f"applied by {LIGHTNING_CALLBACK} at setup"
-    if config.backend.cudnn_benchmark:
-        kwargs["benchmark"] = True
+    registry.translate(config, arguments)
     if config.accumulation.steps > 1:
         kwargs["accumulate_grad_batches"] = config.accumulation.steps
         notes[_key("accumulation", "steps")] = (
@@ -362,12 +242,6 @@ def _lightning_data(config: TurboConfig, notes: dict[str, str]) -> None:
     for name, value in loader.items():
         if value != default[name]:
             notes[_key("data", name)] = f"build your DataLoader with {name}={value!r}"
-    if data.bucketing:
-        notes[_key("data", "bucketing")] = (
-            "build your DataLoader with batch_sampler=torchturbo.data.BucketBatchSampler("
-            f"lengths, max_tokens=...) for a budget of {_budget(data)}, and a padding collate "
-            "(docs/integrations.md)"
-        )
     if data.pad_to_multiple > 1:
         notes[_key("data", "pad_to_multiple")] = (
             f"pad to a multiple of {data.pad_to_multiple} in your collate function"

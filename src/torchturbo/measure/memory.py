@@ -26,7 +26,8 @@ from typing import Any
 import psutil
 import torch
 
-from torchturbo.nested import iter_tensors
+from torchturbo.reliability.nested import iter_tensors
+from torchturbo.techniques.saved_tensors import saved_tensor_packer
 
 #: Attribute the checkpointing technique sets to True on every module it wraps.
 CHECKPOINT_MARKER = "_torchturbo_checkpointed"
@@ -50,7 +51,8 @@ def activation_bytes(
     model: torch.nn.Module | None = None,
     exclude: Iterable[torch.Tensor] = (),
 ) -> int:
-    """Bytes of tensors a forward pass leaves held for backward, parameters excluded.
+    """Bytes of tensors a forward pass leaves held for backward, parameters excluded, as they are
+    stored (after a technique's own packing, such as activation compression's).
 
     ``forward_fn`` runs the forward and returns the loss; it must not call backward (the graph
     and the returned loss are dropped after counting). Counted: every tensor autograd saves
@@ -67,11 +69,16 @@ def activation_bytes(
     excluded = {entry[0] for t in _excluded_tensors(model, exclude) if (entry := _storage_key(t))}
     held: list[weakref.ref[torch.Tensor]] = []
 
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
+    def pack(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            # What a technique stores instead (activation_compression's half-precision copy):
+            # count the tensors it holds, which live exactly as long as it does.
+            held.extend(weakref.ref(t) for t in iter_tensors(value))
+            return value
         # Keep a detached alias, not `tensor` itself: a saved output would then hold its own
         # grad_fn, a reference cycle through C++ that leaks the graph. Autograd re-attaches
         # the grad_fn when it unpacks, so backward (and double backward) is unchanged.
-        alias = tensor.detach()
+        alias = value.detach()
         held.append(weakref.ref(alias))
         return alias
 
@@ -84,7 +91,7 @@ def activation_bytes(
     marked = [m for m in modules if getattr(m, CHECKPOINT_MARKER, False)]
     handles = [m.register_forward_pre_hook(record_inputs, with_kwargs=True) for m in marked]
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        with saved_tensor_packer(pack, lambda value: value):
             loss = forward_fn()
         # Weak references: a tensor saved and released within the forward is not held, and its
         # address may be reused by a later tensor, so only the live ones are counted.

@@ -24,7 +24,7 @@ from collections.abc import Iterable
 import torch
 
 from torchturbo.measure.gemm import gemm_rate
-from torchturbo.system import cpu_flags
+from torchturbo.measure.system import cpu_flags
 
 #: The formats asked about: the precision names of the config plus fp8 (float8 training).
 FORMATS = ("fp32", "tf32", "bf16", "fp16", "fp8")

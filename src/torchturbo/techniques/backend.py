@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
-from torchturbo.config import BackendConfig
+from torchturbo.config import BackendConfig, TurboConfig
+from torchturbo.techniques.spec import Technique, TrainerArguments
 
 
 @contextlib.contextmanager
@@ -29,3 +31,23 @@ def cudnn_benchmark(config: BackendConfig) -> Iterator[None]:
         yield
     finally:
         torch.backends.cudnn.benchmark = saved
+
+
+def _switch(config: TurboConfig, device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    return cudnn_benchmark(config.backend)
+
+
+def _lightning_arguments(config: TurboConfig, arguments: TrainerArguments) -> None:
+    arguments.kwargs["benchmark"] = True
+
+
+#: Proposed by the channels_last stage (``memory_format.py``), where shapes are fixed on CUDA.
+TECHNIQUE = Technique(
+    name="cudnn_benchmark",
+    section="backend",
+    doc="docs/techniques/channels_last.md",
+    requested=lambda config: config.backend.cudnn_benchmark,
+    switch=_switch,
+    carried_by={"lightning": lambda config: "Trainer(benchmark=True)"},
+    translations={"lightning": _lightning_arguments},
+)

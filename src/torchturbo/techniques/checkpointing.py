@@ -28,8 +28,10 @@ from typing import Any
 import torch.utils.checkpoint
 from torch import nn
 
-from torchturbo.config import CheckpointConfig
+from torchturbo.config import CheckpointConfig, TurboConfig
+from torchturbo.techniques.proposal import Candidate, StageContext
 from torchturbo.techniques.result import TechniqueResult, applied, not_applied
+from torchturbo.techniques.spec import Stage, Technique, TrainerArguments
 
 #: Attribute set on every checkpointed module; measure/memory.py reads it to count the inputs
 #: that checkpoint keeps alive through a closure rather than through saved-tensor hooks.
@@ -158,3 +160,91 @@ def apply_activation_checkpointing(model: nn.Module, config: CheckpointConfig) -
     for _, module in chosen:
         checkpoint_module(module)
     return applied("checkpointing", tuple(name for name, _ in chosen))
+
+
+def memory_stage(ctx: StageContext) -> list[Candidate] | str:
+    """Over a memory budget: checkpointing (all blocks, every 2nd) and micro-batching (each
+    batch in 2, 4 or 8 pieces, accumulated exactly), whichever fits at the least cost."""
+    if ctx.memory_budget is None:
+        return "no memory budget given: checkpointing and micro-batching would only cost time"
+    if ctx.best_memory_bytes is not None and ctx.best_memory_bytes <= ctx.memory_budget:
+        return (
+            f"the current best fits the budget ({ctx.best_memory_bytes / 2**20:.0f} of "
+            f"{ctx.memory_budget / 2**20:.0f} MiB): checkpointing would only add recompute"
+        )
+    candidates = [
+        Candidate("checkpointing:full", ctx.best.replace(checkpointing__mode="full")),
+        Candidate(
+            "checkpointing:every_2nd",
+            ctx.best.replace(checkpointing__mode="selective", checkpointing__every_n=2),
+        ),
+    ]
+    batch_size = ctx.batch_size or ctx.recipe.batch_size
+    for split in (2, 4, 8):
+        if batch_size % split == 0:
+            candidates.append(
+                Candidate(
+                    f"micro-batch {batch_size // split} x{split}",
+                    ctx.best.replace(accumulation__steps=split),
+                    batching=f"split:{split}",
+                )
+            )
+    return candidates
+
+
+def _by_type_or_name(config: CheckpointConfig) -> bool:
+    return bool(config.module_types or config.name_pattern)
+
+
+def _transform(model: nn.Module, config: TurboConfig, device: torch.device) -> TechniqueResult:
+    return apply_activation_checkpointing(model, config.checkpointing)
+
+
+def _hf_carries(config: TurboConfig) -> str | None:
+    if _by_type_or_name(config.checkpointing):
+        return None
+    return "TrainingArguments' activation checkpointing checkpoints the model's own layers"
+
+
+def _hf_arguments(config: TurboConfig, arguments: TrainerArguments) -> None:
+    checkpointing = config.checkpointing
+    if _by_type_or_name(checkpointing):
+        arguments.note(
+            "checkpointing",
+            "mode",
+            f"selective by module type or name: applied by {arguments.callback} (Trainer "
+            "checkpoints every layer of the model's own choosing)",
+        )
+        return
+    v5 = arguments.takes("train_sampling_strategy")
+    name = "activation_checkpointing" if v5 else "gradient_checkpointing"
+    arguments.kwargs[name] = True
+    # Non-reentrant: the reentrant variant ignores inputs without grad and is being removed.
+    options: dict[str, Any] = {"use_reentrant": False}
+    if checkpointing.every_n > 1:
+        if v5:
+            options["every_n_layers"] = checkpointing.every_n
+        else:
+            arguments.note(
+                "checkpointing",
+                "every_n",
+                f"{checkpointing.every_n} not carried: transformers 4 checkpoints every layer",
+            )
+    arguments.kwargs[f"{name}_kwargs"] = options
+
+
+TECHNIQUE = Technique(
+    name="checkpointing",
+    section="checkpointing",
+    doc="docs/techniques/checkpointing.md",
+    requested=lambda config: config.checkpointing.mode != "off",
+    transform=_transform,
+    order=30,
+    order_reason=(
+        "checkpointing before compile: compile must see the checkpoint regions to keep them "
+        "(torch.compile traces through checkpoint and honours its recompute boundaries)"
+    ),
+    carried_by={"transformers": _hf_carries},
+    stage=Stage("memory", 60, memory_stage, fits_memory=True),
+    translations={"transformers": _hf_arguments},
+)

@@ -21,8 +21,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchturbo.config import CompileConfig
+from torchturbo.config import CompileConfig, TurboConfig
+from torchturbo.techniques import levers
+from torchturbo.techniques.proposal import Candidate, StageContext, candidate
 from torchturbo.techniques.result import TechniqueResult, applied, not_applied
+from torchturbo.techniques.spec import Lever, Stage, Technique, TrainerArguments
 
 
 class CompileError(RuntimeError):
@@ -77,16 +80,21 @@ def use_compile_cache(directory: str) -> str | None:
         return None
     if _users_folder() is None:
         os.environ[CACHE_ENV] = str(Path(directory).resolve())
+        _SET_HERE.add(os.environ[CACHE_ENV])
     Path(os.environ[CACHE_ENV]).mkdir(parents=True, exist_ok=True)
     return os.environ[CACHE_ENV]
+
+
+#: The folders this process put into the variable: a later config's folder replaces them.
+_SET_HERE: set[str] = set()
 
 
 def _users_folder() -> str | None:
     """The cache folder the user chose, if any. Inductor writes its default into the variable
     the first time it asks (importing torchao does), so a value equal to that default is
-    inductor's, not the user's."""
+    inductor's, not the user's; one set here for an earlier config is ours."""
     current = os.environ.get(CACHE_ENV)
-    if current is None:
+    if current is None or current in _SET_HERE:
         return None
     try:  # TODO: a public API for the default folder, once torch has one
         from torch._inductor.runtime.cache_dir_utils import default_cache_dir
@@ -139,3 +147,98 @@ def compiled_graphs() -> int | None:
 def _first_line(error: BaseException) -> str:
     text = str(error).strip()
     return text.splitlines()[0] if text else "(no message)"
+
+
+def compile_stage(ctx: StageContext) -> list[Candidate] | str:
+    modes = ["default"]
+    if ctx.device.type == "cuda":
+        # CUDA graphs (reduce-overhead) remove launch overhead; max-autotune-no-cudagraphs
+        # searches matmul/conv kernels. On CPU neither applies, and each compile costs minutes.
+        modes += ["reduce-overhead", "max-autotune-no-cudagraphs"]
+    expectation = levers.compile_(ctx.facts)
+    # Varying batch shapes (text lengths) compile once with dynamic shapes: left to torch, a
+    # new length recompiles (specialised, then dynamic), a one-time cost paid again in the job.
+    dynamic = True if ctx.facts.shapes_vary else None
+    return [
+        candidate(
+            f"compile:{m}", ctx.best.replace(compile__mode=m, compile__dynamic=dynamic), expectation
+        )
+        for m in modes
+    ]
+
+
+def _transform(model: nn.Module, config: TurboConfig, device: torch.device) -> TechniqueResult:
+    return apply_compile(model, config.compile)
+
+
+def _explain(error: BaseException) -> tuple[TechniqueResult, Exception] | None:
+    failure = compile_failure(error)
+    if failure is None or failure.reason is None:
+        return None
+    return failure, CompileError(
+        f"torch.compile {failure.reason}; [compile] mode = 'off' runs eager"
+    )
+
+
+def _hf_arguments(config: TurboConfig, arguments: TrainerArguments) -> None:
+    compile_ = config.compile
+    arguments.kwargs["torch_compile"] = True
+    if compile_.mode != "default":
+        arguments.kwargs["torch_compile_mode"] = compile_.mode
+    if compile_.fullgraph:
+        arguments.note("compile", "fullgraph", "not carried: Trainer compiles with fullgraph=False")
+    if compile_.dynamic is not None:
+        arguments.note(
+            "compile",
+            "dynamic",
+            f"{compile_.dynamic}: applied by {arguments.trainer_class} (accelerate's dynamo "
+            "plugin); a plain Trainer lets torch decide dynamic shapes",
+        )
+
+
+def _cache_switch(
+    config: TurboConfig, device: torch.device
+) -> contextlib.AbstractContextManager[Any]:
+    return compile_cache(config.compile.cache_dir)
+
+
+def _cache_arguments(config: TurboConfig, arguments: TrainerArguments) -> None:
+    holder = arguments.trainer_class if arguments.trainer == "transformers" else arguments.callback
+    arguments.note(
+        "compile",
+        "cache_dir",
+        f"{config.compile.cache_dir!r}: loaded by {holder} ({CACHE_ENV}); without it, set "
+        "that variable to this folder",
+    )
+
+
+TECHNIQUES = (
+    Technique(
+        name="compile",
+        section="compile",
+        fields=("mode", "fullgraph", "dynamic"),
+        doc="docs/techniques/compile.md",
+        requested=lambda config: config.compile.mode != "off",
+        transform=_transform,
+        order=40,
+        order_reason=(
+            "compile last among single-device transforms: it traces the model as the earlier "
+            "ones left it, and without the collectives of distributed wrapping (DDP's hooks "
+            "would break the graph)"
+        ),
+        explain_failure=_explain,
+        carried_by={"transformers": lambda config: "TrainingArguments(torch_compile=True)"},
+        stage=Stage("compile", 40, compile_stage),
+        levers=(Lever("compile", levers.compile_),),
+        translations={"transformers": _hf_arguments},
+    ),
+    Technique(
+        name="compile_cache",
+        section="compile",
+        fields=("cache_dir",),
+        doc="docs/techniques/compile.md",
+        requested=lambda config: config.compile.mode != "off" and bool(config.compile.cache_dir),
+        switch=_cache_switch,
+        translations={"transformers": _cache_arguments, "lightning": _cache_arguments},
+    ),
+)

@@ -33,8 +33,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from torchturbo.output.results_file import write_atomic
 from torchturbo.recipe import Recipe
-from torchturbo.results import write_atomic
 
 _SUFFIXES = {"export": ".pt2", "torchscript": ".pt"}
 METHODS = tuple(_SUFFIXES)
@@ -171,7 +171,7 @@ def load_trained_weights(
     Strict: a checkpoint of another model (missing or unexpected keys, other shapes) raises
     ValueError naming the checkpoint, rather than exporting a half-loaded model.
     """
-    from torchturbo.checkpoint import MANIFEST, CheckpointError, list_checkpoints, read_latest
+    from torchturbo.resume.files import MANIFEST, CheckpointError, list_checkpoints, read_latest
 
     root = Path(checkpoint)
     # Said here rather than by read_latest, whose words are about resuming.

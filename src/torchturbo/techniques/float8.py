@@ -22,8 +22,12 @@ import importlib.util
 import torch
 from torch import nn
 
+from torchturbo.config import TurboConfig
 from torchturbo.measure.native import emulated
+from torchturbo.techniques import levers
+from torchturbo.techniques.proposal import Candidate, StageContext, candidate
 from torchturbo.techniques.result import TechniqueResult, applied, not_applied
+from torchturbo.techniques.spec import Lever, Stage, Technique, TrainerArguments
 
 #: torch._scaled_mm needs both dimensions of each fp8 operand divisible by 16.
 ALIGNMENT = 16
@@ -79,3 +83,45 @@ def _convertible(module: nn.Module) -> bool:
         and module.in_features % ALIGNMENT == 0
         and module.out_features % ALIGNMENT == 0
     )
+
+
+def float8_stage(ctx: StageContext) -> list[Candidate] | str:
+    """On top of the best precision (bf16 where it won): Linear matmuls in fp8, judged by the
+    same speed and loss-parity rules as bf16."""
+    unavailable = float8_unavailable(ctx.device)
+    if unavailable:
+        return unavailable
+    if not convertible_linears(ctx.recipe.model()):
+        return f"no nn.Linear has both dimensions divisible by {ALIGNMENT}, as fp8 matmuls need"
+    return [candidate("float8", ctx.best.replace(precision__float8=True), levers.float8(ctx.facts))]
+
+
+def _transform(model: nn.Module, config: TurboConfig, device: torch.device) -> TechniqueResult:
+    return apply_float8_training(model, device)
+
+
+def _hf_arguments(config: TurboConfig, arguments: TrainerArguments) -> None:
+    arguments.note(
+        "precision",
+        "float8",
+        f"applied by {arguments.callback} (the Trainer has no argument for torchao's float8 "
+        "Linears)",
+    )
+
+
+TECHNIQUE = Technique(
+    name="float8",
+    section="precision",
+    fields=("float8",),
+    doc="docs/techniques/float8.md",
+    requested=lambda config: config.precision.float8,
+    transform=_transform,
+    order=10,
+    order_reason=(
+        "float8 swaps Linear modules (keeping their parameters) before anything wraps or traces "
+        "them; the model must already be on its device"
+    ),
+    stage=Stage("float8", 20, float8_stage),
+    levers=(Lever("float8", levers.float8),),
+    translations={"transformers": _hf_arguments},
+)

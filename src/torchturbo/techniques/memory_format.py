@@ -10,13 +10,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from torchturbo.config import TurboConfig
+from torchturbo.techniques import levers
+from torchturbo.techniques.nhwc import has_2d_convolutions
+from torchturbo.techniques.proposal import Candidate, StageContext, candidate
 from torchturbo.techniques.result import TechniqueResult, applied, not_applied
-
-_CONV_TYPES = (nn.Conv2d, nn.ConvTranspose2d)
-
-
-def has_2d_convolutions(model: nn.Module) -> bool:
-    return any(isinstance(m, _CONV_TYPES) for m in model.modules())
+from torchturbo.techniques.spec import Lever, Stage, Technique
 
 
 def apply_channels_last(model: nn.Module) -> TechniqueResult:
@@ -34,14 +33,45 @@ def apply_channels_last(model: nn.Module) -> TechniqueResult:
     return applied("channels_last")
 
 
-def is_image(tensor: torch.Tensor) -> bool:
-    """A 4-D floating-point tensor (images, activations): what channels_last lays out NHWC.
-    Integer tensors of 4 dimensions (masks, ids) keep their layout."""
-    return tensor.dim() == 4 and tensor.is_floating_point()
+def memory_format_stage(ctx: StageContext) -> list[Candidate] | str:
+    expectation = levers.channels_last(ctx.facts)
+    layout = ctx.best.replace(memory_format__channels_last=True)
+    candidates = [candidate("channels_last", layout, expectation)]
+    if ctx.device.type == "cuda" and expectation.applicable:
+        # cuDNN autotuning re-runs for every new input shape: only where shapes are fixed.
+        tuned = layout.replace(backend__cudnn_benchmark=True)
+        if ctx.facts.shapes_vary:
+            why = "batch shapes vary: cuDNN would autotune again for every new shape"
+            candidates.append(Candidate("channels_last+cudnn_benchmark", tuned, not_applicable=why))
+        else:
+            candidates.append(
+                Candidate(
+                    "channels_last+cudnn_benchmark",
+                    tuned,
+                    expectation.gain,
+                    evidence=expectation.evidence,
+                )
+            )
+    return candidates
 
 
-def to_channels_last(tensor: torch.Tensor) -> torch.Tensor:
-    """Convert an image tensor (:func:`is_image`) to channels_last; others as is."""
-    if is_image(tensor):
-        return tensor.contiguous(memory_format=torch.channels_last)
-    return tensor
+def _transform(model: nn.Module, config: TurboConfig, device: torch.device) -> TechniqueResult:
+    return apply_channels_last(model)
+
+
+TECHNIQUE = Technique(
+    name="channels_last",
+    section="memory_format",
+    doc="docs/techniques/channels_last.md",
+    requested=lambda config: config.memory_format.channels_last,
+    transform=_transform,
+    order=20,
+    order_reason=(
+        "layout before compile, so that the compiled graph is traced with NHWC strides; "
+        "weights only: a convolution with NHWC weights returns NHWC, so the layout reaches the "
+        "rest of the network from the first convolution on"
+    ),
+    channels_last_inputs=True,
+    stage=Stage("memory_format", 30, memory_format_stage),
+    levers=(Lever("channels_last", levers.channels_last),),
+)

@@ -19,10 +19,17 @@ registered on it) and would keep driving it.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any
 
 import torch
+
+from torchturbo.config import TurboConfig
+from torchturbo.techniques import levers
+from torchturbo.techniques.proposal import Candidate, StageContext, candidate
+from torchturbo.techniques.result import TechniqueResult, applied, not_applied
+from torchturbo.techniques.spec import Lever, Stage, Technique, TrainerArguments
 
 #: The flags a rebuild can set; each excludes the other (torch refuses both True).
 IMPLEMENTATIONS = ("foreach", "fused")
@@ -148,3 +155,67 @@ def _differs(a: Any, b: Any) -> bool:
             isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
         )
     return a != b
+
+
+def optimizer_stage(ctx: StageContext) -> list[Candidate] | str:
+    """The user's optimizer rebuilt with foreach/fused where its class and the device allow."""
+    _, optimizer = ctx.recipe.build()
+    current = ctx.best.optimizer.implementation
+    candidates, skipped = [], []
+    for implementation in IMPLEMENTATIONS:
+        if implementation == current:
+            continue
+        reason = implementation_unsupported(optimizer, implementation, ctx.device)
+        if implementation == "foreach" and ctx.device.type == "cuda" and current == "as_built":
+            # Left at foreach=None, torch already runs foreach when all parameters are on CUDA.
+            reason = "torch already uses foreach on CUDA"
+        if reason:
+            skipped.append(f"{implementation}: {reason}")
+        else:
+            config = ctx.best.replace(optimizer__implementation=implementation)
+            expectation = levers.optimizer(ctx.facts, implementation)
+            candidates.append(candidate(f"optimizer:{implementation}", config, expectation))
+    return candidates or "; ".join(skipped)
+
+
+def _rebuild(
+    optimizer: torch.optim.Optimizer, config: TurboConfig
+) -> tuple[torch.optim.Optimizer, TechniqueResult]:
+    rebuilt, why_not = rebuild_optimizer(optimizer, config.optimizer.implementation)
+    if why_not is None:
+        return rebuilt, applied("optimizer")
+    return rebuilt, not_applied("optimizer", why_not)
+
+
+def _translation(how: str) -> Any:
+    def note(config: TurboConfig, arguments: TrainerArguments) -> None:
+        arguments.note(
+            "optimizer",
+            "implementation",
+            f"{config.optimizer.implementation!r} not carried: the trainer builds the optimizer; "
+            f"{how}",
+        )
+
+    return note
+
+
+TECHNIQUE = Technique(
+    name="optimizer",
+    section="optimizer",
+    doc="docs/techniques/fused_optimizer.md",
+    requested=lambda config: config.optimizer.implementation != "as_built",
+    rebuild_optimizer=_rebuild,
+    stage=Stage("optimizer", 50, optimizer_stage),
+    levers=tuple(
+        Lever(f"{flag} optimizer", functools.partial(levers.optimizer, implementation=flag))
+        for flag in IMPLEMENTATIONS
+    ),
+    translations={
+        "transformers": _translation(
+            "set optim: 'adamw_torch_fused' (the Trainer's default) is AdamW fused"
+        ),
+        "lightning": _translation(
+            "build it with fused=True or foreach=True in configure_optimizers"
+        ),
+    },
+)

@@ -14,13 +14,17 @@ unscaled before clipping.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from torchturbo.config import PrecisionConfig
+from torchturbo.config import PrecisionConfig, TurboConfig
+from torchturbo.techniques import levers
+from torchturbo.techniques.proposal import Candidate, StageContext, candidate
 from torchturbo.techniques.result import TechniqueResult, applied, not_applied
+from torchturbo.techniques.spec import Lever, Stage, Technique, TrainerArguments
 
 AUTOCAST_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16}
 _NULL = contextlib.nullcontext()
@@ -127,3 +131,99 @@ def float32_matmul_precision(config: PrecisionConfig) -> Iterator[None]:
     finally:
         torch.set_float32_matmul_precision(saved[0])
         torch.backends.cudnn.allow_tf32 = saved[1]
+
+
+_CANDIDATE_NAMES = {"bf16": "bf16", "fp16": "fp16+scaler", "tf32": "tf32"}
+
+
+def precision_stage(ctx: StageContext) -> list[Candidate] | str:
+    """bf16, fp16 with its scaler, TF32. A precision whose matrix products are no faster than
+    fp32's here (TF32 on a CPU, bf16 or fp16 without native units) is decided by that
+    micro-benchmark (``levers.precision``), not by training."""
+    return [
+        candidate(
+            _CANDIDATE_NAMES[dtype],
+            ctx.best.replace(precision__dtype=dtype),
+            levers.precision(ctx.facts, dtype),
+        )
+        for dtype in ("bf16", "fp16", "tf32")
+    ]
+
+
+def _tf32_switch(
+    config: TurboConfig, device: torch.device
+) -> contextlib.AbstractContextManager[Any] | str:
+    """TF32 for a trainer's whole run where it takes effect; why not elsewhere. bf16 and fp16
+    are the trainers' own arguments (autocast and the scaler are theirs)."""
+    if config.precision.dtype != "tf32":
+        return f"{config.precision.dtype} is the trainer's own precision argument"
+    result = check_precision(config.precision, device)
+    if result.reason is not None:
+        return result.reason
+    return float32_matmul_precision(config.precision)
+
+
+def _uses_cuda(config: TurboConfig) -> bool:
+    device = config.device
+    return device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+
+
+def _hf_carries(config: TurboConfig) -> str | None:
+    if config.precision.dtype in ("bf16", "fp16"):
+        return f"TrainingArguments({config.precision.dtype}=True)"
+    if _uses_cuda(config):
+        return "TrainingArguments(tf32=True)"
+    return None
+
+
+def _hf_arguments(config: TurboConfig, arguments: TrainerArguments) -> None:
+    dtype = config.precision.dtype
+    if dtype in ("bf16", "fp16"):
+        arguments.kwargs[dtype] = True  # fp16 brings Trainer's own GradScaler
+    elif _uses_cuda(config):
+        arguments.kwargs["tf32"] = True
+    else:
+        arguments.note(
+            "precision",
+            "dtype",
+            "'tf32' not carried: TF32 is a CUDA tensor-core format (Ampere or newer); on a CPU "
+            "float32 stays float32, as the engine and the tuner run it",
+        )
+
+
+_LIGHTNING_PRECISION = {"tf32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}
+
+
+def _lightning_arguments(config: TurboConfig, arguments: TrainerArguments) -> None:
+    dtype = config.precision.dtype
+    arguments.kwargs["precision"] = _LIGHTNING_PRECISION[dtype]
+    if dtype == "tf32":
+        arguments.note(
+            "precision",
+            "dtype",
+            f"'tf32' applied by {arguments.callback} (float32 matmul precision 'high') on a GPU "
+            "with TF32 units; elsewhere float32 stays float32",
+        )
+
+
+TECHNIQUE = Technique(
+    name="precision",
+    section="precision",
+    fields=("dtype", "grad_scaler"),
+    doc="docs/techniques/precision.md",
+    requested=lambda config: config.precision.dtype != "fp32",
+    switch=_tf32_switch,
+    carried_by={
+        "engine": lambda config: "Turbo's Precision holds autocast, the scaler and TF32 per step",
+        "transformers": _hf_carries,
+        "lightning": lambda config: (
+            None if config.precision.dtype == "tf32" else "Trainer(precision=...)"
+        ),
+    },
+    stage=Stage("precision", 10, precision_stage),
+    levers=tuple(
+        Lever(dtype, functools.partial(levers.precision, dtype=dtype))
+        for dtype in ("bf16", "fp16", "tf32")
+    ),
+    translations={"transformers": _hf_arguments, "lightning": _lightning_arguments},
+)

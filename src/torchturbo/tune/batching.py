@@ -11,12 +11,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from torchturbo.bench import bucketed_batches
-from torchturbo.oom import leading_size, split_batch
+from torchturbo.measure.trial import bucketed_batches
 from torchturbo.recipe import Recipe
+from torchturbo.reliability.oom import leading_size, split_batch
 
 if TYPE_CHECKING:
-    from torchturbo.tune.stages import Candidate
+    from torchturbo.techniques.proposal import Candidate
 
 
 def candidate_batches(

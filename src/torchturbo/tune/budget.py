@@ -12,8 +12,8 @@ import os
 import time
 from collections.abc import Callable
 
-from torchturbo.facts import Facts
-from torchturbo.system import usable_cores
+from torchturbo.measure.system import usable_cores
+from torchturbo.techniques.facts import Facts
 from torchturbo.tune.decide import MIN_ROUNDS
 
 #: torch.compile's cost on a 2-core CPU, fitted to the built-in workloads and Hugging Face

@@ -16,17 +16,17 @@ from dataclasses import dataclass
 
 import torch
 
-from torchturbo.bench import Trial, start_trial
 from torchturbo.distributed.consensus import agree, any_rank
-from torchturbo.facts import shape_key
 from torchturbo.measure.timing import time_once
+from torchturbo.measure.trial import Trial, start_trial
 from torchturbo.techniques.compile import compiled_graphs
+from torchturbo.techniques.facts import shape_key
+from torchturbo.techniques.proposal import Candidate
 from torchturbo.tune import batching
 from torchturbo.tune.budget import candidate_seconds, compile_seconds, confirm_seconds
 from torchturbo.tune.compare import Measured, batch_cycle, compare, steps_per_round
 from torchturbo.tune.decide import MIN_ROUNDS, job_times, judge, loss_parity
 from torchturbo.tune.outcome import Outcome, State
-from torchturbo.tune.stages import Candidate
 from torchturbo.tune.state import (
     NUM_BATCHES,
     PARITY_STEPS,

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from torchturbo.bench import Trial
 from torchturbo.distributed.consensus import agree
 from torchturbo.measure.paired import Round, Side, paired_rounds, time_block
+from torchturbo.measure.trial import Trial
 from torchturbo.recipe import Recipe
 from torchturbo.tune.decide import MIN_ROUNDS, RatioEstimate, estimate
 from torchturbo.tune.outcome import Comparison

@@ -16,9 +16,9 @@ import dataclasses
 import math
 from typing import Any
 
-from torchturbo.bench import Trial, start_trial
 from torchturbo.config import TurboConfig
 from torchturbo.distributed.consensus import agree
+from torchturbo.measure.trial import Trial, start_trial
 from torchturbo.tune import batching
 from torchturbo.tune.budget import CONFIRM_ROUNDS
 from torchturbo.tune.compare import Measured, compare, compare_chain

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from torchturbo.report import format_bytes
+from torchturbo.output.tables import format_bytes
 
 #: A gain must clear this margin too: 2% is the drift of a quiet machine between runs.
 MIN_GAIN = 0.02

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from torchturbo.report import format_bytes
+from torchturbo.output.tables import format_bytes
 
 BASELINE_LABEL = "fp32 eager"
 

@@ -1,9 +1,9 @@
 """The report's output folder, checked up front so that hours of tuning are not lost to it, and
 the trainer settings written into it beside turbo.toml.
 
-Files go into it through :func:`torchturbo.results.write_atomic` (temporary name, then rename).
-hf_trainer.py and lightning_trainer.py carry turbo.toml over to the Hugging Face and Lightning
-trainers (``integrations.translate``), as Python a user pastes or imports.
+Files go into it through :func:`torchturbo.output.results_file.write_atomic` (temporary name, then
+rename). hf_trainer.py and lightning_trainer.py carry turbo.toml over to the Hugging Face and
+Lightning trainers (``integrations.translate``), as Python a user pastes or imports.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 
 from torchturbo.config import TurboConfig
 from torchturbo.integrations.translate import DDPSpec, hf_arguments, lightning_arguments
-from torchturbo.results import write_atomic
+from torchturbo.output.results_file import write_atomic
 
 
 def prepare_dir(out_dir: Path) -> None:

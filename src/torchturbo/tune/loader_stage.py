@@ -1,29 +1,28 @@
 """The tuner's data stage: is the input pipeline what limits the step, and if so, how to fix it.
 
 Trials train on pre-collated batches, so loader settings change no trial; they matter only when
-loading a batch takes longer than computing on it. A first probe times the recipe's plain loader
-(no workers) over a few batches: far below the step time, the run is compute-bound and the grid
-of worker settings (``data.loader.tune_loader``, seconds per setting) is not worth its time. Only
-otherwise is the grid measured, when the budget allows it. A stream (an ``IterableDataset``) gets
-no grid: it must split itself among workers (``torch.utils.data.get_worker_info``), else every
+loading a batch takes longer than computing on it. A first probe times the recipe's plain loader (no
+workers) over a few batches: far below the step time, the run is compute-bound and the grid of
+worker settings (``tune.loader_search.tune_loader``, seconds per setting) is not worth its time.
+Only otherwise is the grid measured, when the budget allows it. A stream (an ``IterableDataset``)
+gets no grid: it must split itself among workers (``torch.utils.data.get_worker_info``), else every
 worker yields all of it, and whether it does cannot be seen from outside.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch.utils.data import DataLoader, IterableDataset
 
 from torchturbo.config import DataConfig
 from torchturbo.data.length import length_or_none
-from torchturbo.data.loader import default_candidates, describe, to_device, tune_loader
+from torchturbo.data.loader import to_device
 from torchturbo.distributed.consensus import agree
 from torchturbo.measure.timing import time_once
+from torchturbo.tune.loader_search import default_candidates, describe, tune_loader
 from torchturbo.tune.outcome import Outcome, State
-
-if TYPE_CHECKING:
-    from torchturbo.tune.search import Incumbent, Run
+from torchturbo.tune.state import Incumbent, Run
 
 #: Batches the probe times (after one untimed batch).
 PROBE_BATCHES = 3

@@ -87,7 +87,7 @@ class Outcome:
     comm_bytes_per_step: int | None = None
     #: Per optimizer step losses of the candidate's first steps.
     loss_curve: tuple[float, ...] = ()
-    #: The prior that ordered the work (``torchturbo.levers``) and the seconds it was estimated
+    #: The prior that ordered the work (``techniques.levers``) and the seconds it was estimated
     #: to cost; None where there was none.
     expected_gain: float | None = None
     estimate_s: float | None = None

@@ -12,20 +12,18 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 import torchturbo
 from torchturbo.data.length import length_or_none
 from torchturbo.distributed.launch import current_env
+from torchturbo.measure.system import cpu_model
 from torchturbo.recipe import Recipe
-from torchturbo.system import cpu_model
 from torchturbo.tune.horizon import horizon
 from torchturbo.tune.outcome import Outcome, outcome_from_dict
-
-if TYPE_CHECKING:
-    from torchturbo.tune.search import TuneOptions
+from torchturbo.tune.state import TuneOptions
 
 
 def fingerprint(

@@ -20,7 +20,7 @@ from rich.table import Table
 from rich.text import Text
 
 from torchturbo.config import TurboConfig
-from torchturbo.results import write_atomic
+from torchturbo.output.results_file import write_atomic
 from torchturbo.tune.document import build_blocks, render_html, render_markdown
 from torchturbo.tune.files import prepare_dir, write_trainer_settings
 from torchturbo.tune.plots import PLOTS, plots_left_out, png

@@ -5,9 +5,9 @@ as a procedure:
 
 1. **Baseline**: the recipe in fp32 eager on fixed batches; its first steps are the loss reference.
 2. **Facts** (seconds): GEMM rates per precision, padding with and without length buckets, the
-   convolution share of the FLOPs (``torchturbo.facts``). A precision that cannot help on this
+   convolution share of the FLOPs (``techniques.facts``). A precision that cannot help on this
    hardware (TF32 on a CPU, bf16 without bf16 units) is decided here, not by training.
-3. **Candidates by expected gain per second of measuring** (``torchturbo.levers``), each built on
+3. **Candidates by expected gain per second of measuring** (``techniques.levers``), each built on
    the current best and timed against it in paired rounds on the same batches until the ratio is
    decided (``compare``; rules in ``decide``). A candidate that does not fit in what is left of
    the budget is not measured, and says how long it would have needed.
@@ -37,18 +37,19 @@ from typing import Any
 
 import torch
 
-from torchturbo.bench import fixed_batches, start_trial
 from torchturbo.config import TurboConfig
 from torchturbo.distributed.consensus import agree
 from torchturbo.distributed.launch import current_env
 from torchturbo.engine import resolve_device
-from torchturbo.facts import gather
-from torchturbo.levers import priority
 from torchturbo.measure.breakdown import PhaseRecorder
+from torchturbo.measure.machine import summary
 from torchturbo.measure.timing import time_once
+from torchturbo.measure.trial import fixed_batches, start_trial
 from torchturbo.recipe import Recipe
-from torchturbo.system import summary
 from torchturbo.techniques.compile import compile_cache
+from torchturbo.techniques.facts import gather
+from torchturbo.techniques.levers import priority
+from torchturbo.techniques.proposal import Candidate, StageContext
 from torchturbo.tune import batching
 from torchturbo.tune.budget import Budget
 from torchturbo.tune.candidate import estimate, try_candidate
@@ -56,7 +57,7 @@ from torchturbo.tune.confirm import confirm
 from torchturbo.tune.loader_stage import loader_stage
 from torchturbo.tune.outcome import Confirmation, Outcome, TuneResult
 from torchturbo.tune.previous import Previous, fingerprint, is_reusable
-from torchturbo.tune.stages import STAGES, Candidate, StageContext
+from torchturbo.tune.stages import MEMORY_STAGES, STAGES
 from torchturbo.tune.state import (
     NUM_BATCHES,
     PARITY_STEPS,
@@ -286,7 +287,9 @@ def _search(
         # Estimates read this rank's clock and load: the pick is rank 0's on every rank.
         stage, candidate = proposals[agree(ranks.index(max(ranks)))]
         tried.add(candidate.name)
-        outcome, incumbent = try_candidate(run, stage, candidate, best, over and stage == "memory")
+        outcome, incumbent = try_candidate(
+            run, stage, candidate, best, over and stage in MEMORY_STAGES
+        )
         run.outcomes.append(outcome)
         if incumbent is not None:
             # The superseded best stays alive: the confirmation times every adoption again
@@ -357,7 +360,7 @@ def _over_memory_budget(run: Run, best: Incumbent) -> bool:
 
 def _rank(run: Run, stage: str, candidate: Candidate, best: Incumbent, over: bool) -> float:
     """Memory candidates first while the best does not fit the budget; then gain per second."""
-    if over and stage == "memory":
+    if over and stage in MEMORY_STAGES:
         return math.inf
     return priority(candidate.expected_gain, estimate(run, candidate, best).typical_s)
 

@@ -9,15 +9,15 @@ from typing import Any
 
 import torch
 
-from torchturbo.bench import Trial
 from torchturbo.config import TurboConfig
-from torchturbo.facts import Facts
+from torchturbo.measure.trial import Trial
 from torchturbo.recipe import Recipe
+from torchturbo.techniques.facts import Facts
+from torchturbo.techniques.proposal import Candidate, StageContext
 from torchturbo.tune.budget import Budget
 from torchturbo.tune.decide import MIN_ROUNDS
 from torchturbo.tune.horizon import Horizon, horizon
 from torchturbo.tune.outcome import Outcome
-from torchturbo.tune.stages import Candidate, StageContext
 
 Stage = Callable[[StageContext], "list[Candidate] | str"]
 

@@ -1,0 +1,167 @@
+"""``torchturbo tune``: the tuner (:mod:`torchturbo.tune`) on a workload or recipe, and its
+report."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from torchturbo.cli.arguments import add_target_arguments
+from torchturbo.cli.shared import check_writable, live_on_rank_zero, load_target, say_emulated
+from torchturbo.output.units import parse_duration, parse_size
+
+#: The folder beside turbo.toml that holds what tuning compiled (see techniques/compile.py).
+COMPILE_CACHE = "compile-cache"
+
+
+def add_parser(commands: Any) -> None:
+    """Add ``torchturbo tune`` to the parser's ``commands``."""
+    tune = commands.add_parser(
+        "tune",
+        help="find the fastest correct config for a workload or recipe, with a report",
+        description=(
+            "Measure the candidates of every stage (data loader, precision, memory format, "
+            "compile, memory, dynamic batching), the highest expected gain per second of "
+            "measuring first, each against the current best in paired rounds on the same "
+            "batches until the ratio is decided, and keep one only if it is faster beyond the "
+            "noise, keeps the loss within tolerance of fp32, fits the memory budget and makes the "
+            "whole planned job faster, one-time costs such as compiling included (the job's "
+            "length: --planned-steps, else the recipe's, else assumed; the headline says "
+            "which). What it compiles is kept in --out/compile-cache, which the written "
+            "turbo.toml names so that train loads it. The whole run keeps to --time-budget; "
+            "what it cannot measure in time is reported with the time it needs. Tuning again "
+            "into the same --out reuses what was measured there, also after Ctrl-C (kept in "
+            "interrupted.json). Writes turbo.toml, "
+            "results.json, report.md and report.html to --out. Under "
+            "torchrun every rank measures DDP/FSDP trials, rank 0 decides (its decisions are "
+            "broadcast), DDP comm hooks and bucket sizes are tuned too, and rank 0 writes."
+        ),
+    )
+    add_target_arguments(tune)
+    tune.add_argument(
+        "--time-budget",
+        type=parse_duration,
+        default="5m",
+        metavar="DURATION",
+        help="wall time for the search, e.g. 90s, 5m, 1h",
+    )
+    tune.add_argument(
+        "--memory-budget",
+        type=parse_size,
+        metavar="SIZE",
+        help="total memory a step may use, e.g. 20GiB, 512MiB (default: no budget)",
+    )
+    tune.add_argument(
+        "--planned-steps",
+        type=int,
+        default=None,
+        metavar="N",
+        help=(
+            "steps (batches per process) of your real job: a candidate is kept only if the "
+            "whole job, one-time costs such as compiling included, is faster with it "
+            "(default: the recipe's planned_steps, which recipe_from_trainer and "
+            "recipe_from_lightning take from the trainer; else 1,000, assumed)"
+        ),
+    )
+    tune.add_argument(
+        "--loss-tolerance",
+        type=float,
+        default=0.05,
+        metavar="FRACTION",
+        help="largest relative loss difference from fp32 over the first steps",
+    )
+    tune.add_argument(
+        "--out", type=Path, default=Path("turbo-report"), metavar="DIR", help="output directory"
+    )
+    tune.add_argument(
+        "--only", type=stage_list, default=(), metavar="STAGE,...", help="run only these stages"
+    )
+    tune.add_argument(
+        "--skip", type=stage_list, default=(), metavar="STAGE,...", help="leave these stages out"
+    )
+    tune.set_defaults(run=run)
+
+
+def stage_list(text: str) -> tuple[str, ...]:
+    """``precision,compile`` as a tuple of stage names (checked against the stages by the tuner)."""
+    names = tuple(name.strip() for name in text.split(",") if name.strip())
+    if not names:
+        raise argparse.ArgumentTypeError(f"{text!r}: give stage names separated by commas")
+    return names
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.text import Text
+
+    from torchturbo.distributed import is_main_process, launched
+    from torchturbo.output.live import TuneLine
+    from torchturbo.output.table_fit import print_table
+    from torchturbo.tune.plots import plots_left_out
+    from torchturbo.tune.report import (
+        incremental_table,
+        keep_interrupted,
+        read_previous,
+        write_report,
+    )
+    from torchturbo.tune.search import TuneInterrupted, TuneOptions, tune
+    from torchturbo.tune.stages import PRECISION_FORMATS
+    from torchturbo.tune.summary import headline
+
+    options = TuneOptions(
+        time_budget_s=args.time_budget,
+        memory_budget=args.memory_budget,
+        planned_steps=args.planned_steps,
+        loss_tolerance=args.loss_tolerance,
+        device=args.device,
+        only=args.only,
+        skip=args.skip,
+        compile_cache_dir=str(args.out / COMPILE_CACHE),
+    )
+    check_writable(args.out)
+    previous = read_previous(args.out)
+    recipe = load_target(args)
+    console = Console()  # the terminal's width; 80 columns when piped
+    say_emulated(
+        args.device or "auto",
+        PRECISION_FORMATS,
+        lambda notice: console.print(notice, markup=False, highlight=False),
+    )
+    line = TuneLine(f"tune {recipe.name}", options.time_budget_s)
+    with launched(args.device or "auto"):
+        try:
+            with live_on_rank_zero(line):
+                config, result = tune(
+                    recipe,
+                    options,
+                    on_progress=line.report,
+                    previous=previous,
+                )
+        except TuneInterrupted as interrupted:
+            if is_main_process() and interrupted.measured:
+                kept = keep_interrupted(args.out, interrupted.partial)
+                console.print(
+                    Text(
+                        f"interrupted: {interrupted.measured} measured candidate(s) kept in "
+                        f"{kept}; the same command measures the rest"
+                    )
+                )
+            raise
+        if not is_main_process():
+            return 0
+    results = result.to_dict()
+    # The report's "how to use" line repeats what the user typed to name the target.
+    results["recipe"] = args.recipe or f"--workload {recipe.name}"
+    if config.compile.cache_dir:  # relative to turbo.toml, which sits beside it
+        config = config.replace(compile__cache_dir=COMPILE_CACHE)
+    paths = write_report(args.out, results, config.to_toml())
+    if result.reuse_note:
+        console.print(Text(result.reuse_note))
+    if (left_out := plots_left_out()) is not None:
+        console.print(Text(f"plots left out of the report: {left_out}"))
+    print_table(console, incremental_table(results))
+    console.print(Text(headline(results)))
+    console.print(Text(f"report: {paths['html']}"))
+    console.print(Text(f"use it: torchturbo bench {results['recipe']} --config {paths['config']}"))
+    return 0

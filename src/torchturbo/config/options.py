@@ -1,0 +1,208 @@
+"""Every config field as a command-line option: ``--precision.dtype bf16``, ``--data.bucketing``.
+
+One option per key of turbo.toml (:func:`~torchturbo.config.fields.config_fields`), named as in
+the file and taking values in the file's units (bytes, MiB, counts): a choice for a ``Literal``
+field, ``--x`` / ``--no-x`` for a boolean, a comma-separated list for a list, ``none`` for a
+field the file may leave out (``--x=none`` for a boolean one); ``*_bytes`` fields also read
+sizes such as ``64MiB``. The text is only converted to the field's type here: what a value
+may be is decided by the config's own validation (:func:`torchturbo.config.resolve.resolve`),
+so an option and a file get the same one-line errors. A misspelt ``--section.field`` is
+refused with the closest name (:func:`unknown_option`): argparse alone would take
+``--precision.dtyp`` as an abbreviation.
+
+Why hand-written: the options must be argparse options like the rest of the command (argparse
+costs nothing at start-up, and ``--help``, completion and the one-line errors already rest on
+it), must convert values as turbo.toml does and leave checking to ``TurboConfig``, and must go
+over ``--config`` and ``--preset``. The libraries that build a CLI from dataclasses (tyro,
+simple-parsing, jsonargparse) each bring their own parser, validation and error format in its
+place; generating the options from the dataclasses is the ~150 lines below.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import re
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, get_origin
+
+from torchturbo.config.fields import ConfigField, config_fields
+from torchturbo.output.units import UnitError, parse_size
+
+#: Where the parsed options go in the namespace: a list of :class:`Override`, in command order.
+DEST = "config_overrides"
+_INT = re.compile(r"[+-]?[0-9][0-9_]*")
+_BOOLEANS = {"true": True, "false": False, "none": None}
+#: The longest ``--option METAVAR`` that --help prints within 80 columns (indented by 2).
+_HELP_WIDTH = 76
+
+
+@dataclass(frozen=True)
+class Override:
+    """One config option as given: the field, its converted value, and how it was typed."""
+
+    field: ConfigField
+    value: Any
+    #: ``--precision.dtype bf16`` as ``precision.dtype=bf16``, for labels and messages.
+    text: str
+    option: str
+
+
+class _Shown(tuple[Any, ...]):
+    """Choices that --help and completion show but argparse does not enforce: a bad value is
+    reported by the config's validation, in the words a file's would be."""
+
+    def __contains__(self, value: object) -> bool:
+        return True
+
+
+class _SetValue(argparse.Action):
+    """``--section.field VALUE``: the value converted to the field's type, appended to DEST."""
+
+    #: How the CLI's help formatter tells these options apart without importing this module.
+    config_option = True
+
+    def __init__(self, *args: Any, field: ConfigField, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.field = field
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        value = convert(self.field, str(values))
+        given = Override(self.field, value, f"{self.field.key}={values}", str(option_string))
+        setattr(namespace, DEST, [*(getattr(namespace, DEST, None) or []), given])
+
+
+class FlagOption(_SetValue):
+    """``--section.field`` sets a boolean field, ``--no-section.field`` clears it. A field that
+    may be absent (None: "as needed") also takes ``--section.field=none``; :func:`explicit`
+    writes its bare flags as ``=true``, so that the flag never takes the next word as its value.
+    """
+
+    def __init__(self, *args: Any, field: ConfigField, **kwargs: Any) -> None:
+        super().__init__(*args, nargs="?" if field.optional else 0, field=field, **kwargs)
+        #: How --help shows the pair: one line, ``--[no-]data.bucketing``.
+        self.invocation = f"--[no-]{field.key}" + "[=none]" * field.optional
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        negated = str(option_string).startswith("--no-")
+        # nargs=0 gives [] and a bare flag of nargs="?" None: both mean true.
+        value: Any = _BOOLEANS.get(values.lower(), values) if isinstance(values, str) else True
+        if negated and isinstance(value, bool):
+            value = not value
+        shown = "none" if value is None else str(value).lower()
+        given = Override(self.field, value, f"{self.field.key}={shown}", str(option_string))
+        setattr(namespace, DEST, [*(getattr(namespace, DEST, None) or []), given])
+
+
+def explicit(tokens: Sequence[str], actions: Mapping[str, argparse.Action]) -> list[str]:
+    """``tokens`` with each bare flag of a field that may be absent written ``--flag=true``: such
+    a flag takes an optional value (``=none``), and argparse would otherwise read the word after
+    it (a recipe) as that value."""
+    out = []
+    for token in tokens:
+        action = actions.get(token)
+        takes_value = isinstance(action, FlagOption) and action.nargs == "?"
+        out.append(f"{token}=true" if takes_value else token)
+        if token == "--":
+            out.extend(tokens[len(out) :])
+            break
+    return out
+
+
+def add_config_options(parser: argparse.ArgumentParser) -> None:
+    """Add one option per config field (``device`` excepted: ``--device`` sets it) in a group."""
+    group = parser.add_argument_group(
+        "config fields",
+        "Each option sets one key of turbo.toml, in the file's units, over --config and "
+        "--preset; `torchturbo config show` prints the result and where each value came from.",
+    )
+    for field in config_fields():
+        if not field.section:
+            continue
+        option = f"--{field.key}"
+        help_text = field.doc.replace("%", "%%") or None
+        if field.value_type is bool:
+            group.add_argument(
+                option, f"--no-{field.key}", action=FlagOption, field=field, help=help_text
+            )
+        else:
+            metavar = _metavar(field)
+            if len(option) + len(metavar) > _HELP_WIDTH:  # a line of its own, within 80 columns
+                help_text = f"{metavar.replace(',', ', ')}: {help_text}"
+                metavar = field.name.upper()
+            group.add_argument(
+                option,
+                action=_SetValue,
+                field=field,
+                metavar=metavar,
+                choices=_Shown(field.choices) if field.choices else None,
+                help=help_text,
+            )
+
+
+def _metavar(field: ConfigField) -> str:
+    if field.choices:
+        shown = "{" + ",".join(map(str, field.choices)) + "}"
+    elif get_origin(field.value_type) is tuple:
+        shown = "NAME,..."
+    elif field.name.endswith("_bytes"):
+        shown = "BYTES"
+    else:
+        shown = {int: "N", float: "X"}.get(field.value_type, "TEXT")
+    return f"{shown}|none" if field.optional else shown
+
+
+def convert(field: ConfigField, text: str) -> Any:
+    """``text`` as the field's type, as TOML would give it; text that is not of that type is
+    returned as it is, for the config's validation to name (``steps = 'abc'`` expects an int)."""
+    stripped = text.strip()
+    if field.optional and stripped.lower() == "none":
+        return None
+    if get_origin(field.value_type) is tuple:
+        return tuple(part.strip() for part in text.split(",") if part.strip())
+    if field.value_type is int:
+        if _INT.fullmatch(stripped):
+            return int(stripped)
+        if field.name.endswith("_bytes"):
+            try:
+                return parse_size(stripped)
+            except UnitError:
+                return text
+        return text
+    if field.value_type is float:
+        try:
+            return float(stripped)
+        except ValueError:
+            return text
+    return text
+
+
+def unknown_option(tokens: Sequence[str], known: Collection[str]) -> str | None:
+    """Why the first ``--section.field`` of ``tokens`` that names no option is refused, with
+    the closest option, or None. Dotted names must be exact: argparse would otherwise read
+    ``--precision.dtyp`` as an abbreviation of ``--precision.dtype``."""
+    dotted = sorted(name for name in known if "." in name)
+    for token in tokens if dotted else ():
+        if token == "--":
+            break
+        name = token.split("=", 1)[0]
+        if not name.startswith("--") or "." not in name or name in known:
+            continue
+        close = difflib.get_close_matches(name, dotted, n=1)
+        if close:
+            return f"unknown option {name} (did you mean {close[0]}?)"
+        return f"unknown option {name}: config options are --SECTION.FIELD as in turbo.toml"
+    return None

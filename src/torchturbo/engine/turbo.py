@@ -1,0 +1,468 @@
+"""Turbo: compose the configured techniques around a user's model, optimizer and data.
+
+The engine holds no technique logic of its own: each technique declares its hooks once
+(``techniques/spec.py``) and the engine reaches them only through ``techniques/registry.py``
+(model transforms in their order, the optimizer rebuild, input layout, failures, process-wide
+switches); ``compose.compose`` adds the device and the strategy's wrapping. What differs across
+processes is the strategy (``distributed/strategy.py``, chosen from the launch environment), and
+everything precision changes is one :class:`~torchturbo.techniques.precision.Precision`. This
+module runs one training micro-step (``step``) with exact accumulation and clipping, and owns the
+run's state (``state_dict``). Reliability lives beside it: ``oom`` (micro-batching on
+out-of-memory), ``guard`` (non-finite losses, unreadable batches), ``resume`` and ``checkpoint``
+(``save``/``load``), ``epochs`` (the resumable loader).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from torchturbo.config import TurboConfig
+from torchturbo.data.loader import to_device
+from torchturbo.data.training import training_loader
+from torchturbo.distributed.comm import CommStats
+from torchturbo.distributed.launch import init_distributed
+from torchturbo.distributed.select import select_strategy
+from torchturbo.distributed.strategy import Strategy
+from torchturbo.engine.compose import compose
+from torchturbo.measure.breakdown import NullRecorder, Recorder
+from torchturbo.reliability.epochs import EpochLoader
+from torchturbo.reliability.guard import NonFiniteGuard, call_loss_fn
+from torchturbo.reliability.oom import MicroBatcher, leading_size
+from torchturbo.reliability.preemption import StopRequest, agree_to_stop
+from torchturbo.reliability.random_state import capture_random_state, restore_random_state
+from torchturbo.resume.state import load_training_state, save_training_state
+from torchturbo.techniques import registry
+from torchturbo.techniques.accumulation import (
+    AccumulationWindow,
+    scale_and_clip_gradients,
+    scale_gradients,
+)
+from torchturbo.techniques.precision import Precision
+from torchturbo.techniques.result import TechniqueResult, reasons
+
+LossOutput = torch.Tensor | tuple[torch.Tensor, int | float | torch.Tensor]
+LossFn = Callable[[nn.Module, Any], LossOutput]
+
+
+@dataclass(frozen=True)
+class StepMetrics:
+    """What one call to ``Turbo.step`` did.
+
+    ``loss`` is the micro-batch's mean loss as a detached tensor: reading it with ``float()`` is
+    a device sync, so the engine leaves that to the caller. ``micro_batches`` is how many pieces
+    the batch ran as (more than 1 after an out-of-memory split, see ``torchturbo.reliability.oom``).
+    """
+
+    loss: torch.Tensor
+    count: torch.Tensor
+    optimizer_stepped: bool
+    skipped: bool
+    grad_norm: torch.Tensor | None
+    micro_batches: int = 1
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` is CUDA when available, else CPU; an unavailable CUDA is a clear error."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device = {name!r} was asked for, but no CUDA device is available")
+    return device
+
+
+class Turbo:
+    """Apply a :class:`TurboConfig` to a training loop.
+
+    >>> turbo = Turbo(TurboConfig.preset("fast"))
+    >>> model, optimizer, loader = turbo.setup(model, optimizer, dataset, batch_size=64)
+    >>> for batch in loader:
+    ...     metrics = turbo.step(loss_fn, batch)
+
+    Under ``torchrun`` the same lines train data-parallel (``[distributed]``): ``setup`` joins
+    the process group, shards the dataset across ranks and wraps the model (DDP or FSDP2).
+    """
+
+    def __init__(self, config: TurboConfig | None = None) -> None:
+        self.config = config or TurboConfig()
+        self.device = resolve_device(self.config.device)
+        #: Autocast, loss scaling, TF32 and their state (``techniques/precision.py``).
+        self.precision = Precision(self.config.precision, self.device)
+        #: Times the phases of each step; swap it with :meth:`recording`.
+        self.recorder: Recorder = NullRecorder()
+        self.optimizer_steps = 0
+        self.skipped_steps = 0
+        #: Set by ``setup``: the model as training runs it (wrapped under torchrun), the
+        #: optimizer, the loader (None for a manual loop) and the strategy.
+        self.model: nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.loader: EpochLoader | None = None
+        self.strategy: Strategy | None = None
+        self.microbatcher: MicroBatcher | None = None
+        self.guard = NonFiniteGuard(self.config.reliability.nonfinite_patience)
+        #: Loader batches in the open accumulation window (each may run as several pieces).
+        self.batches_in_window = 0
+        self._window = AccumulationWindow(self.config.accumulation.steps)
+        self._results: dict[str, TechniqueResult] = {}
+        self._notes: dict[str, str] = {}
+        self._channels_last_inputs = False
+        self._step_switches = registry.step_switches(self.config, "engine")
+
+    # -- setup ------------------------------------------------------------------------------
+
+    def setup(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        data: Dataset | DataLoader | None = None,
+        *,
+        batch_size: int | None = None,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        batch_sampler: Any = None,
+        shuffle: bool = True,
+        seed: int | None = None,
+        lengths: Sequence[int] | None = None,
+        pad_values: Mapping[str, int] | None = None,
+        comm_stats: CommStats | None = None,
+        strategy: Strategy | None = None,
+    ) -> tuple[nn.Module, torch.optim.Optimizer, EpochLoader | None]:
+        """Compose the model, keep the optimizer, and build or wrap the loader.
+
+        The returned loader marks its last batch so that a trailing partial accumulation window
+        is applied rather than lost, and calls ``set_epoch`` on its sampler every epoch.
+        Parameter objects are preserved (FSDP re-points the optimizer at its shards), so an
+        optimizer built before ``setup`` stays valid. With ``[data] bucketing = true``,
+        ``lengths`` (one per sample) feed a :class:`~torchturbo.data.bucketing.BucketBatchSampler`.
+        Without ``collate_fn``, :func:`~torchturbo.data.collate.pad_collate` pads
+        variable-length fields of dict samples (``pad_values`` per field, e.g. the tokenizer's
+        pad id) and collates the rest as torch's default collate does. Under torchrun a dataset
+        given with ``batch_size`` is split across ranks (a ``DistributedSampler``); a
+        DataLoader, a ``batch_sampler`` or an ``IterableDataset`` is used as given and must
+        shard itself. ``comm_stats`` counts DDP's gradient bytes and time
+        (``distributed/comm.py``). ``strategy`` overrides the one the config and the launch
+        choose: ``Strategy(config, device, DistEnv())`` trains this model in this process alone
+        inside a torchrun job (a rank-0 reference, an evaluation).
+        """
+        if self.model is not None:
+            raise RuntimeError("Turbo.setup was already called: build one Turbo per model")
+        env = init_distributed(self.config.device)
+        self.strategy = strategy or select_strategy(self.config, self.device, env)
+        self.model, results = compose(
+            model,
+            optimizer,
+            config=self.config,
+            device=self.device,
+            strategy=self.strategy,
+            reference=self._window_reference,
+            comm_stats=comm_stats,
+        )
+        precision = {} if self.precision.result is None else {"precision": self.precision.result}
+        # A rebuilt optimizer is a new object: callers use the one setup returns.
+        optimizer, rebuilt = registry.rebuild_optimizer(optimizer, self.config)
+        self._results = {**precision, **results, **rebuilt}
+        self.optimizer = optimizer
+        self._channels_last_inputs = registry.channels_last_inputs(self._results)
+        self.microbatcher = self._microbatcher(self.model)
+        if data is None:
+            return self.model, optimizer, None
+        if not isinstance(data, DataLoader):
+            data = training_loader(
+                data,
+                config=self.config.data,
+                device=self.device,
+                strategy=self.strategy,
+                batch_size=batch_size,
+                collate_fn=collate_fn,
+                batch_sampler=batch_sampler,
+                shuffle=shuffle,
+                seed=seed,
+                lengths=lengths,
+                pad_values=pad_values,
+            )
+        self.loader = EpochLoader(data)
+        return self.model, optimizer, self.loader
+
+    def _microbatcher(self, model: nn.Module) -> MicroBatcher:
+        reliability = self.config.reliability
+        assert self.strategy is not None
+        refused = self.strategy.auto_microbatch_off
+        if reliability.auto_microbatch and refused is not None:
+            self._notes["auto_microbatch"] = refused
+        return MicroBatcher(
+            model,
+            budget_bytes=reliability.memory_budget_bytes,
+            auto=reliability.auto_microbatch and refused is None,
+            device=self.device,
+        )
+
+    # -- what was applied ---------------------------------------------------------------------
+
+    @property
+    def applied(self) -> dict[str, str | None]:
+        """Requested technique -> None when it took effect, else why not (for reports)."""
+        return {**reasons(self._results), **self._notes}
+
+    @property
+    def results(self) -> dict[str, TechniqueResult]:
+        """What each technique requested by the config did, as ``setup`` composed them."""
+        return dict(self._results)
+
+    @property
+    def checkpointed_blocks(self) -> list[str]:
+        """Qualified names of the blocks activation checkpointing recomputes."""
+        result = self._results.get("checkpointing")
+        return list(result.targets) if result is not None else []
+
+    @property
+    def scaler(self) -> torch.amp.GradScaler | None:
+        """fp16's GradScaler (``precision.scaler``); None for other dtypes."""
+        return self.precision.scaler
+
+    # -- training -----------------------------------------------------------------------------
+
+    @property
+    def window_open(self) -> bool:
+        """Whether gradients of an unfinished accumulation window are pending."""
+        return self._window.seen > 0
+
+    @property
+    def window_reference(self) -> torch.Tensor | None:
+        """The open window's count reference (first micro-batch's count x micro-steps): each
+        micro-step's loss is weighted by ``count / reference``. None while no window is open."""
+        return self._window.reference
+
+    def _window_reference(self) -> torch.Tensor:
+        """The open window's reference, for strategies that read it during backward."""
+        if self._window.reference is None:
+            raise RuntimeError("no accumulation window is open: call turbo.step, not backward")
+        return self._window.reference
+
+    @contextlib.contextmanager
+    def recording(self, recorder: Recorder) -> Iterator[Recorder]:
+        """Time the phases of the steps run inside the block with ``recorder``
+        (``measure.breakdown.PhaseRecorder``); the previous recorder is back afterwards."""
+        previous, self.recorder = self.recorder, recorder
+        try:
+            yield recorder
+        finally:
+            self.recorder = previous
+
+    def step(self, loss_fn: LossFn, batch: Any) -> StepMetrics:
+        """Run one micro-batch: forward, backward, and the optimizer step when a window closes.
+
+        A batch that runs out of memory is retried in smaller pieces
+        (``torchturbo.reliability.oom``).
+        """
+        if self.microbatcher is None:
+            raise RuntimeError("call Turbo.setup(model, optimizer, ...) before Turbo.step")
+        last_batch = self.loader is not None and self.loader.at_last_batch
+        closing = self.batches_in_window + 1 >= self._window.micro_steps or last_batch
+        micro_step = functools.partial(self._micro_step, loss_fn)
+        with self.precision.step_context(), self.switches():
+            try:
+                loss, count, pieces = self.microbatcher.run(
+                    batch, micro_step, self._restart, closing
+                )
+            except Exception as err:
+                explained = registry.explain_failure(err, self._results)
+                if explained is None:
+                    raise
+                name, self._results[name], failure = explained
+                raise failure from err
+            self.batches_in_window += 1
+            stepped, skipped, grad_norm = False, False, None
+            if closing:
+                skipped, grad_norm = self._optimizer_step()
+                stepped = True
+        return StepMetrics(loss, count, stepped, skipped, grad_norm, pieces)
+
+    def switches(self) -> contextlib.AbstractContextManager[Any]:
+        """The process-wide switches of the configured techniques (cuDNN autotuning, saved
+        activations' storage), as each step holds them: for one step only, since the bench and
+        the tuner interleave the steps of several engines in one process. Hold it around a
+        forward run outside ``step`` that must see what a step sees (a memory measurement)."""
+        if not self._step_switches:
+            return contextlib.nullcontext()
+        return registry.held_switches(self.config, self.device, "engine", self._results)
+
+    def _micro_step(
+        self, loss_fn: LossFn, batch: Any, closing: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self.strategy is not None
+        with self.strategy.backward_context(closing):
+            with self.recorder.phase("forward"):
+                loss, count = self.forward(loss_fn, batch)
+            with self.recorder.phase("backward"):
+                self.guard.observe(loss, functools.partial(self.forward, loss_fn, batch), batch)
+                weighted = loss.float() * self._window.weight(count)
+                self.precision.scale_loss(weighted).backward()
+        return loss.detach(), count
+
+    def _restart(self) -> None:
+        """Drop the open window's gradients so that it can be replayed (after out-of-memory)."""
+        assert self.optimizer is not None
+        self.optimizer.zero_grad(set_to_none=True)
+        self._window.reset()
+        self.guard.forget_window()
+
+    def forward(self, loss_fn: LossFn, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """The forward half of a step: batch to the device, autocast, (mean loss, count)."""
+        if self.model is None:
+            raise RuntimeError("call Turbo.setup(model, optimizer, ...) before Turbo.forward")
+        batch = to_device(
+            batch,
+            self.device,
+            non_blocking=self.config.data.non_blocking,
+            channels_last=self._channels_last_inputs,
+        )
+        with self.precision.step_context(), self.precision.forward_context():
+            return _split_loss(call_loss_fn(loss_fn, self.model, batch), batch, self.device)
+
+    def flush(self) -> bool:
+        """Apply a partial accumulation window left open at the end of a manual loop.
+
+        Loaders returned by ``setup`` do this on their own. Returns whether a step was taken.
+        """
+        if self._window.seen == 0:
+            return False
+        with self.precision.step_context():
+            self._optimizer_step()
+        return True
+
+    def _optimizer_step(self) -> tuple[bool, torch.Tensor | None]:
+        assert self.model is not None and self.optimizer is not None
+        assert self.strategy is not None and self.microbatcher is not None
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        with self.recorder.phase("optimizer"):
+            self.precision.unscale_gradients(self.optimizer)  # clipping must see true gradients
+            total = self.strategy.reduce_count(self._window.total)  # type: ignore[arg-type]
+            correction = self._window.correction(total)
+            grad_norm, clip = None, self.config.clipping
+            if clip.max_norm is not None:
+                grad_norm = scale_and_clip_gradients(
+                    params, correction, clip.max_norm, clip.norm_type
+                )
+            elif not self._unit_correction():
+                scale_gradients(params, correction)
+            # Without a scaler the guard skips a non-finite step rather than write NaN weights.
+            check = self.precision.scaler is None
+            nonfinite = self.guard.window_nonfinite(params, grad_norm, check)
+            skipped = self.precision.optimizer_step(self.optimizer, finite=not nonfinite)
+            self.optimizer.zero_grad(set_to_none=True)
+        self._window.reset()
+        self.batches_in_window = 0
+        self.microbatcher.window_closed()
+        self.optimizer_steps += 1
+        self.skipped_steps += int(skipped)
+        self.guard.raise_if_exhausted(self.model, self.optimizer_steps)
+        return skipped, grad_norm
+
+    def _unit_correction(self) -> bool:
+        """Whether the window's correction is exactly 1, known without reading it: one batch
+        per window, run whole, in one process (reference and total are the same count)."""
+        assert self.strategy is not None and self.microbatcher is not None
+        one_piece = self._window.micro_steps == 1 and self.microbatcher.split == 1
+        return one_piece and not self.strategy.env.is_distributed
+
+    def agree_to_stop(self, request: StopRequest) -> bool:
+        """Whether the loop should stop now: True on every rank once any rank's stop ``request``
+        (``torchturbo.reliability.preemption.stop_on_signals``) is set. Call it on every rank
+        after each step whose metrics say ``optimizer_stepped`` (under torchrun it is one small
+        all-reduce), then ``save`` and leave the loop when it says so."""
+        return agree_to_stop(request, self.device)
+
+    # -- state --------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue this run exactly, taken between windows: model and
+        optimizer state (sharded under FSDP), the loss scale, the counters, the micro-batch
+        split, the loader's position and this process's random state. As with torch's own
+        ``state_dict``, tensors are the live ones: save or copy it before training on."""
+        if self.model is None or self.optimizer is None or self.strategy is None:
+            raise RuntimeError("call Turbo.setup(model, optimizer, ...) before Turbo.state_dict")
+        if self.window_open:
+            raise RuntimeError(
+                f"Turbo.state_dict inside an accumulation window ({self.batches_in_window} "
+                "micro-batches pending): take it right after a step that says optimizer_stepped"
+            )
+        assert self.microbatcher is not None
+        model_state, optimizer_state = self.strategy.state_dicts(self.model, self.optimizer)
+        return {
+            "model": model_state,
+            "optimizer": optimizer_state,
+            "precision": self.precision.state_dict(),
+            "optimizer_steps": self.optimizer_steps,
+            "skipped_steps": self.skipped_steps,
+            "micro_batch_split": self.microbatcher.split,
+            "loader": self.loader.position() if self.loader is not None else None,
+            "random": capture_random_state(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from what :meth:`state_dict` returned. The loader returned by ``setup``
+        resumes at the saved position, and the random state is put back once it has skipped
+        the batches already trained (skipping may draw random numbers)."""
+        if self.model is None or self.optimizer is None or self.strategy is None:
+            raise RuntimeError("call Turbo.setup(model, optimizer, ...) before load_state_dict")
+        assert self.microbatcher is not None
+        self.strategy.load_state_dicts(
+            self.model, self.optimizer, state["model"], state["optimizer"]
+        )
+        self.precision.load_state_dict(state["precision"])
+        self.optimizer_steps = state["optimizer_steps"]
+        self.skipped_steps = state["skipped_steps"]
+        self.microbatcher.split = state["micro_batch_split"]
+        random_state = state.get("random")
+        after = None
+        if random_state is not None:
+            restore_random_state(random_state)
+            after = functools.partial(restore_random_state, random_state)
+        if state.get("loader") is not None and self.loader is not None:
+            self.loader.resume(state["loader"], after=after)
+
+    def save(self, directory: str | Path, *, scheduler: Any = None) -> Path:
+        """Checkpoint the run atomically under ``directory`` (see ``torchturbo.resume``).
+
+        Call it right after a step whose metrics say ``optimizer_stepped``, on every rank under
+        torchrun; returns the checkpoint's own directory. Keeps the newest ``[reliability]
+        keep_last``.
+        """
+        return save_training_state(self, directory, scheduler)
+
+    def load(self, directory: str | Path, *, scheduler: Any = None) -> Path:
+        """Restore the newest checkpoint under ``directory`` that verifies, after ``setup``.
+
+        The loader returned by ``setup`` continues from the saved position. Returns the path read.
+        """
+        return load_training_state(self, directory, scheduler)
+
+    def close(self) -> None:
+        """Nothing to release any more: the process-wide switches (TF32, cuDNN autotuning) are
+        held only while a step runs. Kept so that code written for earlier versions runs."""
+
+
+def _split_loss(
+    output: LossOutput, batch: Any, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean loss, count it is a mean over); the count defaults to the batch's leading size."""
+    if isinstance(output, tuple):
+        if len(output) != 2:
+            raise ValueError(
+                f"loss_fn must return a loss or (loss, count), got a tuple of {len(output)}"
+            )
+        loss, count = output
+    else:
+        loss, count = output, leading_size(batch)
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        raise ValueError(f"loss_fn must return a scalar tensor as the loss, got {loss!r}")
+    count = torch.as_tensor(count, dtype=torch.float32, device=device)
+    return loss, count

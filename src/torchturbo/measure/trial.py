@@ -1,0 +1,274 @@
+"""One training configuration measured on one recipe: a :class:`Trial`.
+
+A :class:`Trial` is one configuration applied to a fresh model (the recipe's seed fixes the initial
+weights) training on a fixed, pre-collated list of batches, so every variant sees the same data in
+the same order and input loading is kept out of the compute measurement. Each trial also draws
+its random numbers (dropout) from its own stream, so that interleaving trials does not hand them
+different dropout masks: loss curves differ only by what the configuration changes.
+:func:`torchturbo.measure.variants.compare_configs` times trials side by side; the CLI's
+``bench``, ``benchmarks/techniques.py``, the tuner and the doctor all measure through here.
+
+Under torchrun every rank builds the same trials and steps them in the same order (the
+interleaving is deterministic), so their collectives pair up. Each trial's engine wraps its model
+(DDP or FSDP2 per ``[distributed]``, see ``Turbo.setup``), each rank trains on its own seeded
+batches, throughput counts the samples of all ranks, DDP's gradient traffic is counted per step,
+and the other figures (step time, loss, memory) are rank 0's, which is the rank that reports.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader, IterableDataset
+
+from torchturbo.config import DataConfig, TurboConfig
+from torchturbo.data.bucketing import BucketBatchSampler
+from torchturbo.data.collate import pad_collate
+from torchturbo.data.length import length_or_none
+from torchturbo.distributed.comm import CommStats
+from torchturbo.distributed.launch import current_env
+from torchturbo.engine import Turbo
+from torchturbo.measure.memory import activation_bytes, track_peak_memory
+from torchturbo.measure.timing import time_once
+from torchturbo.recipe import Recipe
+
+
+def fixed_batches(recipe: Recipe, count: int, *, seed: int | None = None) -> list[Any]:
+    """The first ``count`` batches of a seeded shuffle of the recipe's dataset, collated.
+
+    The default seed is the recipe's plus the process's rank, so that under torchrun each rank
+    trains on different batches, as data-parallel ranks do. A stream (an ``IterableDataset``)
+    owns its order: its first ``count`` batches, as it yields them (on every rank, unless the
+    stream splits itself by rank).
+    """
+    seed = recipe.seed + current_env().rank if seed is None else seed
+    generator = torch.Generator().manual_seed(seed)
+    loader = DataLoader(
+        recipe.dataset,
+        batch_size=recipe.batch_size,
+        shuffle=not isinstance(recipe.dataset, IterableDataset),
+        collate_fn=recipe.collate_fn(),
+        generator=generator,
+        drop_last=True,
+    )
+    batches = list(itertools.islice(loader, count))
+    if not batches:
+        size = length_or_none(recipe.dataset)
+        samples = "a stream" if size is None else f"{size} samples"
+        raise ValueError(
+            f"recipe {recipe.name!r}: the dataset ({samples}) holds no full batch of "
+            f"{recipe.batch_size}"
+        )
+    return batches
+
+
+class Trial:
+    """One configuration training a fresh copy of the recipe's model on fixed batches."""
+
+    def __init__(self, recipe: Recipe, config: TurboConfig, batches: list[Any]) -> None:
+        self.recipe = recipe
+        self.config = config
+        self.batches = batches
+        self.turbo = Turbo(config)
+        distributed = current_env().is_distributed
+        #: DDP's gradient traffic, counted when running under torchrun with strategy = "ddp".
+        self.comm = CommStats() if distributed and config.distributed.strategy == "ddp" else None
+        model, optimizer = recipe.build()
+        # Under torchrun the engine wraps the model per [distributed] (DDP or FSDP2).
+        self.model, self.optimizer, _ = self.turbo.setup(model, optimizer, comm_stats=self.comm)
+        #: Per optimizer window: (micro-steps, bytes, seconds) of gradient communication.
+        self.comm_windows: list[tuple[int, int, float]] = []
+        self._window_steps = 0
+        self.losses: list[torch.Tensor] = []
+        #: Median seconds per step from the latest interleaved measurement (set by callers).
+        self.step_seconds: float | None = None
+        self.counts: list[torch.Tensor] = []
+        #: Steps taken so far: the next batch is ``batches[position % len(batches)]``.
+        self.position = 0
+        #: This trial's RNG stream, starting where the seeded model initialization left it.
+        self._rng = _rng_state(self.turbo.device)
+        self._activation_bytes: int | None = None
+
+    def step(self) -> None:
+        device = self.turbo.device
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            _set_rng_state(self._rng, device)
+            batch = self.batches[self.position % len(self.batches)]
+            metrics = self.turbo.step(self.recipe.loss_fn, batch)
+            self.position += 1
+            self._rng = _rng_state(device)
+        self.losses.append(metrics.loss)
+        self.counts.append(metrics.count)
+        self._window_steps += 1
+        if self.comm is not None and metrics.optimizer_stepped:
+            # The window's all-reduce ran in its last micro-step; backward has waited for it.
+            self.comm_windows.append((self._window_steps, self.comm.bytes, self.comm.seconds))
+            self.comm.reset()
+        if metrics.optimizer_stepped:
+            self._window_steps = 0
+
+    def align_with(self, other: Trial) -> None:
+        """Skip ahead (without training) to the batch ``other`` takes next, when both cycle
+        through the same batches: interleaved steps then time the same batch for both, which
+        matters when batches differ in cost (variable-length text)."""
+        if self.batches is other.batches:
+            self.position += (other.position - self.position) % len(self.batches)
+
+    def comm_per_step(self) -> tuple[int, float | None] | None:
+        """(bytes, seconds) of gradient communication per step (per micro-batch, like step
+        time: with accumulation one all-reduce serves several steps), over the later half of the
+        optimizer windows (after DDP's first-window bucket rebuild and PowerSGD's plain warm-up).
+        Seconds are None where they are not measured (NCCL, see ``CommStats.timed``); the whole
+        is None when nothing is counted."""
+        recent = self.comm_windows[len(self.comm_windows) // 2 :]
+        if self.comm is None or not recent:
+            return None
+        steps = sum(window[0] for window in recent)
+        sent = sum(window[1] for window in recent) // steps
+        seconds = sum(window[2] for window in recent) / steps if self.comm.timed else None
+        return sent, seconds
+
+    def recent_count(self, steps: int) -> float:
+        """Samples (or tokens) of the last ``steps`` steps, summed over the ranks under torchrun
+        (a collective there, like :meth:`mean_count`)."""
+        recent = [count.to("cpu", torch.float64) for count in self.counts[-steps:]]
+        total = torch.stack(recent).sum() if recent else torch.zeros((), dtype=torch.float64)
+        if current_env().is_distributed:
+            total = total.to(self.turbo.device)
+            dist.all_reduce(total)
+        return float(total)
+
+    def loss_curve(self) -> list[float]:
+        return [float(loss) for loss in self.losses]
+
+    def mean_count(self) -> float:
+        """Samples (or tokens) per step, the numerator of throughput: this process's mean, summed
+        over the ranks under torchrun (where it is a collective: every rank must call it at the
+        same point)."""
+        counts = [count.to("cpu", torch.float64) for count in self.counts]
+        mean = torch.stack(counts).mean() if counts else torch.zeros((), dtype=torch.float64)
+        if current_env().is_distributed:
+            mean = mean.to(self.turbo.device)
+            dist.all_reduce(mean)
+        return float(mean)
+
+    def memory_footprint(self) -> tuple[int | None, str]:
+        """(bytes, kind): the memory one training step of this trial needs.
+
+        On CUDA: the allocator peak the step adds over what was allocated before it, plus the
+        parameters and optimizer state that persist between steps. Counting only what this trial
+        adds keeps the other trials living in the same process (the tuner and the benchmarks
+        interleave several) out of its figure.
+
+        On CPU there is no allocator peak, and the process RSS barely moves between steps (freed
+        memory stays mapped), so the figure is an estimate built from exact parts: bytes saved
+        for backward + parameters + gradients (same size) + optimizer state. Compiled models are
+        counted the same way (torch >= 2.13's compiled autograd functions save through the
+        saved-tensor hooks); where a torch hides them (nothing counted), the figure is None with
+        that reason rather than a guess.
+        """
+        persistent = sum(_nbytes(p) for p in self.model.parameters())
+        persistent += sum(
+            _nbytes(v)
+            for state in self.optimizer.state.values()
+            for v in state.values()
+            if isinstance(v, torch.Tensor)
+        )
+        if self.turbo.device.type == "cpu":
+            saved = self.activation_bytes()
+            if saved is None:
+                return None, "n/a: this torch's compiled graphs hide their saved tensors"
+            gradients = sum(_nbytes(p) for p in self.model.parameters() if p.requires_grad)
+            return saved + gradients + persistent, "cpu_estimate"
+        with track_peak_memory(self.turbo.device) as peak:
+            self.step()
+        return max(0, peak.peak_bytes - peak.baseline_bytes) + persistent, peak.kind
+
+    def activation_bytes(self) -> int | None:
+        """Bytes held for backward after one forward of the first batch; None for a compiled
+        model whose saved tensors no hook saw (older torch saves them inside the compiled
+        autograd function, out of reach: a number there would be wrong, not approximate).
+        Measured once: the shapes, hence the bytes, do not change as the trial trains.
+        """
+        if self._activation_bytes is None:
+            batch = self.batches[0]
+            # As a micro-step that does not close its window: under DDP, no_sync(), since a
+            # forward outside it expects a backward with its all-reduce to follow.
+            assert self.turbo.strategy is not None
+            with self.turbo.strategy.backward_context(closing=False), self.turbo.switches():
+                self._activation_bytes = activation_bytes(
+                    lambda: self.turbo.forward(self.recipe.loss_fn, batch)[0], model=self.model
+                )
+            self.optimizer.zero_grad(set_to_none=True)
+        if self._activation_bytes == 0 and self.config.compile.mode != "off":
+            return None
+        return self._activation_bytes
+
+    def close(self) -> None:
+        self.turbo.close()
+
+
+def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng_state(state: tuple[torch.Tensor, torch.Tensor | None], device: torch.device) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    """Bytes this process holds: for an FSDP2 shard (a DTensor), its local part only."""
+    if isinstance(tensor, DTensor):
+        tensor = tensor.to_local()
+    return tensor.numel() * tensor.element_size()
+
+
+def bucketed_batches(recipe: Recipe, count: int, data: DataConfig | None = None) -> list[Any]:
+    """The first ``count`` length-bucketed batches of the recipe's dataset, collated as the
+    engine collates them: ``[data] max_tokens`` per batch, else the token budget of the recipe's
+    random batches (batch size x mean length), so both compute about as many real tokens."""
+    if recipe.lengths is None:
+        raise ValueError(f"recipe {recipe.name!r} gives no per-sample lengths to bucket by")
+    data = data or DataConfig()
+    lengths = list(recipe.lengths)
+    budget = data.max_tokens or max(
+        round(recipe.batch_size * sum(lengths) / len(lengths)), max(lengths)
+    )
+    sampler = BucketBatchSampler(
+        lengths, max_tokens=budget, pad_to_multiple=data.pad_to_multiple, seed=recipe.seed
+    )
+    collate = recipe.collate or functools.partial(
+        pad_collate, pad_to_multiple=data.pad_to_multiple, pad_values=recipe.pad_values
+    )
+    batches = []
+    for indices in sampler:
+        batches.append(collate([recipe.dataset[i] for i in indices]))
+        if len(batches) == count:
+            break
+    return batches
+
+
+def start_trial(
+    recipe: Recipe,
+    config: TurboConfig,
+    batches: list[Any],
+    clock: Callable[[], float] = time.perf_counter,
+) -> tuple[Trial, float]:
+    """A new trial and the time of its first step, which carries the one-time costs (compile,
+    autotuning) and is therefore reported apart from steady-state step time."""
+    trial = Trial(recipe, config, batches)
+    try:
+        return trial, time_once(trial.step, trial.turbo.device, clock)
+    except BaseException:
+        trial.close()
+        raise

@@ -1,0 +1,8 @@
+"""What torchturbo shows and writes for a person: terminal output and result files.
+
+``live`` draws the progress lines of long commands, ``tables`` prints the bench rows (not the
+tuner's report, :mod:`torchturbo.tune.report`), ``table_fit`` fits a table to the terminal's
+width, ``units`` reads and writes durations and sizes, and ``results_file`` writes JSON results
+atomically with the machine's summary (not a technique's result,
+:mod:`torchturbo.techniques.result`).
+"""

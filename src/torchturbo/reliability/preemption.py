@@ -1,0 +1,252 @@
+"""Stopping a training run between optimizer steps on a signal: preemption and Ctrl-C alike.
+
+Clusters stop jobs with SIGTERM (SLURM before the time limit, or SIGUSR1/SIGUSR2 with
+``--signal``; Kubernetes eviction; spot instances) and SIGKILL a grace period later. Stopped
+inside a step, a run could only save half a window of gradients, so the first signal only *asks*
+to stop (:class:`StopRequest`); the loop asks :func:`agree_to_stop` at every optimizer step
+boundary and, once it says so, saves that step and stops. Under torchrun each rank receives the
+signal at its own moment: the flag is all-reduced (MAX) at each boundary, so every rank stops
+after the same step and saves the same checkpoint.
+
+A second signal stops at once (:class:`StopNow` is raised wherever the main thread is; a
+checkpoint being written is abandoned, and the one before it stays intact, see
+``torchturbo.resume.files``). So does the grace period (``grace_s``) running out; should the main
+thread be stuck in native code, the process exits 5 s later with ``os._exit``. A repeat of the
+*same* signal within :data:`SAME_SIGNAL_S` counts as the first one: torchrun's agent forwards to
+its workers the signal that a terminal or a scheduler already sent to the whole job.
+
+Handlers are installed only in the main thread and only over the default disposition (SIG_DFL,
+Python's Ctrl-C handler, or torchrun's own handler in a process that inherited it): an ignored
+signal or a user's handler is left alone. Why hand-written: Lightning and Composer do this
+inside their trainers, not as a piece usable by another loop.
+"""
+
+from __future__ import annotations
+
+import _thread
+import contextlib
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+#: Signals that ask a run to stop after the step under way.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+#: A repeat of the same signal this soon after it is the same request (torchrun forwarding).
+SAME_SIGNAL_S = 2.0
+#: How long the main thread has to unwind after a stop at once before the process exits.
+HARD_EXIT_S = 5.0
+#: The exit status of a run that stopped on a signal after saving its last step: BSD's
+#: EX_TEMPFAIL, "try again later": a requeue script tests for it. Stopping at once exits with
+#: 128 + the signal's number, as a process killed by it would.
+EXIT_STOPPED = 75
+
+
+class StopNow(KeyboardInterrupt):
+    """A second signal (or the grace period) stopped the run at once, inside a step: the step
+    under way is lost, the checkpoint saved before it is intact. A KeyboardInterrupt, so that
+    code written for Ctrl-C stops on it too."""
+
+    def __init__(self, signum: int, why: str) -> None:
+        super().__init__(f"{signal.Signals(signum).name}: {why}")
+        self.signum = signum
+        self.exit_status = 128 + signum
+
+
+class StopRequest:
+    """Set by the first stop signal; read between steps through :func:`agree_to_stop`."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        #: The signal this process received first (None while none came).
+        self.signum: int | None = None
+        #: The signal the ranks agreed to stop on (another rank's, when this one got none).
+        self.agreed_signum: int | None = None
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    def set(self, signum: int) -> None:
+        if self.signum is None:
+            self.signum = signum
+        self._event.set()
+
+    @property
+    def signal_name(self) -> str | None:
+        signum = self.signum or self.agreed_signum
+        return None if signum is None else signal.Signals(signum).name
+
+
+def agree_to_stop(request: StopRequest, device: torch.device | str = "cpu") -> bool:
+    """Whether to stop now: True on every rank as soon as any rank's ``request`` is set.
+
+    Call it on every rank at every optimizer step boundary (under torchrun it is a one-element
+    all-reduce, and every rank must call it equally often); ``device`` suits the backend (the
+    engine's device: CUDA for NCCL). In one process it reads the flag and communicates nothing.
+    """
+    # Imported here: the CLI installs the handlers before torch is imported (seconds).
+    import torch
+    import torch.distributed as dist
+
+    from torchturbo.distributed.launch import current_env
+
+    if not current_env().is_distributed:
+        return request.is_set()
+    # The signal's number, 0 for none: the MAX says whether any rank asked, and with what.
+    value = torch.tensor(request.signum or 0, device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    agreed = int(value.item())
+    if agreed:
+        # Named, not set: this rank's own signal, if it comes later, is still its first.
+        request.agreed_signum = agreed
+    return agreed > 0
+
+
+class _Stopper:
+    """The handler behind one :func:`stop_on_signals` block, and what it remembers."""
+
+    def __init__(self, announce: bool) -> None:
+        self.request = StopRequest()
+        self.announce = announce
+        self.grace_s = 0.0
+        self.first_at: float | None = None
+        self.timers: list[threading.Timer] = []
+        self.grace_over = threading.Event()
+
+    def set_grace(self, grace_s: float) -> None:
+        """Limit the time from the first signal to the stop (also when it came already)."""
+        self.grace_s = grace_s
+        if grace_s > 0 and self.first_at is not None and self.request.signum is not None:
+            self._start_grace(self.request.signum, grace_s - (time.monotonic() - self.first_at))
+
+    def _start_grace(self, signum: int, delay_s: float) -> None:
+        if self.timers:  # started already
+            return
+        timer = threading.Timer(max(0.0, delay_s), self._end_grace, (signum,))
+        timer.daemon = True
+        self.timers.append(timer)
+        timer.start()
+
+    def _end_grace(self, signum: int) -> None:
+        self.grace_over.set()
+        _thread.interrupt_main(signal.Signals(signum))  # runs on_signal in the main thread
+
+    def on_signal(self, signum: int, frame: Any) -> None:
+        now = time.monotonic()
+        if self.first_at is None:
+            self.first_at = now
+            self.request.set(signum)
+            if self.announce:
+                _announce(signum, self.grace_s)
+            if self.grace_s > 0:
+                self._start_grace(signum, self.grace_s)
+            return
+        if self.grace_over.is_set():
+            self._stop_at_once(signum, f"the grace period of {self.grace_s:g} s ran out")
+        if signum == self.request.signum and now - self.first_at < SAME_SIGNAL_S:
+            return  # the same request, forwarded (torchrun's agent) or repeated at once
+        self._stop_at_once(signum, "a second stop signal")
+
+    def _stop_at_once(self, signum: int, why: str) -> None:
+        # Should the main thread not unwind (stuck in native code), leave anyway.
+        hard = threading.Timer(HARD_EXIT_S, os._exit, (128 + signum,))
+        hard.daemon = True
+        self.timers.append(hard)
+        hard.start()
+        raise StopNow(signum, why)
+
+    def cancel(self) -> None:
+        for timer in self.timers:
+            timer.cancel()
+
+
+#: The blocks of :func:`stop_on_signals` that are open, innermost last.
+_OPEN: list[_Stopper] = []
+
+
+@contextlib.contextmanager
+def stop_on_signals(
+    enabled: bool = True, *, grace_s: float = 0.0, announce: bool = True
+) -> Iterator[StopRequest]:
+    """Within the block, the first of :data:`STOP_SIGNALS` sets the yielded request instead of
+    stopping the process; a second one raises :class:`StopNow`.
+
+    ``grace_s`` > 0: that long after the first signal, stop at once as a second signal would.
+    ``announce`` writes one line to stderr on the first signal (rank 0 only). The previous
+    handlers are back after the block. ``enabled=False`` yields a request nothing sets. Inside
+    an open block (the CLI opens one before the slow imports, ``train`` another), a nested one
+    yields the same request, with its own ``grace_s``: a signal that came before it counts.
+    """
+    if not (enabled and threading.current_thread() is threading.main_thread()):
+        yield StopRequest()
+        return
+    if _OPEN:
+        outer = _OPEN[-1]
+        previous = outer.grace_s
+        outer.set_grace(grace_s)
+        try:
+            yield outer.request
+        finally:
+            outer.grace_s = previous
+        return
+    stopper = _Stopper(announce)
+    stopper.set_grace(grace_s)
+    installed = {}
+    for signum in STOP_SIGNALS:
+        previous_handler = signal.getsignal(signum)
+        if _is_default(signum, previous_handler):
+            installed[signum] = previous_handler
+            signal.signal(signum, stopper.on_signal)
+    _OPEN.append(stopper)
+    try:
+        yield stopper.request
+    finally:
+        _OPEN.remove(stopper)
+        stopper.cancel()
+        for signum, previous_handler in installed.items():
+            signal.signal(signum, previous_handler)
+
+
+def leave_stop_signals_to_the_trainer(worker_id: int = 0) -> None:
+    """A DataLoader worker's ``worker_init_fn``: end quietly (status 0) on a stop signal.
+
+    SLURM and a terminal signal every process of a job, loader workers included. A worker that
+    dies *of* the signal makes the DataLoader raise in the training process at once (its SIGCHLD
+    handler), inside the step under way; one that exits with status 0 does not, and the
+    training process finishes the step on the batches already fetched, saves it and stops. The
+    signal cannot simply be ignored: the DataLoader ends persistent workers at exit with SIGTERM.
+    """
+    for signum in STOP_SIGNALS[1:]:  # SIGINT: torch's worker loop already exits quietly on it
+        signal.signal(signum, _exit_quietly)
+
+
+def _exit_quietly(signum: int, frame: Any) -> None:
+    os._exit(0)
+
+
+def _is_default(signum: int, handler: Any) -> bool:
+    """SIG_DFL, Python's Ctrl-C handler, or torchrun's agent handler (inherited by a process
+    that runs the agent's code itself): dispositions that would end the run mid-step."""
+    if handler is signal.SIG_DFL or handler is signal.default_int_handler:
+        return True
+    return getattr(handler, "__qualname__", "") == "_terminate_process_handler" and getattr(
+        handler, "__module__", ""
+    ).startswith("torch.distributed.elastic")
+
+
+def _announce(signum: int, grace_s: float) -> None:
+    if os.environ.get("RANK", "0") != "0":
+        return
+    limit = f"; stopping at once after {grace_s:g} s" if grace_s > 0 else ""
+    line = (
+        f"{signal.Signals(signum).name}: stopping after the optimizer step under way and saving "
+        f"it (a second signal, {SAME_SIGNAL_S:g} s or more later, stops at once{limit})\n"
+    )
+    # os.write, not print: a handler may run while the main thread is inside print itself.
+    with contextlib.suppress(OSError):
+        os.write(2, line.encode())

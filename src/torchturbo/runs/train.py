@@ -1,0 +1,287 @@
+"""A checkpointed training run of a recipe: what ``torchturbo train`` runs.
+
+It trains for a number of optimizer steps with the engine, saves a checkpoint every ``save_every``
+steps and at the end, resumes from the newest valid checkpoint when asked, and reports the
+micro-batch the run settled on when out-of-memory (or the activation budget) made the engine split
+batches. The loop is the one ``docs/reliability.md`` shows, so that a resumed run continues
+bit-identically. With a ``logger`` (``metrics_log``), every optimizer step's loss, throughput, MFU,
+memory, learning rate, skipped steps and micro-batch split are logged (``step_meter``). With a
+checkpoint directory, a stop signal (SIGTERM, SIGUSR1, SIGUSR2, Ctrl-C:
+``torchturbo.reliability.preemption``) finishes the optimizer step under way, on every rank the same
+one, and saves it before stopping (:class:`TrainInterrupted`); a second signal stops at once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from torchturbo.config import INT64_MAX, ConfigError, TurboConfig
+from torchturbo.data.length import length_or_none
+from torchturbo.distributed.launch import current_env
+from torchturbo.engine import Turbo
+from torchturbo.measure.timing import sync
+from torchturbo.recipe import Recipe
+from torchturbo.reliability.oom import leading_size
+from torchturbo.reliability.preemption import StopRequest, stop_on_signals
+from torchturbo.resume.checks import check_steps
+from torchturbo.resume.files import checkpoint_name
+from torchturbo.runs.metrics_log import AnyLogger
+from torchturbo.runs.step_meter import recipe_meter
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """How a run ended."""
+
+    optimizer_steps: int
+    #: Mean loss of the last batch trained (None when no step was left to train).
+    last_loss: float | None
+    #: Optimizer steps skipped, over the whole run: non-finite (the guard) or fp16 overflow.
+    skipped_steps: int
+    #: The checkpoint the run resumed from, and the last one it wrote.
+    resumed_from: Path | None
+    saved: Path | None
+    #: Pieces per batch and samples in the largest piece after out-of-memory splits.
+    micro_batch_split: int
+    micro_batch_size: int | None
+    events: tuple[str, ...]
+    #: Seconds of the first step (compiling included: what a compile cache saves) and of the
+    #: steps after it, per step; None when no step ran (or only one, for the latter).
+    first_step_s: float | None = None
+    later_step_s: float | None = None
+
+
+class TrainInterrupted(KeyboardInterrupt):
+    """A stop signal (SIGTERM, SIGUSR1, SIGUSR2 or Ctrl-C) stopped :func:`train` between
+    optimizer steps, after saving checkpoint ``saved`` at step ``optimizer_steps``:
+    ``resume=True`` continues from it exactly. A KeyboardInterrupt, so that code written for
+    Ctrl-C stops on it too."""
+
+    def __init__(self, saved: Path | None, optimizer_steps: int, signal_name: str) -> None:
+        where = "nothing new to save" if saved is None else f"saved {saved}"
+        super().__init__(f"{signal_name}: stopped after optimizer step {optimizer_steps}, {where}")
+        self.saved = saved
+        self.optimizer_steps = optimizer_steps
+        self.signal_name = signal_name
+
+
+@dataclass(frozen=True)
+class TrainProgress:
+    """What :func:`train` reports after each optimizer step (``on_progress``)."""
+
+    optimizer_steps: int
+    steps: int
+    loss: float
+    #: Samples (leading batch size) trained by this run so far, all ranks together.
+    samples: int
+    #: The last checkpoint written or resumed from (None before the first).
+    checkpoint: Path | None
+
+
+def train(
+    recipe: Recipe,
+    config: TurboConfig,
+    *,
+    steps: int,
+    checkpoint_dir: str | Path | None = None,
+    save_every: int = 0,
+    resume: bool = False,
+    on_event: Callable[[str], None] | None = None,
+    logger: AnyLogger | None = None,
+    on_progress: Callable[[TrainProgress], None] | None = None,
+) -> TrainResult:
+    """Train ``recipe`` for ``steps`` optimizer steps (counted across resumes).
+
+    ``save_every`` > 0 saves every that many optimizer steps into ``checkpoint_dir``, which is
+    also saved at the end; ``resume`` continues from its newest valid checkpoint, whose step must
+    not exceed ``steps``. A run that ends on skipped non-finite steps raises
+    :class:`~torchturbo.reliability.guard.NonFiniteError` instead of returning, and saves nothing.
+    ``logger`` receives each optimizer step's metrics (under torchrun, pass it on every rank: the
+    meter all-reduces the counts; ``metrics_log.open_loggers`` gives rank 0 the only writers).
+    ``on_event`` receives the micro-batcher's events and how the loader resumed;
+    ``on_progress`` a :class:`TrainProgress` after each optimizer step.
+
+    With ``checkpoint_dir``, a stop signal (``torchturbo.reliability.preemption``: SIGTERM, SIGUSR1,
+    SIGUSR2, Ctrl-C) finishes the optimizer step under way, saves it and raises
+    :class:`TrainInterrupted`; under torchrun the ranks agree on that step. A second signal, or
+    ``[reliability] stop_grace_s`` running out, raises
+    :class:`~torchturbo.reliability.preemption.StopNow`.
+    """
+    _check_arguments(steps, save_every, checkpoint_dir, resume)
+    graceful = checkpoint_dir is not None
+    with stop_on_signals(graceful, grace_s=config.reliability.stop_grace_s) as stop:
+        return _train(
+            recipe,
+            config,
+            stop,
+            steps=steps,
+            checkpoint_dir=checkpoint_dir,
+            save_every=save_every,
+            resume=resume,
+            on_event=on_event or (lambda event: None),
+            logger=logger,
+            on_progress=on_progress,
+        )
+
+
+def _train(
+    recipe: Recipe,
+    config: TurboConfig,
+    stop: StopRequest,
+    *,
+    steps: int,
+    checkpoint_dir: str | Path | None,
+    save_every: int,
+    resume: bool,
+    on_event: Callable[[str], None],
+    logger: AnyLogger | None,
+    on_progress: Callable[[TrainProgress], None] | None,
+) -> TrainResult:
+    turbo = Turbo(config)
+    model, optimizer = recipe.build()
+    model, _, loader = turbo.setup(
+        model,
+        optimizer,
+        recipe.dataset,
+        batch_size=recipe.batch_size,
+        collate_fn=recipe.collate_fn(),
+        seed=recipe.seed,
+        lengths=recipe.lengths,
+    )
+    # Given a dataset, setup builds the loader; it always builds the micro-batcher.
+    assert loader is not None and turbo.microbatcher is not None
+    microbatcher = turbo.microbatcher
+    world_size = current_env().world_size
+    try:  # from here on turbo.close() restores what setup switched (TF32), whatever happens
+        batches_per_epoch = length_or_none(loader)  # None for a stream
+        if batches_per_epoch is not None:
+            _check_accumulation(config, recipe, batches_per_epoch)
+        resumed_from: Path | None = None
+        if resume:
+            assert checkpoint_dir is not None  # _check_arguments refuses resume without one
+            resumed_from = turbo.load(checkpoint_dir)
+        if resumed_from is not None:
+            check_steps(steps, turbo.optimizer_steps, resumed_from)
+            on_event(
+                f"resumed from {resumed_from} at optimizer step {turbo.optimizer_steps}; "
+                f"data: {loader.resume_note}"
+            )
+        saved, last_loss, seen_events, first_step = None, None, 0, turbo.optimizer_steps
+        meter = recipe_meter(turbo, recipe, logger) if logger is not None else None
+        samples, stopping = 0, False
+        clock = _StepClock(turbo.device)
+        while turbo.optimizer_steps < steps and not stopping:
+            yielded = 0
+            for batch in loader:
+                yielded += 1
+                samples += leading_size(batch) * world_size
+                metrics = turbo.step(recipe.loss_fn, batch)
+                clock.stepped()
+                if meter is not None:
+                    meter.update(metrics)
+                for event in microbatcher.events[seen_events:]:
+                    on_event(event)
+                seen_events = len(microbatcher.events)
+                if not metrics.optimizer_stepped:
+                    continue
+                last_loss = float(metrics.loss)
+                # Every rank asks at every step boundary, so that they all stop after this one.
+                stopping = turbo.agree_to_stop(stop)
+                if save_every and turbo.optimizer_steps % save_every == 0:
+                    assert checkpoint_dir is not None  # _check_arguments: needs one
+                    saved = turbo.save(checkpoint_dir)
+                if on_progress is not None:
+                    checkpoint = saved or resumed_from
+                    on_progress(
+                        TrainProgress(turbo.optimizer_steps, steps, last_loss, samples, checkpoint)
+                    )
+                if turbo.optimizer_steps >= steps or stopping:
+                    break
+            else:  # the epoch ended
+                if not yielded:
+                    raise ValueError(f"recipe {recipe.name!r}: the data loader yields no batch")
+                if batches_per_epoch is None:  # a stream: its length is known now
+                    batches_per_epoch = loader.batches
+                    _check_accumulation(config, recipe, batches_per_epoch)
+        interrupted = stopping and turbo.optimizer_steps < steps
+        turbo.guard.raise_if_ending_nonfinite(model, turbo.optimizer_steps)
+        just_saved = saved is not None and saved.name == checkpoint_name(turbo.optimizer_steps)
+        trained = turbo.optimizer_steps > first_step
+        if checkpoint_dir is not None and trained and not just_saved:
+            saved = turbo.save(checkpoint_dir)
+    finally:
+        turbo.close()
+    if interrupted:
+        raise TrainInterrupted(saved, turbo.optimizer_steps, stop.signal_name or "a signal")
+    return TrainResult(
+        optimizer_steps=turbo.optimizer_steps,
+        last_loss=last_loss,
+        skipped_steps=turbo.skipped_steps,
+        resumed_from=resumed_from,
+        saved=saved,
+        micro_batch_split=microbatcher.split,
+        micro_batch_size=microbatcher.micro_batch_size,
+        events=tuple(microbatcher.events),
+        first_step_s=clock.first_s,
+        later_step_s=clock.later_s(),
+    )
+
+
+class _StepClock:
+    """The first step's seconds apart from the others': one-time costs land in the first."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.start = time.perf_counter()
+        self.first_s: float | None = None
+        self.first_end = 0.0
+        self.steps = 0
+
+    def stepped(self) -> None:
+        self.steps += 1
+        if self.steps == 1:
+            sync(self.device)
+            self.first_end = time.perf_counter()
+            self.first_s = self.first_end - self.start
+
+    def later_s(self) -> float | None:
+        if self.steps < 2:
+            return None
+        sync(self.device)
+        return (time.perf_counter() - self.first_end) / (self.steps - 1)
+
+
+def _check_arguments(
+    steps: int, save_every: int, checkpoint_dir: str | Path | None, resume: bool
+) -> None:
+    """Refuse arguments no run can use, each error naming the argument and what is allowed."""
+    for name, value, low in (("steps", steps, 1), ("save_every", save_every, 0)):
+        is_int = isinstance(value, int) and not isinstance(value, bool)
+        if not is_int or not low <= value <= INT64_MAX:
+            raise ValueError(
+                f"{name} = {value!r} is invalid: expected an int >= {low}"
+                + (" and <= 2**63 - 1" if is_int and value > INT64_MAX else "")
+                + (" (0 = save at the end only)" if name == "save_every" else "")
+            )
+    if (resume or save_every) and checkpoint_dir is None:
+        raise ValueError("resume and save_every need a checkpoint directory (checkpoint_dir=)")
+    directory = Path(checkpoint_dir) if checkpoint_dir is not None else None
+    if directory is not None and directory.exists() and not directory.is_dir():
+        raise ValueError(f"checkpoint directory {str(directory)!r} is not a directory")
+
+
+def _check_accumulation(config: TurboConfig, recipe: Recipe, batches_per_epoch: int) -> None:
+    """A window closes at the end of an epoch (so that no gradient is lost): more micro-steps
+    than an epoch has batches would silently make every window one epoch."""
+    steps = config.accumulation.steps
+    if steps > batches_per_epoch:
+        raise ConfigError(
+            f"[accumulation] steps = {steps} is more than the {batches_per_epoch} batches of an "
+            f"epoch of recipe {recipe.name!r}: every window would close at the epoch's end "
+            f"after {batches_per_epoch}; use steps <= {batches_per_epoch}"
+        )

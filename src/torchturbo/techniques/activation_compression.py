@@ -1,0 +1,114 @@
+"""Activation compression: keep the activations saved for backward in bf16 or fp16.
+
+Training memory is mostly the activations that autograd saves in the forward for the backward.
+Saved-tensor hooks (``torch.autograd.graph.saved_tensors_hooks``, composed with others by
+``saved_tensors.py``) let each saved tensor be packed when it is saved and unpacked when backward
+needs it: here a float32 activation is stored at half its size and
+cast back to float32 for the backward, so the forward and the gradients' arithmetic stay float32
+and only the saved copy is rounded (bf16 keeps 8 bits of mantissa: about 0.4% per element;
+fp16 11 bits, but its range ends at 65504). Leaf tensors (parameters, inputs that need a
+gradient) are left alone: they are alive anyway, so a copy would add memory, and the weight's own
+precision would drop. Tensors under ``min_bytes`` (1 MiB) are left alone too: their casts cost
+more than they save.
+
+It trades time (a cast per saved tensor, each way) for memory, so the tuner proposes it only over
+a memory budget, beside checkpointing (which trades more time for more memory). Under
+``torch.compile`` it does not apply, and says why: the compiled graph saves its tensors inside
+its own autograd function, where no saved-tensor hook sees them (tested: nothing was stored in
+bf16 with torch 2.13).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import typing
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from torchturbo.config import TurboConfig, between, validate_section
+from torchturbo.techniques.proposal import Candidate, StageContext
+from torchturbo.techniques.saved_tensors import saved_tensor_packer
+from torchturbo.techniques.spec import Stage, Technique
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ActivationCompressionConfig:
+    """Activations saved for backward, stored at half precision."""
+
+    SECTION: typing.ClassVar[str] = "activation_compression"
+    #: Store float32 activations saved for backward in this dtype ("off": as they are). Halves
+    #: activation memory, costs a cast each way; the gradients differ by its rounding.
+    dtype: Literal["off", "bf16", "fp16"] = "off"
+    #: Saved tensors smaller than this many bytes are stored as they are: their casts would
+    #: cost more than they save.
+    min_bytes: int = between(2**20, 0)
+
+    def __post_init__(self) -> None:
+        validate_section(self)
+
+
+@contextlib.contextmanager
+def compressed_activations(dtype: str, min_bytes: int = 2**20) -> typing.Iterator[None]:
+    """Store float32 non-leaf tensors of at least ``min_bytes`` saved for backward as ``dtype``
+    ("bf16" or "fp16") while the block runs."""
+    stored = _DTYPES[dtype]
+
+    def pack(value: Any) -> Any:
+        if (
+            not isinstance(value, torch.Tensor)
+            or value.dtype != torch.float32
+            or value.is_leaf
+            or value.numel() * value.element_size() < min_bytes
+        ):
+            return value
+        return _Compressed(value.to(stored))
+
+    def unpack(value: Any) -> Any:
+        if isinstance(value, _Compressed):
+            return value.tensor.to(torch.float32)
+        return value
+
+    with saved_tensor_packer(pack, unpack):
+        yield
+
+
+@dataclass(frozen=True)
+class _Compressed:
+    """A saved tensor stored at half precision (told apart from one stored as it was)."""
+
+    tensor: torch.Tensor
+
+
+def activation_compression_stage(ctx: StageContext) -> list[Candidate] | str:
+    if ctx.memory_budget is None:
+        return "no memory budget given: compressing activations would only cost time"
+    if ctx.best_memory_bytes is not None and ctx.best_memory_bytes <= ctx.memory_budget:
+        return "the current best fits the memory budget: compressing would only cost time"
+    return [Candidate("activations:bf16", ctx.best.replace(activation_compression__dtype="bf16"))]
+
+
+def _switch(
+    config: TurboConfig, device: torch.device
+) -> contextlib.AbstractContextManager[Any] | str:
+    if config.compile.mode != "off":
+        return (
+            "torch.compile's graphs keep what they save for backward out of reach of "
+            "saved-tensor hooks: compress an eager model, or checkpoint a compiled one"
+        )
+    section = config.section("activation_compression")
+    return compressed_activations(section.dtype, section.min_bytes)
+
+
+TECHNIQUE = Technique(
+    name="activation_compression",
+    section="activation_compression",
+    section_type=ActivationCompressionConfig,
+    doc="docs/techniques/activation_compression.md",
+    requested=lambda config: config.section("activation_compression").dtype != "off",
+    switch=_switch,
+    stage=Stage("activation_compression", 65, activation_compression_stage, fits_memory=True),
+)

@@ -1,0 +1,120 @@
+"""Facts about a recipe on this machine that take seconds to gather and order the tuner's work.
+
+* the rate of a matrix product in bf16, fp16 and fp32-with-TF32 against plain fp32 on the
+  device, and which of them it only emulates (``measure.native``): a CPU without bf16 units
+  runs bf16 ~80x slower, and TF32 is a CUDA tensor-core mode that changes nothing on a CPU;
+* the padding of random batches and of length-bucketed ones, from the recipe's lengths;
+* the share of the forward's FLOPs in 2-D convolutions (``FlopCounterMode``), and whether batch
+  shapes vary (compile then recompiles).
+
+``levers`` turns them into expected gains.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from torchturbo.data.bucketing import padding_fractions
+from torchturbo.measure.native import emulated, gemm_speedup
+from torchturbo.recipe import Recipe
+from torchturbo.techniques.nhwc import has_2d_convolutions
+
+#: The low precisions compared with fp32.
+_LOW_PRECISIONS = ("bf16", "fp16", "tf32")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Facts:
+    """What the tuner and the doctor know before training anything (see the module docstring)."""
+
+    #: The device in words, for evidence strings: "cpu" or "cuda:0".
+    device: str
+    #: Matrix-product rate of each low precision over fp32's on this device.
+    gemm_speedup: dict[str, float]
+    #: The low precisions this device only emulates, with why (``measure.native``).
+    emulated: dict[str, str]
+    #: Padding fraction of random batches and of length-sorted ones; None without lengths.
+    padding: tuple[float, float] | None
+    has_convolutions: bool
+    #: Share of the forward FLOPs in 2-D convolutions (0 without convolutions).
+    conv_share: float
+    #: Modules without children: a proxy for how much graph torch.compile has to trace.
+    leaf_modules: int
+    shapes_vary: bool
+    #: Gradient communication per step over the step time under DDP; None in one process.
+    comm_share: float | None = None
+    #: The optimizer step's share of a training step, from the baseline's phases; None unknown.
+    optimizer_share: float | None = None
+
+
+def gemm_speedups(device: torch.device) -> dict[str, float]:
+    """Each low precision's matrix-product rate over fp32's on ``device`` (``measure.native``:
+    one thread on a CPU, interleaved rounds, cached per process)."""
+    return {name: gemm_speedup(device, name) for name in _LOW_PRECISIONS}
+
+
+def emulated_precisions(device: torch.device) -> dict[str, str]:
+    """Why each low precision that ``device`` only emulates cannot pay off, by name."""
+    return {name: why for name in _LOW_PRECISIONS if (why := emulated(device, name))}
+
+
+def conv_flop_share(forward: Callable[[], Any]) -> float:
+    """Share of the FLOPs of ``forward()``, run without gradients, in convolutions."""
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        forward()
+    by_op = counter.get_flop_counts().get("Global", {})
+    total = sum(by_op.values())
+    conv = sum(count for op, count in by_op.items() if "convolution" in str(op))
+    return conv / total if total else 0.0
+
+
+def leaf_module_count(model: nn.Module) -> int:
+    return sum(1 for module in model.modules() if not any(True for _ in module.children()))
+
+
+def shape_key(batch: Any) -> tuple[Any, ...]:
+    """The shapes of a batch's tensors: batches with equal keys compile to the same graph."""
+    if isinstance(batch, torch.Tensor):
+        return (tuple(batch.shape),)
+    if isinstance(batch, dict):
+        return tuple((k, *shape_key(v)) for k, v in batch.items())
+    if isinstance(batch, (list, tuple)):
+        return tuple(s for item in batch for s in shape_key(item))
+    return ()
+
+
+def gather(
+    recipe: Recipe,
+    model: nn.Module,
+    batches: Sequence[Any],
+    device: torch.device,
+    forward: Callable[[], Any],
+    *,
+    comm_share: float | None = None,
+    optimizer_share: float | None = None,
+) -> Facts:
+    """The facts for ``recipe``: ``model`` is a built model on ``device``, ``batches`` the
+    batches it trains on, ``forward()`` one forward of it on the first batch (FLOPs are counted
+    on it, without gradients)."""
+    padding = None
+    if recipe.lengths is not None:
+        padding = padding_fractions(recipe.lengths, recipe.batch_size, recipe.seed)
+    convolutions = has_2d_convolutions(model)
+    return Facts(
+        device=str(device),
+        gemm_speedup=gemm_speedups(device),
+        emulated=emulated_precisions(device),
+        padding=padding,
+        has_convolutions=convolutions,
+        conv_share=conv_flop_share(forward) if convolutions else 0.0,
+        leaf_modules=leaf_module_count(model),
+        shapes_vary=len({shape_key(batch) for batch in batches}) > 1,
+        comm_share=comm_share,
+        optimizer_share=optimizer_share,
+    )

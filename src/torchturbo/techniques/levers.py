@@ -1,0 +1,142 @@
+"""What each lever is expected to buy on this model and machine, before anything is trained.
+
+The tuner measures candidates in order of expected gain per second of measuring, and the doctor
+ranks the same levers by the same numbers (each technique names its levers: ``Technique.levers``,
+ranked by ``techniques.registry.ranked_levers``), so the two never disagree about what to try first.
+The expectations are priors built from facts measured in seconds (``techniques.facts``): the
+rate of a matrix product in each precision against fp32 on this device, the padding that length
+buckets would remove, the share of the FLOPs in convolutions, whether batch shapes vary. They
+order the work and explain it; only the tuner's paired measurement decides what is adopted.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from torchturbo.measure.native import emulated
+from torchturbo.techniques.facts import Facts
+
+#: Share of a training step spent in dense maths (matmuls, convolutions) that a faster precision
+#: speeds up; the rest (elementwise ops, norms, the optimizer) is assumed unchanged. A prior from
+#: the built-in workloads' profiles (55-75% on CPU), not a measurement of the user's model.
+DENSE_SHARE = 0.6
+#: Expected compile gains, from the built-in workloads on CPU (1.1-1.3x): less where shapes vary,
+#: since every new shape recompiles or runs a dynamic-shape graph.
+COMPILE_GAIN = 1.15
+COMPILE_GAIN_VARYING_SHAPES = 1.05
+#: channels_last gains up to this fraction on a model whose FLOPs are all in 2-D convolutions.
+CHANNELS_LAST_GAIN = 0.25
+#: The gain assumed for a lever with no better prior (DDP bucket sizes).
+SMALL_GAIN = 1.03
+#: float8 Linear layers on top of bf16: fp8 GEMMs run ~2x bf16 on Hopper tensor cores, less end
+#: to end (casts, the layers left in bf16); torchao reports 1.2-1.5x on large Transformers.
+FLOAT8_GAIN = 1.2
+#: How many times faster the optimizer step itself runs rebuilt, from benchmarks/fused_optimizer.py
+#: on the 2-core CPU (Adam/AdamW: foreach 1.2-1.4x, fused 3.2-4.9x; SGD less).
+OPTIMIZER_STEP_SPEEDUP = {"foreach": 1.3, "fused": 3.0}
+
+
+@dataclass(frozen=True)
+class Expectation:
+    """A lever's expected speed-up, or why it cannot help here, with the fact behind either."""
+
+    gain: float | None
+    evidence: str
+
+    @property
+    def applicable(self) -> bool:
+        return self.gain is not None
+
+
+def precision(facts: Facts, dtype: str) -> Expectation:
+    """bf16, fp16 or tf32: Amdahl's law over the measured GEMM speed-up of that precision."""
+    if dtype in facts.emulated:
+        return Expectation(None, f"{dtype} cannot pay off here: {facts.emulated[dtype]}")
+    speedup = facts.gemm_speedup.get(dtype)
+    if speedup is None:
+        return Expectation(None, f"{dtype} matrix products were not measured on {facts.device}")
+    gain = 1 / ((1 - DENSE_SHARE) + DENSE_SHARE / max(speedup, 1e-9))
+    return Expectation(
+        gain, f"a {dtype} matrix product runs at {speedup:.2f}x the fp32 rate on {facts.device}"
+    )
+
+
+def channels_last(facts: Facts) -> Expectation:
+    if not facts.has_convolutions:
+        return Expectation(None, "the model has no 2-D convolutions: channels_last changes nothing")
+    gain = 1 + CHANNELS_LAST_GAIN * facts.conv_share
+    return Expectation(gain, f"{facts.conv_share:.0%} of the forward FLOPs are 2-D convolutions")
+
+
+def compile_(facts: Facts) -> Expectation:
+    if facts.shapes_vary:
+        return Expectation(
+            COMPILE_GAIN_VARYING_SHAPES,
+            "batch shapes vary: compiled graphs recompile or run with dynamic shapes",
+        )
+    return Expectation(COMPILE_GAIN, "fuses elementwise ops and removes Python overhead")
+
+
+def length_buckets(facts: Facts) -> Expectation:
+    if facts.padding is None:
+        return Expectation(None, "the recipe gives no per-sample lengths")
+    random, bucketed = facts.padding
+    gain = (1 - bucketed) / (1 - random)
+    return Expectation(
+        gain,
+        f"padding {random:.0%} in random batches, {bucketed:.0%} in length buckets: "
+        f"{gain:.2f}x more real tokens per padded token",
+    )
+
+
+def comm_hook(facts: Facts, byte_ratio: float, name: str) -> Expectation:
+    """A compressing DDP hook: the communication share shrinks by ``byte_ratio``."""
+    if facts.comm_share is None:
+        return Expectation(None, "single process: no gradient communication to compress")
+    saved = facts.comm_share * (1 - byte_ratio)
+    gain = 1 / (1 - min(saved, 0.9))
+    return Expectation(
+        gain,
+        f"communication is {facts.comm_share:.0%} of the step; {name} sends "
+        f"{byte_ratio:.0%} of the bytes",
+    )
+
+
+def bucket_size(facts: Facts) -> Expectation:
+    if facts.comm_share is None:
+        return Expectation(None, "single process: no DDP buckets")
+    return Expectation(SMALL_GAIN, f"communication is {facts.comm_share:.0%} of the step")
+
+
+def float8(facts: Facts) -> Expectation:
+    reason = emulated(facts.device, "fp8")
+    if reason is not None:
+        return Expectation(None, f"float8 cannot pay off here: {reason}")
+    return Expectation(FLOAT8_GAIN, "fp8 matmuls in the Linear layers, on top of bf16")
+
+
+def optimizer(facts: Facts, implementation: str) -> Expectation:
+    """foreach or fused: Amdahl's law over the optimizer's share of the step."""
+    speedup = OPTIMIZER_STEP_SPEEDUP.get(implementation)
+    if speedup is None or facts.optimizer_share is None:
+        return Expectation(SMALL_GAIN, f"a {implementation} optimizer step")
+    gain = 1 / (1 - facts.optimizer_share * (1 - 1 / speedup))
+    return Expectation(
+        gain,
+        f"the optimizer step is {facts.optimizer_share:.0%} of a step; {implementation} runs it "
+        f"~{speedup:g}x faster",
+    )
+
+
+def priority(gain: float | None, cost_s: float) -> float:
+    """Expected gain per second of measuring: log-gain, so that gains compose by adding."""
+    if gain is None or gain <= 1:
+        return 0.0
+    return math.log(gain) / max(cost_s, 1e-3)
+
+
+@dataclass(frozen=True)
+class RankedLever:
+    name: str
+    expectation: Expectation

@@ -1,0 +1,69 @@
+"""What a tuner stage proposes: candidates to measure against the current best, and what it reads.
+
+A stage (``Technique.stage``, or one of the strategy's in ``stages.py``) is a plain function
+``(StageContext) -> list[Candidate] | str``. A leaf of the tuner: technique modules build their
+candidates from it, so it imports nothing that imports them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from torchturbo.config import TurboConfig
+from torchturbo.recipe import Recipe
+from torchturbo.techniques import levers
+from torchturbo.techniques.facts import Facts
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One configuration to try.
+
+    ``expected_gain`` (None: no prior) orders the work; ``not_applicable`` says why it cannot
+    help here, and then it is reported, not trained. ``batching`` names batches other than the
+    current best's: "buckets" (length buckets) or "split:N" (each batch cut into N micro-batches).
+    ``batches`` and ``recipe`` override the batches and the recipe outright (tests inject
+    techniques this way).
+    """
+
+    name: str
+    config: TurboConfig
+    expected_gain: float | None = None
+    not_applicable: str | None = None
+    evidence: str = ""
+    batching: str | None = None
+    batches: list[Any] | None = None
+    recipe: Recipe | None = None
+
+
+@dataclass
+class StageContext:
+    """What stages may read: the recipe, the current best, and facts measured so far."""
+
+    recipe: Recipe
+    best: TurboConfig
+    device: torch.device
+    facts: Facts
+    best_memory_bytes: int | None
+    memory_budget: int | None
+    world_size: int = 1
+    #: The process group's backend under torchrun ("nccl", "gloo"), None in one process.
+    backend: str | None = None
+    #: The current best's batch size per step (after any micro-batching).
+    batch_size: int | None = None
+    notes: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def has_convolutions(self) -> bool:
+        return self.facts.has_convolutions
+
+
+def candidate(
+    name: str, config: TurboConfig, expectation: levers.Expectation, **kw: Any
+) -> Candidate:
+    if expectation.applicable:
+        return Candidate(name, config, expectation.gain, evidence=expectation.evidence, **kw)
+    return Candidate(name, config, not_applicable=expectation.evidence, **kw)

@@ -1,0 +1,183 @@
+"""The registered techniques, in composition order, and the only code that calls their hooks.
+
+Every module of this package that defines ``TECHNIQUE`` (or a tuple ``TECHNIQUES``) is
+registered: adding a technique is adding its module, with no list to edit. The functions below
+are what the engine, both trainer callbacks, the tuner, the doctor and the translations call,
+so the composition order exists once (``transform`` hooks by ``order``) and a technique reaches
+every host by being registered.
+
+Discovery imports the modules by name (``pkgutil``), as a plugin system does: this module
+imports no technique statically, so a technique may import anything below the registry.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import pkgutil
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+import torchturbo.techniques
+from torchturbo.techniques.facts import Facts
+from torchturbo.techniques.levers import RankedLever
+from torchturbo.techniques.result import TechniqueResult, applied, not_applied
+from torchturbo.techniques.spec import Host, Lever, Stage, Technique, Trainer, TrainerArguments
+
+
+@functools.cache
+def techniques() -> tuple[Technique, ...]:
+    """Every registered technique, model transforms in composition order first (by ``order``),
+    then the rest by name."""
+    found: list[Technique] = []
+    for module_info in pkgutil.iter_modules(torchturbo.techniques.__path__):
+        module = importlib.import_module(f"torchturbo.techniques.{module_info.name}")
+        found.extend(getattr(module, "TECHNIQUES", ()))
+        if hasattr(module, "TECHNIQUE"):
+            found.append(module.TECHNIQUE)
+    names = [t.name for t in found]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise RuntimeError(f"techniques registered twice: {duplicates}")
+    return tuple(sorted(found, key=lambda t: (t.transform is None, t.order, t.name)))
+
+
+def technique(name: str) -> Technique:
+    """The registered technique called ``name``."""
+    by_name = {t.name: t for t in techniques()}
+    if name not in by_name:
+        raise KeyError(f"no technique {name!r}; registered: {sorted(by_name)}")
+    return by_name[name]
+
+
+def declared_sections() -> dict[str, type]:
+    """Config sections that techniques bring themselves (``Technique.section_type``)."""
+    return {t.section: t.section_type for t in techniques() if t.section_type is not None}
+
+
+# -- composing a model ------------------------------------------------------------------------
+
+
+def compose_model(
+    model: nn.Module, config: Any, device: torch.device, host: Host
+) -> dict[str, TechniqueResult]:
+    """Apply, in place and in composition order, every model transform ``config`` asks for that
+    ``host``'s trainer does not carry itself; what each did, by technique name. The model must
+    be on ``device`` already (float8 and compile specialise on it)."""
+    results: dict[str, TechniqueResult] = {}
+    for entry in techniques():
+        if entry.transform is None or not entry.requested(config):
+            continue
+        if entry.carried(host, config) is None:
+            results[entry.name] = entry.transform(model, config, device)
+    return results
+
+
+@contextlib.contextmanager
+def held_switches(
+    config: Any, device: torch.device, host: Host, results: dict[str, TechniqueResult]
+) -> Iterator[None]:
+    """Hold every process-wide switch ``config`` asks for (and ``host`` does not carry) while
+    the block runs, restoring each on exit; records what each did in ``results``."""
+    with contextlib.ExitStack() as stack:
+        for entry in _switching(config, host):
+            assert entry.switch is not None
+            context = entry.switch(config, device)
+            if isinstance(context, str):
+                results[entry.name] = not_applied(entry.name, context)
+                continue
+            stack.enter_context(context)
+            results.setdefault(entry.name, applied(entry.name))
+        yield
+
+
+def step_switches(config: Any, host: Host) -> list[Technique]:
+    """The switching techniques a host holds around each step (empty: nothing to hold, and
+    the engine's step skips the context entirely)."""
+    return _switching(config, host)
+
+
+def _switching(config: Any, host: Host) -> list[Technique]:
+    return [
+        t
+        for t in techniques()
+        if t.switch is not None and t.requested(config) and t.carried(host, config) is None
+    ]
+
+
+def channels_last_inputs(results: dict[str, TechniqueResult]) -> bool:
+    """Whether a technique that took effect needs floating 4-D inputs laid out NHWC."""
+    return any(
+        t.channels_last_inputs and t.name in results and results[t.name].applied
+        for t in techniques()
+    )
+
+
+def rebuild_optimizer(
+    optimizer: torch.optim.Optimizer, config: Any
+) -> tuple[torch.optim.Optimizer, dict[str, TechniqueResult]]:
+    """The optimizer to train with after every requested optimizer technique, and their results
+    (after the model moved: a fused optimizer's support depends on the parameters' device)."""
+    results: dict[str, TechniqueResult] = {}
+    for entry in techniques():
+        if entry.rebuild_optimizer is not None and entry.requested(config):
+            optimizer, results[entry.name] = entry.rebuild_optimizer(optimizer, config)
+    return optimizer, results
+
+
+def explain_failure(
+    error: BaseException, results: dict[str, TechniqueResult]
+) -> tuple[str, TechniqueResult, Exception] | None:
+    """The technique that ``error`` is the failure of, among those that took effect: its name,
+    the result to report instead and the error to raise; None for any other error."""
+    for entry in techniques():
+        result = results.get(entry.name)
+        if entry.explain_failure is None or result is None or not result.applied:
+            continue
+        explained = entry.explain_failure(error)
+        if explained is not None:
+            return entry.name, *explained
+    return None
+
+
+# -- the tuner, the doctor and the translations -----------------------------------------------
+
+
+def stages() -> list[Stage]:
+    """The tuner stages techniques declare, by rank."""
+    return sorted((t.stage for t in techniques() if t.stage is not None), key=lambda s: s.rank)
+
+
+def levers() -> list[Lever]:
+    """Every technique's doctor levers."""
+    return [lever for t in techniques() for lever in t.levers]
+
+
+def ranked_levers(facts: Facts) -> list[RankedLever]:
+    """Every technique's levers by expected gain on ``facts``, applicable ones first: the
+    doctor's ranking (the tuner orders its candidates by the same expectations)."""
+    ranked = [RankedLever(lever.label, lever.expect(facts)) for lever in levers()]
+    return sorted(ranked, key=lambda lever: -(lever.expectation.gain or 0.0))
+
+
+def translate(config: Any, arguments: TrainerArguments) -> None:
+    """Add every requested technique's keywords and notes for ``arguments.trainer``: its own
+    translation, or a note per changed field saying whether the callback applies it."""
+    for entry in techniques():
+        if not entry.requested(config):
+            continue
+        hook = entry.translations.get(arguments.trainer)
+        if hook is not None:
+            hook(config, arguments)
+            continue
+        applies = entry.transform is not None or entry.switch is not None
+        host: Trainer = arguments.trainer
+        for name in entry.changed_fields(config):
+            if applies and entry.carried(host, config) is None:
+                arguments.note(entry.section, name, f"applied by {arguments.callback}")
+            else:
+                arguments.note(entry.section, name, "not carried")

@@ -1,0 +1,159 @@
+"""What a technique declares about itself, once, in its own module.
+
+A technique module defines ``TECHNIQUE = Technique(...)``: its config section (and the section's
+type when it brings its own), when the config asks for it, where its model transform sits in the
+composition order and why, the process-wide switch it holds while training runs, what it does to
+the optimizer and to the inputs, how it explains a failure, the tuner stage that proposes it,
+the doctor's levers, and how each trainer's arguments carry it. ``registry.py`` finds the
+modules, orders them and is the only caller of these hooks: the engine, the tuner, the doctor,
+the translations and both trainer callbacks read the registry, never a technique directly.
+
+Every hook is optional; a technique declares the ones it has. Hooks get the whole
+``TurboConfig`` and read their own section (``config.section(name)``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from torchturbo.config import TurboConfig
+from torchturbo.techniques.facts import Facts
+from torchturbo.techniques.levers import Expectation
+from torchturbo.techniques.proposal import Candidate, StageContext
+from torchturbo.techniques.result import TechniqueResult
+
+#: Where a technique runs: torchturbo's own engine, or a trainer's torchturbo callback.
+Host = Literal["engine", "transformers", "lightning"]
+HOSTS: tuple[Host, ...] = ("engine", "transformers", "lightning")
+#: The trainers whose arguments a config translates into (``integrations/translate.py``).
+Trainer = Literal["transformers", "lightning"]
+
+#: A tuner stage: the candidates to measure against the current best, or why it does not apply.
+StageFn = Callable[[StageContext], list[Candidate] | str]
+
+
+@dataclass(frozen=True)
+class Stage:
+    """A tuner stage: ``rank`` places it in the report (the article's order: precision 10,
+    float8 20, memory format 30, compile 40, optimizer 50, memory 60, dynamic batching 70; the
+    strategy's communication stages 80-90). Measuring order is by expected gain, not rank."""
+
+    name: str
+    rank: int
+    propose: StageFn
+    #: Its candidates make the best fit a memory budget: while the best is over the budget,
+    #: they are measured first and judged by fitting at the least cost, not by speed.
+    fits_memory: bool = False
+
+
+@dataclass(frozen=True)
+class Lever:
+    """A line of the doctor's ranking: its label and the prior ``(facts) -> Expectation``."""
+
+    label: str
+    expect: Callable[[Facts], Expectation]
+
+
+@dataclass
+class TrainerArguments:
+    """A trainer's keywords being built from a config, and the notes for what they cannot say.
+
+    ``accepts`` are the argument names the installed trainer takes (None: unknown, assume the
+    newest); ``callback`` and ``trainer_class`` name torchturbo's classes for the notes.
+    """
+
+    trainer: Trainer
+    accepts: frozenset[str] | None
+    callback: str
+    trainer_class: str
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    notes: dict[str, str] = field(default_factory=dict)
+
+    def note(self, section: str, name: str, text: str) -> None:
+        self.notes[f"[{section}] {name}"] = text
+
+    def takes(self, name: str) -> bool:
+        """Whether the trainer has an argument called ``name`` (True when unknown)."""
+        return self.accepts is None or name in self.accepts
+
+
+@dataclass(frozen=True, kw_only=True)
+class Technique:
+    """One technique, as the registry composes, tunes, ranks and translates it."""
+
+    #: The key of its result in ``Turbo.results`` and the callbacks' ``results``.
+    name: str
+    #: Its config section; ``section_type`` declares it when no core section holds it.
+    section: str
+    section_type: type | None = None
+    #: The fields of the section it owns (several techniques may share one); () = all.
+    fields: tuple[str, ...] = ()
+    #: Its page, relative to the repository root: what it does, when it helps and hurts, the
+    #: effect we measured and the command that measured it.
+    doc: str
+    #: Whether ``config`` asks for it at all.
+    requested: Callable[[TurboConfig], bool]
+    #: Model transform ``(model, config, device) -> result``, applied in place in ``order``
+    #: (ascending); ``order_reason`` says which constraint puts it there.
+    transform: Callable[[nn.Module, TurboConfig, torch.device], TechniqueResult] | None = None
+    order: int = 0
+    order_reason: str = ""
+    #: A process-wide setting ``(config, device) -> context`` held while training runs (for
+    #: each step in the engine, from train begin to end in a trainer) and restored afterwards;
+    #: a string instead of the context says why it does not take effect here.
+    switch: Callable[[TurboConfig, torch.device], AbstractContextManager[Any] | str] | None = None
+    #: ``(optimizer, config) -> (optimizer to use, result)``, after the model is composed.
+    rebuild_optimizer: (
+        Callable[
+            [torch.optim.Optimizer, TurboConfig], tuple[torch.optim.Optimizer, TechniqueResult]
+        ]
+        | None
+    ) = None
+    #: Once the transform took effect, floating 4-D inputs must be laid out NHWC as well.
+    channels_last_inputs: bool = False
+    #: ``(error) -> (result, error to raise)`` when ``error`` is this technique failing during
+    #: a step (compile errors surface only then); None for any other error.
+    explain_failure: Callable[[BaseException], tuple[TechniqueResult, Exception] | None] | None = (
+        None
+    )
+    #: Host -> ``(config) -> why that host's trainer carries it itself`` (None: it does not);
+    #: the host's callback then leaves it to the trainer.
+    carried_by: Mapping[Host, Callable[[TurboConfig], str | None]] = field(default_factory=dict)
+    stage: Stage | None = None
+    levers: tuple[Lever, ...] = ()
+    #: Trainer -> ``(config, arguments)`` adding its keywords and notes; without one, each
+    #: changed field of the section is noted as applied by the callback (or not carried).
+    translations: Mapping[Trainer, Callable[[TurboConfig, TrainerArguments], None]] = field(
+        default_factory=dict
+    )
+
+    def __post_init__(self) -> None:
+        if self.transform is not None and not self.order_reason:
+            raise ValueError(f"technique {self.name!r}: a model transform must say why its order")
+
+    def carried(self, host: Host, config: TurboConfig) -> str | None:
+        """Why ``host``'s trainer applies this itself for ``config``, or None."""
+        why = self.carried_by.get(host)
+        return None if why is None else why(config)
+
+    def section_of(self, config: TurboConfig) -> Any:
+        """This technique's section of ``config``."""
+        return config.section(self.section)
+
+    def changed_fields(self, config: TurboConfig) -> list[str]:
+        """The fields of its section that ``config`` sets away from their defaults."""
+        section = self.section_of(config)
+        default = type(section)()
+        return [
+            f.name
+            for f in dataclasses.fields(section)
+            if (not self.fields or f.name in self.fields)
+            and getattr(section, f.name) != getattr(default, f.name)
+        ]

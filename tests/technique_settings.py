@@ -1,0 +1,196 @@
+"""How each registered technique is tested: the config that switches it on, the tolerance it
+keeps against the fp32 eager baseline, and what shows it took effect.
+
+``tests/test_technique_registry.py`` runs every entry through the same tests (parity with the
+baseline, negative controls, composition with every technique it stacks with, each trainer's
+translation), as Composer's ``algorithm_settings`` does. A technique without an entry here fails
+those tests: registering one means writing its entry.
+
+``tolerance`` is the largest relative difference allowed between the technique's run and the
+baseline's, on every step's loss and on the trained parameters (0: bit-identical).
+``took_effect`` reads a :class:`Run` (the engine, the composed model, what the loss function saw
+inside each step) and must be False for the baseline: that is the negative control.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from conftest import ConvNet
+from torch import nn
+
+from torchturbo.reliability.nested import iter_tensors
+from torchturbo.techniques.checkpointing import CHECKPOINTED_MARK
+from torchturbo.techniques.compile import CACHE_ENV, compiled_graphs
+from torchturbo.techniques.float8 import float8_unavailable
+from torchturbo.techniques.saved_tensors import saved_tensor_packer
+
+
+@dataclass
+class Run:
+    """One short training run: the engine after it, per-step losses, the parameters trained, and
+    what the loss function observed inside each step (``probes``)."""
+
+    turbo: Any
+    model: nn.Module
+    losses: list[float]
+    parameters: list[torch.Tensor]
+    probes: list[dict[str, Any]] = field(default_factory=list)
+    #: Padded input elements over all batches (the data techniques' observable).
+    input_elements: int = 0
+    #: One batch and the loss function, to look inside a forward afterwards.
+    batch: Any = None
+    loss_fn: Any = None
+    #: The baseline's run it was compared with (itself for the baseline), and the largest
+    #: relative difference from it.
+    baseline: Run | None = None
+    difference: float = 0.0
+
+
+@dataclass(frozen=True)
+class Setting:
+    #: ``TurboConfig.replace`` keywords that switch the technique on (a callable for fresh ones).
+    on: dict[str, Any] | Callable[[], dict[str, Any]]
+    tolerance: float
+    took_effect: Callable[[Run], bool]
+    #: Why it cannot take effect on this machine (then its tests skip, saying so), or None.
+    unavailable: Callable[[], str | None] = lambda: None
+    #: True, or why it does not stack with the others in the composition tests.
+    stacks: bool | str = True
+    #: Techniques it does not apply beside, with why; it must say so itself (a reason in
+    #: ``Turbo.applied``), which the composition test checks.
+    excludes: dict[str, str] = field(default_factory=dict)
+    #: It trains through ``Turbo.setup``'s loader on variable-length samples (data techniques).
+    data: bool = False
+    #: Its runs compile (tens of seconds): marked slow.
+    slow: bool = False
+
+    def overrides(self) -> dict[str, Any]:
+        return self.on() if callable(self.on) else dict(self.on)
+
+
+def _applied(run: Run, name: str) -> bool:
+    return run.turbo.applied.get(name, "not requested") is None
+
+
+def _stores_compressed(run: Run) -> bool:
+    """Whether a forward, as a step runs it, stores some saved tensor in bf16 (what autograd
+    keeps, seen by a packer after the technique's own)."""
+    stored: list[Any] = []
+
+    def look(value: Any) -> Any:
+        stored.extend(t.dtype for t in iter_tensors(value))
+        return value
+
+    with run.turbo.switches(), saved_tensor_packer(look, lambda value: value):
+        run.turbo.forward(run.loss_fn, run.batch)
+    return torch.bfloat16 in stored
+
+
+def _compile_cache() -> dict[str, Any]:
+    folder = tempfile.mkdtemp(prefix="torchturbo-cache-")
+    return {"compile__mode": "default", "compile__cache_dir": folder}
+
+
+def _cache_written(run: Run) -> bool:
+    folder = os.environ.get(CACHE_ENV)
+    cache = run.turbo.config.compile.cache_dir
+    return bool(cache) and folder == str(Path(cache).resolve()) and any(Path(folder).iterdir())
+
+
+SETTINGS: dict[str, Setting] = {
+    "float8": Setting(
+        on={"precision__dtype": "bf16", "precision__float8": True},
+        # e4m3 keeps 3 mantissa bits: about 5% per element of a Linear's output.
+        tolerance=0.1,
+        took_effect=lambda run: _applied(run, "float8"),
+        unavailable=lambda: float8_unavailable("cuda" if torch.cuda.is_available() else "cpu"),
+    ),
+    "channels_last": Setting(
+        on={"memory_format__channels_last": True},
+        # NHWC convolutions sum in another order.
+        tolerance=1e-4,
+        took_effect=lambda run: next(
+            m for m in run.model.modules() if isinstance(m, nn.Conv2d)
+        ).weight.is_contiguous(memory_format=torch.channels_last),
+    ),
+    "checkpointing": Setting(
+        on={"checkpointing__mode": "full"},
+        tolerance=0.0,  # the recompute is the same arithmetic
+        took_effect=lambda run: any(
+            getattr(m, CHECKPOINTED_MARK, False) for m in run.model.modules()
+        ),
+    ),
+    "compile": Setting(
+        on={"compile__mode": "default"},
+        tolerance=1e-4,  # inductor fuses and reorders float32 sums
+        took_effect=lambda run: _applied(run, "compile") and (compiled_graphs() or 0) > 0,
+        slow=True,
+    ),
+    "compile_cache": Setting(
+        on=_compile_cache,
+        tolerance=1e-4,
+        took_effect=_cache_written,
+        slow=True,
+    ),
+    "cudnn_benchmark": Setting(
+        on={"backend__cudnn_benchmark": True},
+        tolerance=0.0,  # on a CPU the flag changes nothing but itself
+        took_effect=lambda run: all(p["cudnn_benchmark"] for p in run.probes),
+    ),
+    "precision": Setting(
+        on={"precision__dtype": "bf16"},
+        tolerance=0.05,  # bf16 keeps 8 bits of mantissa in the autocast forward
+        took_effect=lambda run: all(p["output_dtype"] == torch.bfloat16 for p in run.probes),
+    ),
+    "optimizer": Setting(
+        on={"optimizer__implementation": "fused"},
+        tolerance=1e-5,  # one kernel, the same maths in another rounding order
+        took_effect=lambda run: run.turbo.optimizer.param_groups[0].get("fused") is True,
+    ),
+    "length_buckets": Setting(
+        on={"data__bucketing": True},
+        tolerance=1e-5,  # the same samples, once each, summed in other batches
+        took_effect=lambda run: (
+            run.baseline is not None and run.input_elements < run.baseline.input_elements
+        ),
+        stacks="it changes which samples share a batch, not the step: the step techniques "
+        "stack with it in the tuner's tests (tests/test_tune.py), on its own batches",
+        data=True,
+    ),
+    "activation_compression": Setting(
+        on={"activation_compression__dtype": "bf16", "activation_compression__min_bytes": 1024},
+        # Saved activations rounded to bf16 (0.4% each) reach the gradients only.
+        tolerance=0.02,
+        took_effect=lambda run: _applied(run, "activation_compression") and _stores_compressed(run),
+        excludes={
+            name: "compiled graphs save their tensors out of reach of saved-tensor hooks"
+            for name in ("compile", "compile_cache")
+        },
+    ),
+}
+
+
+def model_for(setting: Setting) -> nn.Module:
+    """The model each step technique trains: convolutions and Linears."""
+    return TokenClassifier() if setting.data else ConvNet()
+
+
+class TokenClassifier(nn.Module):
+    """Mean-pooled embeddings of variable-length token ids (0 pads): the data techniques' model."""
+
+    def __init__(self, vocab: int = 50, width: int = 16, classes: int = 3) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        mask = (ids != 0).unsqueeze(-1).float()
+        pooled = (self.embed(ids) * mask).sum(1) / mask.sum(1).clamp(min=1)
+        return self.head(pooled)

@@ -1,0 +1,287 @@
+"""The package's shape: no import cycles, a root that holds only the public API, public names.
+
+The import graph is read from the source (AST), not from ``sys.modules``: every ``import`` and
+``from ... import`` anywhere in a module counts, inside ``if TYPE_CHECKING:`` and inside function
+bodies too, because a type-only or deferred import that closes a cycle is still a cycle in the
+design (it only moves the failure to another import order or to the type checker).
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+PACKAGE = "torchturbo"
+
+# The modules the package root may hold besides __init__.py and __main__.py, and why each one
+# is there rather than in a subpackage.
+ROOT_MODULES = {
+    "recipe": "public: Recipe, load_recipe and RecipeError, what users write (`file.py:recipe`)",
+}
+
+
+def _module_names(root: Path) -> dict[str, Path]:
+    """Every module of the package, by dotted name (a package by its ``__init__``)."""
+    names = {}
+    for path in sorted((root / PACKAGE).rglob("*.py")):
+        parts = list(path.relative_to(root).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        names[".".join(parts)] = path
+    return names
+
+
+def _ancestors(name: str) -> list[str]:
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
+def _imported(module: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The package's modules that ``module`` imports, anywhere in its source.
+
+    Importing ``a.b.c`` runs ``a/__init__`` and ``a/b/__init__`` first, so it depends on them
+    too, except on the packages that hold ``module`` itself: they are being imported already.
+    """
+    is_package = path.name == "__init__.py"
+    targets: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = module.split(".")
+                anchor = anchor if is_package else anchor[:-1]
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join([*anchor, base] if base else anchor)
+            targets.add(base)
+            targets.update(f"{base}.{alias.name}" for alias in node.names)
+    own = {*_ancestors(module), module}
+    found = set()
+    for target in targets:
+        for name in [*_ancestors(target), target]:
+            if name in modules and name not in own:
+                found.add(name)
+    return found
+
+
+def import_graph(root: Path = SRC) -> dict[str, set[str]]:
+    modules = _module_names(root)
+    return {name: _imported(name, path, modules) for name, path in modules.items()}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One import cycle as ``[a, b, ..., a]``, or ``[]`` when the graph has none."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str]:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return [*path[path.index(nxt) :], nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        path.pop()
+        state[node] = 2
+        return []
+
+    for start in sorted(graph):
+        if start not in state and (cycle := visit(start)):
+            return cycle
+    return []
+
+
+def test_the_package_has_no_import_cycle() -> None:
+    cycle = find_cycle(import_graph())
+    assert not cycle, "import cycle: " + " -> ".join(cycle)
+
+
+def _reachable(graph: dict[str, set[str]], package: str) -> set[str]:
+    """Every module that importing any module of ``package`` imports, directly or not."""
+    pending = [m for m in graph if m == package or m.startswith(package + ".")]
+    seen: set[str] = set()
+    while pending:
+        for imported in graph[pending.pop()] - seen:
+            seen.add(imported)
+            pending.append(imported)
+    return seen
+
+
+# Lower layers never reach the higher ones: the engine re-exports Turbo from its __init__, so a
+# module under it that imported engine.* would close a cycle through that __init__.
+LAYERS = {
+    "torchturbo.reliability": ("torchturbo.engine", "torchturbo.runs", "torchturbo.tune"),
+    "torchturbo.resume": ("torchturbo.engine", "torchturbo.runs", "torchturbo.tune"),
+    "torchturbo.techniques": ("torchturbo.engine", "torchturbo.tune", "torchturbo.doctor"),
+    "torchturbo.engine": ("torchturbo.runs", "torchturbo.tune", "torchturbo.doctor"),
+}
+
+
+@pytest.mark.parametrize("package", sorted(LAYERS))
+def test_a_lower_layer_does_not_reach_a_higher_one(package: str) -> None:
+    reached = _reachable(import_graph(), package)
+    above = [m for m in sorted(reached) if m.startswith((*LAYERS[package], "torchturbo.cli"))]
+    assert above == [], f"{package} imports, directly or not: {above}"
+
+
+def _write(root: Path, files: dict[str, str]) -> None:
+    for name, text in files.items():
+        path = root / PACKAGE / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
+@pytest.mark.parametrize(
+    "files",
+    [
+        # type-only
+        {
+            "__init__.py": "",
+            "a.py": (
+                "from typing import TYPE_CHECKING\n"
+                "if TYPE_CHECKING:\n    from torchturbo.b import B\n"
+            ),
+            "b.py": "import torchturbo.a\n",
+        },
+        # function-level, relative
+        {
+            "__init__.py": "",
+            "a.py": "def f():\n    from . import b\n",
+            "b.py": "from .a import f\n",
+        },
+        # through a package's __init__
+        {
+            "__init__.py": "",
+            "p/__init__.py": "from torchturbo.p.inner import X\n",
+            "p/inner.py": "from torchturbo.q import Y\n",
+            "q.py": "from torchturbo.p.other import Z\n",
+            "p/other.py": "",
+        },
+    ],
+    ids=["type-only", "function-level-relative", "via-package-init"],
+)
+def test_the_cycle_check_sees_the_cycles_it_forbids(tmp_path: Path, files: dict[str, str]) -> None:
+    _write(tmp_path, files)
+    cycle = find_cycle(import_graph(tmp_path))
+    assert cycle and cycle[0] == cycle[-1]
+
+
+def test_the_cycle_check_accepts_a_package_importing_its_own_modules(tmp_path: Path) -> None:
+    _write(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "p/__init__.py": "from torchturbo.p.a import A\n",
+            "p/a.py": "from torchturbo.p.b import B\nfrom . import b\n",
+            "p/b.py": "",
+        },
+    )
+    assert find_cycle(import_graph(tmp_path)) == []
+
+
+def test_the_package_root_holds_only_the_public_api() -> None:
+    present = {path.stem for path in (SRC / PACKAGE).glob("*.py")} - {"__init__", "__main__"}
+    assert sorted(present - ROOT_MODULES.keys()) == [], "move these into a subpackage"
+    assert sorted(ROOT_MODULES.keys() - present) == [], "stale entries in ROOT_MODULES"
+
+
+PUBLIC_NAMES = {
+    "torchturbo": [
+        "__version__",
+        "Turbo",
+        "StepMetrics",
+        "TurboConfig",
+        "ConfigError",
+        "Recipe",
+        "load_recipe",
+        "RecipeError",
+        "train",
+        "CheckpointError",
+        "NonFiniteError",
+        "MemoryBudgetError",
+    ],
+    "torchturbo.cli": ["main", "full_parser"],
+    # The loader grid search joined the tuner (issue 23); it was `torchturbo.data.tune_loader`.
+    "torchturbo.tune": ["tune_loader", "LoaderTuning", "LoaderTrial"],
+    "torchturbo.techniques": [
+        "apply_activation_checkpointing",
+        "apply_channels_last",
+        "apply_compile",
+        "apply_float8_training",
+        "rebuild_optimizer",
+    ],
+    "torchturbo.config": ["TurboConfig", "ConfigError", "DataConfig", "DistributedConfig"],
+}
+
+
+def _declared(module: str) -> list[str]:
+    return list(importlib.import_module(module).__all__)
+
+
+@pytest.mark.parametrize(
+    "module",
+    [
+        *PUBLIC_NAMES,
+        "torchturbo.data",
+        "torchturbo.distributed",
+        "torchturbo.integrations.transformers",
+        "torchturbo.integrations.lightning",
+    ],
+)
+def test_the_public_names_resolve(module: str) -> None:
+    names = PUBLIC_NAMES.get(module) or _declared(module)
+    imported = importlib.import_module(module)
+    missing = [name for name in names if getattr(imported, name, None) is None]
+    assert names and missing == []
+
+
+def test_the_public_names_are_the_classes_users_know() -> None:
+    import torchturbo
+    from torchturbo.config import TurboConfig
+
+    assert torchturbo.TurboConfig is TurboConfig
+    assert torchturbo.Turbo.__name__ == "Turbo" and callable(torchturbo.train)
+    assert issubclass(torchturbo.ConfigError, ValueError)
+    for error in ("CheckpointError", "NonFiniteError", "MemoryBudgetError", "RecipeError"):
+        assert issubclass(getattr(torchturbo, error), Exception), error
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        _ = torchturbo.nope
+
+
+def test_the_integrations_declare_their_public_names() -> None:
+    assert {"TurboCallback", "TurboTrainer"} <= set(
+        _declared("torchturbo.integrations.transformers")
+    )
+    assert "TurboLightningCallback" in _declared("torchturbo.integrations.lightning")
+
+
+def _layout_entries(readme: Path) -> set[str]:
+    """The modules and packages the README's layout block lists under src/torchturbo/."""
+    text = readme.read_text()
+    start = text.index("```\nsrc/torchturbo/\n") + len("```\nsrc/torchturbo/\n")
+    entries = set()
+    for line in text[start:].splitlines():
+        if not line.startswith("  "):
+            break
+        if line.startswith("   "):  # the description's second line
+            continue
+        names = line.strip().split("  ")[0]  # two spaces end the names, the description follows
+        entries.update(name.strip() for name in names.split(",") if name.strip())
+    return entries
+
+
+@pytest.mark.parametrize("readme", ["README.md", "README.zh-CN.md"])
+def test_the_readme_layout_is_the_package(readme: str) -> None:
+    root = SRC / PACKAGE
+    present = {p.name for p in root.glob("*.py") if p.name != "__main__.py"} | {
+        f"{p.name}/" for p in root.iterdir() if (p / "__init__.py").is_file()
+    }
+    listed = _layout_entries(SRC.parent / readme)
+    assert sorted(present - listed) == [], f"{readme}'s layout leaves these out"
+    assert sorted(listed - present) == [], f"{readme}'s layout lists what does not exist"
