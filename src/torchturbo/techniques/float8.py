@@ -25,6 +25,8 @@ from torch import nn
 from torchturbo.config import TurboConfig
 from torchturbo.measure.native import emulated
 from torchturbo.techniques import levers
+from torchturbo.techniques.facts import Facts
+from torchturbo.techniques.levers import Expectation
 from torchturbo.techniques.proposal import Candidate, StageContext, candidate
 from torchturbo.techniques.result import TechniqueResult, applied, not_applied
 from torchturbo.techniques.spec import Lever, Stage, Technique, TrainerArguments
@@ -100,6 +102,14 @@ def _transform(model: nn.Module, config: TurboConfig, device: torch.device) -> T
     return apply_float8_training(model, device)
 
 
+def float8_lever(facts: Facts) -> Expectation:
+    """The doctor's float8 lever: not applicable, with the reason, where fp8 cannot run."""
+    unavailable = float8_unavailable(facts.device)
+    if unavailable:
+        return Expectation(None, f"float8 cannot pay off here: {unavailable}")
+    return levers.float8(facts)
+
+
 def _hf_arguments(config: TurboConfig, arguments: TrainerArguments) -> None:
     arguments.note(
         "precision",
@@ -122,6 +132,6 @@ TECHNIQUE = Technique(
         "them; the model must already be on its device"
     ),
     stage=Stage("float8", 20, float8_stage),
-    levers=(Lever("float8", levers.float8),),
+    levers=(Lever("float8", float8_lever),),
     translations={"transformers": _hf_arguments},
 )

@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from torchturbo.measure.native import emulated
 from torchturbo.techniques.facts import Facts
 
 #: Share of a training step spent in dense maths (matmuls, convolutions) that a faster precision
@@ -110,9 +109,7 @@ def bucket_size(facts: Facts) -> Expectation:
 
 
 def float8(facts: Facts) -> Expectation:
-    reason = emulated(facts.device, "fp8")
-    if reason is not None:
-        return Expectation(None, f"float8 cannot pay off here: {reason}")
+    """The prior where fp8 units exist (the float8 technique asks that first)."""
     return Expectation(FLOAT8_GAIN, "fp8 matmuls in the Linear layers, on top of bf16")
 
 
