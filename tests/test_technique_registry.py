@@ -316,3 +316,17 @@ def test_a_registered_technique_reaches_every_host_without_editing_them(monkeypa
         )
         assert results["probe"].applied, host
     assert seen == ["transform"] * 3
+
+
+def test_the_tuners_confirmation_replays_a_declared_sections_change() -> None:
+    """The confirmation rebuilds each adoption from its changes: a change in a section a
+    technique declares must be among them, or the adopted technique would be dropped."""
+    from torchturbo.tune.confirm import _changes
+
+    for section, section_type in registry.declared_sections().items():
+        field = dataclasses.fields(section_type)[0]
+        technique = next(t for t in registry.techniques() if t.section == section)
+        config = _config(SETTINGS[technique.name])
+        changed = _changes(TurboConfig(device="cpu"), config)
+        assert f"{section}__{field.name}" in changed, changed
+        assert TurboConfig(device="cpu").replace(**changed) == config

@@ -239,6 +239,9 @@ TECHNIQUES = (
         doc="docs/techniques/compile.md",
         requested=lambda config: config.compile.mode != "off" and bool(config.compile.cache_dir),
         switch=_cache_switch,
+        # The engine's compile transform points inductor at the folder as it compiles: no
+        # need to set it again around every step. A trainer that compiles itself needs it.
+        carried_by={"engine": lambda config: "apply_compile points inductor at the folder"},
         translations={"transformers": _cache_arguments, "lightning": _cache_arguments},
     ),
 )

@@ -16,7 +16,7 @@ import dataclasses
 import math
 from typing import Any
 
-from torchturbo.config import TurboConfig
+from torchturbo.config import TurboConfig, sections
 from torchturbo.distributed.consensus import agree
 from torchturbo.measure.trial import Trial, start_trial
 from torchturbo.tune import batching
@@ -213,13 +213,11 @@ def _batching(adoption: Incumbent) -> str | None:
 def _changes(before: TurboConfig, after: TurboConfig) -> dict[str, Any]:
     """``section__field`` -> value for every field ``after`` changed relative to ``before``."""
     changes = {}
-    for section in dataclasses.fields(TurboConfig):
-        old, new = getattr(before, section.name), getattr(after, section.name)
-        if not dataclasses.is_dataclass(new):
-            continue
+    for name in sections():  # the core ones and those techniques declare
+        old, new = before.section(name), after.section(name)
         for f in dataclasses.fields(new):
             if getattr(old, f.name) != getattr(new, f.name):
-                changes[f"{section.name}__{f.name}"] = getattr(new, f.name)
+                changes[f"{name}__{f.name}"] = getattr(new, f.name)
     return changes
 
 
