@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import importlib
 import sys
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -211,18 +212,11 @@ def _section_from_dict(base: Any, name: str, values: Any) -> Any:
     return dataclasses.replace(base, **converted)
 
 
+#: The core sections, read from TurboConfig's own fields (each a section dataclass), in order.
 _CORE_SECTIONS: dict[str, type] = {
-    "precision": PrecisionConfig,
-    "memory_format": MemoryFormatConfig,
-    "backend": BackendConfig,
-    "compile": CompileConfig,
-    "checkpointing": CheckpointConfig,
-    "accumulation": AccumulationConfig,
-    "clipping": ClippingConfig,
-    "optimizer": OptimizerConfig,
-    "data": DataConfig,
-    "reliability": ReliabilityConfig,
-    "distributed": DistributedConfig,
+    name: hint
+    for name, hint in typing.get_type_hints(TurboConfig).items()
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint)
 }
 
 
