@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -187,7 +188,9 @@ def _rebuild(
     return rebuilt, not_applied("optimizer", why_not)
 
 
-def _translation(how: str) -> Any:
+def _translation(how: str) -> Callable[[TurboConfig, TrainerArguments], None]:
+    """A note for either trainer: it builds the optimizer, so ``how`` says what to set."""
+
     def note(config: TurboConfig, arguments: TrainerArguments) -> None:
         arguments.note(
             "optimizer",

@@ -31,7 +31,6 @@ from torchturbo.techniques.result import TechniqueResult
 
 #: Where a technique runs: torchturbo's own engine, or a trainer's torchturbo callback.
 Host = Literal["engine", "transformers", "lightning"]
-HOSTS: tuple[Host, ...] = ("engine", "transformers", "lightning")
 #: The trainers whose arguments a config translates into (``integrations/translate.py``).
 Trainer = Literal["transformers", "lightning"]
 
