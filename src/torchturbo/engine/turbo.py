@@ -292,7 +292,9 @@ class Turbo:
         forward run outside ``step`` that must see what a step sees (a memory measurement)."""
         if not self._step_switches:
             return contextlib.nullcontext()
-        return registry.held_switches(self.config, self.device, "engine", self._results)
+        return registry.held_switches(
+            self.config, self.device, "engine", self._results, self._step_switches
+        )
 
     def _micro_step(
         self, loss_fn: LossFn, batch: Any, closing: bool

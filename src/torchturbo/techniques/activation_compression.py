@@ -28,7 +28,7 @@ from typing import Any, Literal
 import torch
 
 from torchturbo.config import TurboConfig, between, validate_section
-from torchturbo.techniques.proposal import Candidate, StageContext
+from torchturbo.techniques.proposal import Candidate, StageContext, memory_not_needed
 from torchturbo.techniques.saved_tensors import saved_tensor_packer
 from torchturbo.techniques.spec import Stage, Technique
 
@@ -84,10 +84,13 @@ class _Compressed:
 
 
 def activation_compression_stage(ctx: StageContext) -> list[Candidate] | str:
-    if ctx.memory_budget is None:
-        return "no memory budget given: compressing activations would only cost time"
-    if ctx.best_memory_bytes is not None and ctx.best_memory_bytes <= ctx.memory_budget:
-        return "the current best fits the memory budget: compressing would only cost time"
+    not_needed = memory_not_needed(
+        ctx,
+        "compressing activations would only cost time",
+        "compressing would only cost time",
+    )
+    if not_needed:
+        return not_needed
     return [Candidate("activations:bf16", ctx.best.replace(activation_compression__dtype="bf16"))]
 
 

@@ -29,7 +29,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from torchturbo.config import CheckpointConfig, TurboConfig
-from torchturbo.techniques.proposal import Candidate, StageContext
+from torchturbo.techniques.proposal import Candidate, StageContext, memory_not_needed
 from torchturbo.techniques.result import TechniqueResult, applied, not_applied
 from torchturbo.techniques.spec import Stage, Technique, TrainerArguments
 
@@ -165,13 +165,13 @@ def apply_activation_checkpointing(model: nn.Module, config: CheckpointConfig) -
 def memory_stage(ctx: StageContext) -> list[Candidate] | str:
     """Over a memory budget: checkpointing (all blocks, every 2nd) and micro-batching (each
     batch in 2, 4 or 8 pieces, accumulated exactly), whichever fits at the least cost."""
-    if ctx.memory_budget is None:
-        return "no memory budget given: checkpointing and micro-batching would only cost time"
-    if ctx.best_memory_bytes is not None and ctx.best_memory_bytes <= ctx.memory_budget:
-        return (
-            f"the current best fits the budget ({ctx.best_memory_bytes / 2**20:.0f} of "
-            f"{ctx.memory_budget / 2**20:.0f} MiB): checkpointing would only add recompute"
-        )
+    not_needed = memory_not_needed(
+        ctx,
+        "checkpointing and micro-batching would only cost time",
+        "checkpointing would only add recompute",
+    )
+    if not_needed:
+        return not_needed
     candidates = [
         Candidate("checkpointing:full", ctx.best.replace(checkpointing__mode="full")),
         Candidate(

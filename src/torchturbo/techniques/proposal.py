@@ -67,3 +67,17 @@ def candidate(
     if expectation.applicable:
         return Candidate(name, config, expectation.gain, evidence=expectation.evidence, **kw)
     return Candidate(name, config, not_applicable=expectation.evidence, **kw)
+
+
+def memory_not_needed(ctx: StageContext, cost: str, fits_cost: str) -> str | None:
+    """Why a stage that trades time for memory does not apply: no budget was given (``cost``:
+    what it would only cost then), or the current best already fits it (``fits_cost``); None
+    when the best is over the budget."""
+    if ctx.memory_budget is None:
+        return f"no memory budget given: {cost}"
+    if ctx.best_memory_bytes is not None and ctx.best_memory_bytes <= ctx.memory_budget:
+        return (
+            f"the current best fits the budget ({ctx.best_memory_bytes / 2**20:.0f} of "
+            f"{ctx.memory_budget / 2**20:.0f} MiB): {fits_cost}"
+        )
+    return None

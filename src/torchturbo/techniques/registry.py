@@ -26,7 +26,7 @@ import torchturbo.techniques
 from torchturbo.techniques.facts import Facts
 from torchturbo.techniques.levers import RankedLever
 from torchturbo.techniques.result import TechniqueResult, applied, not_applied
-from torchturbo.techniques.spec import Host, Lever, Stage, Technique, Trainer, TrainerArguments
+from torchturbo.techniques.spec import Host, Lever, Stage, Technique, TrainerArguments
 
 
 @functools.cache
@@ -79,12 +79,20 @@ def compose_model(
 
 @contextlib.contextmanager
 def held_switches(
-    config: Any, device: torch.device, host: Host, results: dict[str, TechniqueResult]
+    config: Any,
+    device: torch.device,
+    host: Host,
+    results: dict[str, TechniqueResult],
+    switching: list[Technique] | None = None,
 ) -> Iterator[None]:
     """Hold every process-wide switch ``config`` asks for (and ``host`` does not carry) while
-    the block runs, restoring each on exit; records what each did in ``results``."""
+    the block runs, restoring each on exit; records what each did in ``results``.
+    ``switching`` is :func:`step_switches` of the same config and host, when the caller kept
+    it (the engine enters this every step)."""
+    if switching is None:
+        switching = step_switches(config, host)
     with contextlib.ExitStack() as stack:
-        for entry in _switching(config, host):
+        for entry in switching:
             assert entry.switch is not None
             context = entry.switch(config, device)
             if isinstance(context, str):
@@ -98,10 +106,6 @@ def held_switches(
 def step_switches(config: Any, host: Host) -> list[Technique]:
     """The switching techniques a host holds around each step (empty: nothing to hold, and
     the engine's step skips the context entirely)."""
-    return _switching(config, host)
-
-
-def _switching(config: Any, host: Host) -> list[Technique]:
     return [
         t
         for t in techniques()
@@ -175,9 +179,8 @@ def translate(config: Any, arguments: TrainerArguments) -> None:
             hook(config, arguments)
             continue
         applies = entry.transform is not None or entry.switch is not None
-        host: Trainer = arguments.trainer
         for name in entry.changed_fields(config):
-            if applies and entry.carried(host, config) is None:
+            if applies and entry.carried(arguments.trainer, config) is None:
                 arguments.note(entry.section, name, f"applied by {arguments.callback}")
             else:
                 arguments.note(entry.section, name, "not carried")
