@@ -29,6 +29,7 @@ from torchturbo.measure import (
     memory,
     mfu,
     noise_band,
+    paired,
     paired_noise,
     ratio,
     time_once,
@@ -89,6 +90,68 @@ def test_samples_are_per_step_seconds(monkeypatch):
     assert result["slow"].samples == [3.0, 3.0, 3.0]
     assert ratio(result["fast"], result["slow"]) == 3.0
     assert ratio(result["slow"], result["fast"]) == pytest.approx(1 / 3)
+
+
+class _LoadedMachine:
+    """A virtual clock on which a step costs ``cost`` seconds times the load of the moment: the
+    load is 1 for ``calm`` seconds, then 4 for as long, and so on (other jobs coming and going)."""
+
+    def __init__(self, calm: float) -> None:
+        self.now = 0.0
+        self.calm = calm
+
+    def clock(self) -> float:
+        return self.now
+
+    def step(self, cost: float):
+        def run() -> None:
+            load = 1.0 if int(self.now / self.calm) % 2 == 0 else 4.0
+            self.now += cost * load
+
+        return run
+
+
+@pytest.mark.parametrize("block", [8, 1])
+def test_blocks_taking_turns_within_a_round_cancel_a_busy_spell(block):
+    """An A/A comparison of 8-step rounds on a machine whose load swings every 30 calm steps:
+    timed as one block per side, a round's ratio is off by up to 4x; cut into blocks of one step
+    that take turns, every round's ratio is near 1. The first case is the control: it must swing."""
+    machine = _LoadedMachine(calm=30.0)
+    rounds = paired.paired_rounds(
+        paired.Side(machine.step(1.0)),
+        paired.Side(machine.step(1.0)),
+        device="cpu",
+        steps_per_round=8,
+        max_rounds=10,
+        stop=lambda rounds: False,
+        steps_per_block=block,
+        clock=machine.clock,
+    )
+    worst = max(max(r.ratio, 1 / r.ratio) for r in rounds)
+    if block == 8:
+        assert worst > 2.5
+    else:
+        assert worst < 1.1
+
+
+def test_interleaved_round_runs_blocks_in_turn_and_times_each_side():
+    calls: list[str] = []
+    now = [0.0]
+
+    def step(name: str, cost: float):
+        def run() -> None:
+            calls.append(name)
+            now[0] += cost
+
+        return run
+
+    seconds = paired.interleaved_round(
+        [step("a", 1.0), step("b", 3.0)], 5, 2, torch.device("cpu"), lambda: now[0]
+    )
+    assert calls == ["a", "a", "b", "b", "a", "a", "b", "b", "a", "b"]
+    assert seconds == pytest.approx([1.0, 3.0])
+    with pytest.raises(ValueError, match="steps_per_block"):
+        paired.interleaved_round([step("a", 1.0)], 2, 0, torch.device("cpu"), lambda: now[0])
 
 
 def test_timing_statistics_on_injected_samples():

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from torchturbo.distributed.consensus import agree
-from torchturbo.measure.paired import Round, Side, paired_rounds, time_block
+from torchturbo.measure.paired import Round, Side, interleaved_round, paired_rounds
 from torchturbo.measure.trial import Trial
 from torchturbo.recipe import Recipe
 from torchturbo.tune.decide import MIN_ROUNDS, RatioEstimate, estimate
@@ -82,14 +82,15 @@ def compare(
     done, or ``may_continue(seconds of the next round)`` says no (asked only once ``min_rounds``
     are done). A decided ratio is measured on up to ``settle_rounds`` while ``may_continue``
     allows, to narrow the interval a report quotes (the decision only needs it to clear 1).
-    Rounds are whole ``cycle``s of steps (default: :func:`batch_cycle` of the two trials).
-    Sets both trials' ``step_seconds`` to their median of this measurement."""
+    Rounds are whole ``cycle``s of steps (default: :func:`batch_cycle` of the two trials), timed
+    in alternating blocks of about ``MIN_BLOCK_S`` each (``measure.paired``). Sets both
+    trials' ``step_seconds`` to their median of this measurement."""
     step_s = min(s for s in (reference.step_seconds, candidate.step_seconds, math.inf) if s)
     if cycle is None:
         cycle = batch_cycle(reference.recipe, len(reference.batches), len(candidate.batches))
     # Step times are this rank's: under torchrun every rank must run rank 0's count of steps,
     # or their DDP collectives stop pairing up (a busy machine made the ranks' counts differ).
-    per_round = agree(steps_per_round(step_s, cycle))
+    per_round, per_block = agree((steps_per_round(step_s, cycle), steps_per_round(step_s)))
     reference.align_with(candidate)
     cut_short = False
 
@@ -118,6 +119,7 @@ def compare(
         steps_per_round=per_round,
         max_rounds=max_rounds,
         stop=stop,
+        steps_per_block=per_block,
         clock=clock,
     )
     rounds = agree(rounds)
@@ -168,8 +170,9 @@ def compare_chain(
     decided: Callable[[RatioEstimate], bool] | None = None,
     clock: Callable[[], float] = time.perf_counter,
 ) -> Chained:
-    """Time every trial in the same rounds (the order reversing from round to round, so drift
-    hits all alike) until the last against the first is decided, like :func:`compare`.
+    """Time every trial in the same rounds (the order reversing from round to round, and a long
+    round cut into blocks that take turns, so drift hits all alike) until the last against the
+    first is decided, like :func:`compare`.
 
     One measurement gives every figure: a config's throughput over the previous one's is its
     ratio, so an incremental table built from it reproduces its ratios by division, and the
@@ -178,16 +181,21 @@ def compare_chain(
     rounds."""
     step_s = min(s for s in (*(t.step_seconds for t in trials), math.inf) if s)
     cycle = batch_cycle(trials[0].recipe, *(len(t.batches) for t in trials))
-    per_round = agree(steps_per_round(step_s, cycle))
+    per_round, per_block = agree((steps_per_round(step_s, cycle), steps_per_round(step_s)))
     for trial in trials[:-1]:
         trial.align_with(trials[-1])
     seconds: list[list[float]] = [[] for _ in trials]
     counts: list[list[float]] = [[] for _ in trials]
     cut_short = False
     while True:
-        order = range(len(trials)) if len(seconds[0]) % 2 == 0 else reversed(range(len(trials)))
-        for i in order:
-            seconds[i].append(time_block(trials[i].step, per_round, device, clock))
+        order = list(range(len(trials)))
+        if len(seconds[0]) % 2:
+            order.reverse()
+        round_s = interleaved_round(
+            [trials[i].step for i in order], per_round, per_block, device, clock
+        )
+        for i, secs in zip(order, round_s, strict=True):
+            seconds[i].append(secs)
             counts[i].append(trials[i].recent_count(per_round) / per_round)
         rounds = len(seconds[0])
         ratios = [_ratio(counts, seconds, -1, 0, r) for r in range(rounds)]
