@@ -1,22 +1,31 @@
-"""Whole jobs, each in a fresh process: the Hugging Face Trainer's ways against torchturbo's.
+"""Whole jobs, each in a fresh process: the trainers' own ways against torchturbo's.
 
 ``peers.py`` times warm epochs in one process; a user's job starts cold: imports, the model
 built, the first steps compiling when compile is on. This script measures that job. For each
-setup (a ``LlamaForCausalLM`` from a small config: 2 layers, 64 wide, vocabulary 1,024, SDPA, on
-1,536 documents of the text workload's long-tailed lengths; the BERT tagger of ``peers.py``, 2
-layers, 64 wide) and each way, a fresh ``python peers_jobs.py --child ...`` trains ``--steps``
-optimizer steps with ``Trainer.train()`` and reports, from ``on_train_begin`` to the last step's
-end (the device synchronized): the job's seconds, its first step (one-time costs), the median of
-its later steps and its real (non-padding) tokens. The ways:
+setup (``llama``: a ``LlamaForCausalLM`` from a small config, 2 layers, 64 wide, vocabulary
+1,024, SDPA, on 1,536 documents of the text workload's long-tailed lengths; ``bert``: the BERT
+tagger of ``peers.py``, 2 layers, 64 wide, an encoder; ``cnn``: the ``vision`` workload's
+torchvision-shaped ResNet on 32 px images) and each way, a fresh ``python peers_jobs.py --child
+...`` trains ``--steps`` optimizer steps and reports, from the start of training to the last
+step's end (the device synchronized): the job's seconds, its first step (one-time costs) and the
+median of its later steps. ``--trainer hf`` (default) trains with ``Trainer.train()``; the ways:
 
 1. ``defaults``: only batch size, learning rate, steps; padded random batches;
 2. ``group_by_length``: the Trainer's documented length grouping
-   (``train_sampling_strategy="group_by_length"``);
+   (``train_sampling_strategy="group_by_length"``; text only);
 3. ``flattening``: the Trainer's padding-free ``DataCollatorWithFlattening`` (causal LM only);
-4. ``flattening+compile``: the same with ``torch_compile=True``, with ``--compile``;
+4. ``compile`` and ``flattening+compile``: the same with ``torch_compile=True``, with
+   ``--compile``;
 5. ``torchturbo``: ``tune`` on ``recipe_from_trainer`` of the defaults' Trainer, whose
    ``max_steps`` is the job's length, then ``TurboTrainer`` with ``training_arguments`` and the
    written turbo.toml, exactly as docs/integrations.md says (its compile cache included).
+
+``--trainer lightning`` fits the same setups with Lightning (``jobs_lightning.py``): its
+defaults, ``torch.compile(module)`` with ``--compile``, and torchturbo through
+``recipe_from_lightning``, ``trainer_kwargs`` and ``TurboLightningCallback``.
+
+With ``--rounds N`` every short job runs N times, the ways interleaved (A B C, C B A, ...) so
+that a busy spell of a shared machine hits every way alike; a job's figure is its median.
 
 Each job's *predicted* time is its first step + (steps - 1) x its later steps' mean; for the
 torchturbo way the tuner's own prediction (results.json ``job``) is printed beside it. A long
@@ -25,6 +34,7 @@ and warm steps, not measured, unless ``--measure-long`` is given: the short job 
 prediction (predicted against measured).
 
     python benchmarks/peers_jobs.py --steps 96 --json benchmarks/results/peers_jobs.json
+    python benchmarks/peers_jobs.py --trainer lightning --setups llama bert cnn --rounds 3
 """
 
 from __future__ import annotations
@@ -42,6 +52,7 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models from configs only: never reach the Hub
 
 import torch
+from torch import nn
 from transformers import (
     DataCollatorForLanguageModeling,
     DataCollatorForTokenClassification,
@@ -51,10 +62,12 @@ from transformers import (
     Trainer,
     TrainerCallback,
     TrainingArguments,
+    default_data_collator,
 )
 from transformers.utils import logging as hf_logging
 
 sys.path.insert(0, str(Path(__file__).parent))
+import jobs_lightning
 import peers
 
 from torchturbo.config import TurboConfig
@@ -68,9 +81,11 @@ from torchturbo.output.results_file import write_results
 from torchturbo.tune.report import write_report
 from torchturbo.tune.search import TuneOptions, tune
 from torchturbo.workloads.text import VOCAB_SIZE, make_sequences
+from torchturbo.workloads.vision import ResNet, make_images
 
 BATCH_SIZE = 16
-WAYS = ("defaults", "group_by_length", "flattening", "flattening+compile", "torchturbo")
+WAYS = ("defaults", "group_by_length", "flattening", "compile", "flattening+compile", "torchturbo")
+SETUPS = ("llama", "bert", "cnn")
 
 
 def documents(count: int, seed: int = 0) -> list[dict[str, list[int]]]:
@@ -96,6 +111,37 @@ def llama(hidden: int, layers: int) -> LlamaForCausalLM:
         attn_implementation="sdpa",
     )
     return LlamaForCausalLM(config)
+
+
+class ImageClassifier(nn.Module):
+    """The ResNet as the Trainer wants a model: keyword inputs, a dict with the loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = ResNet(10, "batch")
+
+    def forward(self, pixel_values: torch.Tensor, labels: torch.Tensor) -> dict[str, Any]:
+        logits = self.net(pixel_values)
+        return {"loss": torch.nn.functional.cross_entropy(logits, labels), "logits": logits}
+
+
+def images() -> list[dict[str, Any]]:
+    pixels, labels = make_images(1536, jobs_lightning.IMAGE_SIZE, 10, seed=0)
+    return [{"pixel_values": p, "labels": int(y)} for p, y in zip(pixels, labels, strict=True)]
+
+
+def ways_for(setup: str, trainer: str, compile: bool) -> list[str]:
+    """The ways that apply to a setup and a trainer (compile ones only with ``--compile``)."""
+    if trainer == "lightning":
+        ways = list(jobs_lightning.WAYS)
+    else:
+        ways = ["defaults", "compile", "torchturbo"]
+        if setup != "cnn":
+            ways.insert(1, "group_by_length")
+        if setup == "llama":
+            ways[2:2] = ["flattening", "flattening+compile"]
+    return [w for w in ways if compile or "compile" not in w]
 
 
 class Clock(TrainerCallback):
@@ -135,13 +181,17 @@ def trainer_for(
         collator: Any = DataCollatorForLanguageModeling(peers.tokenizer(), mlm=False)
         if way.startswith("flattening"):
             collator = DataCollatorWithFlattening()
+    elif setup == "cnn":
+        dataset = images()
+        model_init = ImageClassifier
+        collator = default_data_collator
     else:
         dataset = peers.make_data(1536, 0).train
         model_init = lambda: peers.model_init(64, 2)  # noqa: E731
         collator = DataCollatorForTokenClassification(peers.tokenizer())
     if way == "group_by_length":
         arguments["train_sampling_strategy"] = "group_by_length"
-    if way == "flattening+compile":
+    if way.endswith("compile"):
         arguments["torch_compile"] = True
     common = {
         "model_init": model_init,
@@ -158,14 +208,18 @@ def trainer_for(
 def child(args: argparse.Namespace) -> None:
     """One job in this (fresh) process; prints its figures as one JSON line."""
     config = TurboConfig.load(args.config) if args.config else None
-    trainer, clock = trainer_for(args.setup, args.child, args.steps, args.out, config)
-    trainer.train()
-    steps = [b - a for a, b in zip([clock.begin, *clock.ends], clock.ends, strict=False)]
+    if args.trainer == "lightning":
+        begin, ends = jobs_lightning.fit_job(args.setup, args.child, args.steps, config)
+    else:
+        trainer, clock = trainer_for(args.setup, args.child, args.steps, args.out, config)
+        trainer.train()
+        begin, ends = clock.begin, clock.ends
+    steps = [b - a for a, b in zip([begin, *ends], ends, strict=False)]
     print(
         "JOB "
         + json.dumps(
             {
-                "job_s": clock.ends[-1] - clock.begin,
+                "job_s": ends[-1] - begin,
                 "first_step_s": steps[0],
                 "later_step_s": statistics.median(steps[1:]) if len(steps) > 1 else None,
                 "steps": len(steps),
@@ -174,9 +228,12 @@ def child(args: argparse.Namespace) -> None:
     )
 
 
-def run_child(setup: str, way: str, steps: int, out: Path, config: Path | None) -> dict[str, Any]:
-    command = [sys.executable, __file__, "--child", way, "--setup", setup]
-    command += ["--steps", str(steps), "--out", str(out / f"{setup}-{way}")]
+def run_child(
+    trainer: str, setup: str, way: str, steps: int, out: Path, config: Path | None
+) -> dict[str, Any]:
+    command = [sys.executable, __file__, "--child", way, "--setup", setup, "--trainer", trainer]
+    command += ["--threads", str(torch.get_num_threads())]
+    command += ["--steps", str(steps), "--out", str(out / f"{trainer}-{setup}-{way}")]
     if config is not None:
         command += ["--config", str(config)]
     done = subprocess.run(command, capture_output=True, text=True, check=False)
@@ -186,15 +243,21 @@ def run_child(setup: str, way: str, steps: int, out: Path, config: Path | None) 
     return json.loads(line.removeprefix("JOB "))
 
 
-def tuned(setup: str, steps: int, budget: float, out: Path) -> tuple[Path, dict[str, Any]]:
-    """tune on recipe_from_trainer of the defaults' Trainer (its max_steps is the horizon);
-    turbo.toml and its compile cache written where ``tune`` writes them."""
-    folder = out / f"{setup}-tune-{steps}"
-    trainer, _ = trainer_for(setup, "defaults", steps, folder / "trainer", None)
+def tuned(
+    trainer: str, setup: str, steps: int, budget: float, out: Path
+) -> tuple[Path, dict[str, Any]]:
+    """tune on the recipe of the defaults' trainer (its max_steps is the horizon); turbo.toml
+    and its compile cache written where ``tune`` writes them."""
+    folder = out / f"{trainer}-{setup}-tune-{steps}"
+    if trainer == "lightning":
+        recipe = jobs_lightning.recipe_for(setup, steps)
+    else:
+        hf, _ = trainer_for(setup, "defaults", steps, folder / "trainer", None)
+        recipe = recipe_from_trainer(hf, name=f"peers-{setup}")
     options = TuneOptions(
         time_budget_s=budget, device="cpu", compile_cache_dir=str(folder / "compile-cache")
     )
-    config, result = tune(recipe_from_trainer(trainer, name=f"peers-{setup}"), options)
+    config, result = tune(recipe, options)
     if config.compile.cache_dir:
         config = config.replace(compile__cache_dir="compile-cache")
     results = result.to_dict()
@@ -213,59 +276,135 @@ def predicted(job: dict[str, Any], steps: int) -> float | None:
 
 
 def measure_setup(setup: str, args: argparse.Namespace) -> dict[str, Any]:
-    """Every way's short job measured (and predicted); the long job predicted from it (and
-    measured with ``--measure-long``). torchturbo is tuned for each horizon: its config for
-    the long job is measured on a short job and predicted from that."""
-    ways = [w for w in args.ways if setup == "llama" or not w.startswith("flattening")]
-    if not args.compile and "flattening+compile" in ways:
-        ways.remove("flattening+compile")
-    short_config, short_tune = tuned(setup, args.steps, args.tune_budget, args.out)
-    long_config, long_tune = tuned(setup, args.long, args.tune_budget, args.out)
+    """Every way's short job measured (``--rounds`` times, interleaved) and predicted; the long
+    job predicted from it (and measured once with ``--measure-long``). torchturbo is tuned for
+    each horizon: its config for the long job is measured on a short job and predicted from
+    that (the ``torchturbo@long`` row)."""
+    ways = [w for w in ways_for(setup, args.trainer, args.compile) if w in args.ways]
+    short_config, short_tune = tuned(args.trainer, setup, args.steps, args.tune_budget, args.out)
+    long_config, long_tune = tuned(args.trainer, setup, args.long, args.tune_budget, args.out)
+    configs = {"torchturbo": short_config, "torchturbo@long": long_config}
+    if "torchturbo" in ways:
+        ways.append("torchturbo@long")
+    runs: dict[str, list[dict[str, Any]]] = {way: [] for way in ways}
+    for round_index in range(args.rounds):
+        for way in ways if round_index % 2 == 0 else ways[::-1]:
+            job = run_child(
+                args.trainer,
+                setup,
+                way.split("@")[0],
+                args.steps,
+                args.out,
+                configs.get(way),
+            )
+            runs[way].append(job)
+            print(f"{args.trainer} {setup} {args.steps} steps, {way}: {job}", flush=True)
     rows: dict[str, Any] = {
+        "trainer": args.trainer,
         "tuned": {str(args.steps): short_tune["adopted"], str(args.long): long_tune["adopted"]},
         "tuner_job": {str(args.steps): short_tune["job"], str(args.long): long_tune["job"]},
         "short": {},
         "long": {},
+        "runs": runs,
     }
-    for way in ways:
-        config = short_config if way == "torchturbo" else None
-        job = run_child(setup, way, args.steps, args.out, config)
-        job["predicted_s"] = predicted(job, args.steps)
-        rows["short"][way] = job
-        print(f"{setup} {args.steps} steps, {way}: {job}", flush=True)
-        base = job
-        if way == "torchturbo":
-            base = run_child(setup, way, args.steps, args.out / "long", long_config)
-        long_job: dict[str, Any] = {"predicted_s": predicted(base, args.long)}
-        if args.measure_long:
-            config = long_config if way == "torchturbo" else None
-            long_job |= run_child(setup, way, args.long, args.out / "long", config)
-        rows["long"][way] = long_job
-        print(f"{setup} {args.long} steps, {way}: {long_job}", flush=True)
+    for way, jobs in runs.items():
+        job = median_job(jobs)
+        long_job: dict[str, Any] = {"predicted_s": predicted(job, args.long)}
+        if way != "torchturbo@long":
+            rows["short"][way] = job | {"predicted_s": predicted(job, args.steps)}
+        if args.measure_long and way != "torchturbo":
+            long_job |= run_child(
+                args.trainer,
+                setup,
+                way.split("@")[0],
+                args.long,
+                args.out / "long",
+                configs.get(way),
+            )
+        if way != "torchturbo":
+            rows["long"][way.split("@")[0]] = long_job
+    print_jobs(f"{args.trainer} {setup}", rows, args.steps, args.long)
     return rows
+
+
+def median_job(jobs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run whose job time is the median of ``jobs`` (the lower one of an even count), with
+    every run's job time beside it; an error when every run failed."""
+    done = sorted((j for j in jobs if "job_s" in j), key=lambda j: j["job_s"])
+    if not done:
+        return jobs[0]
+    return done[(len(done) - 1) // 2] | {"job_s_all": [j["job_s"] for j in done]}
+
+
+def print_jobs(title: str, rows: dict[str, Any], short: int, long: int) -> None:
+    """A table of the jobs: measured and predicted seconds, and torchturbo's ratios."""
+    print(f"\n{title}: whole jobs, fresh processes (seconds)")
+    print(f"{'way':<20} {short:>6} steps {'predicted':>10} {long:>6} steps")
+    for way, job in rows["short"].items():
+        long_job = rows["long"].get(way, {})
+        long_s = long_job.get("job_s", long_job.get("predicted_s"))
+        kind = "" if "job_s" in long_job else " (predicted)"
+        print(
+            f"{way:<20} {_seconds(job.get('job_s')):>12} {_seconds(job.get('predicted_s')):>10} "
+            f"{_seconds(long_s):>12}{kind}"
+        )
+    for horizon in ("short", "long"):
+        figures = {
+            way: job.get("job_s", job.get("predicted_s")) for way, job in rows[horizon].items()
+        }
+        ours = figures.pop("torchturbo", None)
+        peers_best = min(
+            ((s, w) for w, s in figures.items() if s is not None and w != "defaults"),
+            default=None,
+        )
+        if ours is None or figures.get("defaults") is None:
+            continue
+        line = f"{horizon} job: torchturbo {figures['defaults'] / ours:.2f}x the defaults"
+        if peers_best is not None:
+            line += f", {peers_best[0] / ours:.2f}x the best other way ({peers_best[1]})"
+        print(line)
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--setups", nargs="+", choices=("llama", "bert"), default=["llama"])
+    parser.add_argument("--trainer", choices=("hf", "lightning"), default="hf")
+    parser.add_argument("--setups", nargs="+", choices=SETUPS, default=["llama"])
+    parser.add_argument("--rounds", type=int, default=1, help="runs of each short job (1)")
     parser.add_argument("--steps", type=int, default=96, help="the short job (96 steps)")
     parser.add_argument("--long", type=int, default=3000, help="the long job, predicted (3000)")
     parser.add_argument("--measure-long", action="store_true", help="measure the long job too")
-    parser.add_argument("--compile", action="store_true", help="include flattening+compile")
+    parser.add_argument("--compile", action="store_true", help="include the compile ways")
     parser.add_argument("--ways", nargs="+", choices=WAYS, default=list(WAYS), help="(all)")
     parser.add_argument("--tune-budget", type=float, default=240.0, help="seconds per tune")
     parser.add_argument("--out", type=Path, default=Path("peers-jobs-out"))
     parser.add_argument("--json", type=Path)
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads of the tuner and of every job (default 1: on a shared 2-core "
+        "machine two OpenMP threads wait on each other whenever one is descheduled; a BERT "
+        "step took 3.2 s instead of 0.2 s at load 5)",
+    )
     parser.add_argument("--child", choices=WAYS, help=argparse.SUPPRESS)
     parser.add_argument("--setup", default="llama", help=argparse.SUPPRESS)
     parser.add_argument("--config", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if min(args.steps, args.long, args.rounds, args.threads) < 1:
+        parser.error("--steps, --long, --rounds and --threads must be >= 1")
+    torch.set_num_threads(args.threads)
     hf_logging.set_verbosity_error()
     if args.child:
         child(args)
         return
     payload: dict[str, Any] = {
         "torch": torch.__version__,
+        "trainer": args.trainer,
+        "threads": args.threads,
         "load_average_before": os.getloadavg(),
         "setups": {},
     }

@@ -1,0 +1,172 @@
+"""The Lightning side of ``peers_jobs.py``: the same setups as a user writes them for Lightning.
+
+Each setup is a LightningModule and a LightningDataModule written the plain way (a shuffled
+DataLoader of batch 16 and the setup's collator): the Llama causal LM and the BERT tagger of
+``peers_jobs.py`` (their Hugging Face models inside the module, ``training_step`` returning the
+model's loss), and the ``vision`` workload's ResNet on 32 px images. The ways:
+
+1. ``defaults``: ``L.Trainer(max_steps=...)``, fp32;
+2. ``compile``: ``torch.compile(module)`` as Lightning's speed guide shows (with ``--compile``);
+3. ``torchturbo``: ``tune`` on ``recipe_from_lightning(module, datamodule, trainer=...)``, whose
+   ``max_steps`` is the job's length, then exactly what docs/integrations.md says:
+   ``trainer_kwargs(config)``, ``TurboLightningCallback(config)``, and, when the config trains
+   on length buckets, the DataLoader built with ``batch_sampler=BucketBatchSampler(...)`` as the
+   translation's note asks (Lightning uses the user's DataLoaders as they are).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import lightning.pytorch as pl
+import peers
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+from transformers import DataCollatorForLanguageModeling, DataCollatorForTokenClassification
+
+from torchturbo.config import TurboConfig
+from torchturbo.data import BucketBatchSampler
+from torchturbo.integrations.lengths import sample_lengths, token_budget
+from torchturbo.integrations.lightning import (
+    TurboLightningCallback,
+    recipe_from_lightning,
+    trainer_kwargs,
+)
+from torchturbo.measure.timing import sync
+from torchturbo.recipe import Recipe
+from torchturbo.workloads.vision import ResNet, make_images
+
+BATCH_SIZE = 16
+#: The ``cnn`` setup's image side: 32 px keeps a step under a second on 2 shared cores.
+IMAGE_SIZE = 32
+WAYS = ("defaults", "compile", "torchturbo")
+
+
+class TextModule(pl.LightningModule):
+    """A Hugging Face model in a LightningModule: its loss is the training step's."""
+
+    def __init__(self, setup: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)  # every way starts from the same weights
+        if setup == "llama":
+            import peers_jobs
+
+            self.model: Any = peers_jobs.llama(64, 2)
+        else:
+            self.model = peers.model_init(64, 2)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.model(**batch).loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+class VisionModule(pl.LightningModule):
+    """The ``vision`` workload's ResNet in a LightningModule."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = ResNet(10, "batch")
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        images, labels = batch
+        return F.cross_entropy(self.net(images), labels)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+class Data(pl.LightningDataModule):
+    """The setup's training set in a shuffled DataLoader, or in length buckets when the tuned
+    config asks for them (``config``)."""
+
+    def __init__(self, setup: str, config: TurboConfig | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.collate: Any = None
+        if setup == "cnn":
+            images, labels = make_images(1536, IMAGE_SIZE, 10, seed=0)
+            self.train: Any = TensorDataset(images, labels)
+        elif setup == "llama":
+            import peers_jobs
+
+            self.train = peers_jobs.documents(1536)
+            self.collate = DataCollatorForLanguageModeling(peers.tokenizer(), mlm=False)
+        else:
+            self.train = peers.make_data(1536, 0).train
+            self.collate = DataCollatorForTokenClassification(peers.tokenizer())
+
+    def train_dataloader(self) -> DataLoader:
+        if self.config is not None and self.config.data.bucketing:
+            lengths = sample_lengths(self.train)
+            assert lengths is not None, "length buckets were adopted on a dataset without lengths"
+            budget = self.config.data.max_tokens or token_budget(lengths, BATCH_SIZE)
+            sampler = BucketBatchSampler(lengths, max_tokens=budget, seed=0)
+            return DataLoader(self.train, batch_sampler=sampler, collate_fn=self.collate)
+        generator = torch.Generator().manual_seed(0)
+        return DataLoader(
+            self.train,
+            batch_size=BATCH_SIZE,
+            shuffle=True,
+            generator=generator,
+            collate_fn=self.collate,
+        )
+
+
+def module_for(setup: str) -> pl.LightningModule:
+    return VisionModule() if setup == "cnn" else TextModule(setup)
+
+
+class StepClock(pl.Callback):
+    """Train start and every training batch's end (one optimizer step), the device synced."""
+
+    def __init__(self) -> None:
+        self.begin = 0.0
+        self.ends: list[float] = []
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.begin = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        sync(trainer.strategy.root_device)
+        self.ends.append(time.perf_counter())
+
+
+def trainer(steps: int, callbacks: list[pl.Callback], **kwargs: Any) -> pl.Trainer:
+    """A quiet CPU Trainer of ``steps`` steps; ``kwargs`` (torchturbo's) win over these."""
+    settings: dict[str, Any] = {
+        "accelerator": "cpu",
+        "devices": 1,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+    }
+    return pl.Trainer(max_steps=steps, callbacks=callbacks, **(settings | kwargs))
+
+
+def fit_job(
+    setup: str, way: str, steps: int, config: TurboConfig | None
+) -> tuple[float, list[float]]:
+    """One job of ``steps`` optimizer steps: its start and every step's end."""
+    module = trained = module_for(setup)
+    clock = StepClock()
+    callbacks: list[pl.Callback] = [clock]
+    kwargs: dict[str, Any] = {}
+    if way == "compile":
+        trained = torch.compile(module)  # Lightning unwraps it; the weights are module's
+    elif way == "torchturbo" and config is not None:
+        kwargs = trainer_kwargs(config).kwargs
+        callbacks.append(TurboLightningCallback(config))
+    data = Data(setup, config if way == "torchturbo" else None)
+    trainer(steps, callbacks, **kwargs).fit(trained, datamodule=data)
+    return clock.begin, clock.ends
+
+
+def recipe_for(setup: str, steps: int) -> Recipe:
+    """What the tuner measures: the module and its data, the job's length from the Trainer."""
+    return recipe_from_lightning(module_for(setup), Data(setup), trainer=trainer(steps, []))
