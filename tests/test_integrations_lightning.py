@@ -187,6 +187,58 @@ def test_recipe_from_lightning_builds_the_modules_optimizer_and_benches():
     assert rows[1].notes == {} and all(r.throughput > 0 for r in rows)
 
 
+class Tagger(pl.LightningModule):
+    """A user's token tagger: dict batches of padded ids and per-token labels (-100 on pads)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(16, 8)
+        self.head = nn.Linear(8, 3)
+
+    def training_step(self, batch, batch_idx):
+        logits = self.head(self.embed(batch["input_ids"]))
+        return F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def pad_tags(samples: list[dict]) -> dict[str, torch.Tensor]:
+    longest = max(len(s["input_ids"]) for s in samples)
+    ids = torch.zeros(len(samples), longest, dtype=torch.long)
+    labels = torch.full((len(samples), longest), -100)
+    for row, sample in enumerate(samples):
+        ids[row, : len(sample["input_ids"])] = torch.tensor(sample["input_ids"])
+        labels[row, : len(sample["labels"])] = torch.tensor(sample["labels"])
+    return {"input_ids": ids, "labels": labels}
+
+
+class Tags(pl.LightningDataModule):
+    def setup(self, stage: str) -> None:
+        self.data = [
+            {"input_ids": [1 + (i + j) % 15 for j in range(n)], "labels": [j % 3 for j in range(n)]}
+            for i, n in enumerate([3, 9, 2, 7, 5, 12, 4, 6])
+        ]
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.data, batch_size=4, collate_fn=pad_tags)
+
+
+def test_token_batches_are_counted_in_tokens_and_images_in_samples():
+    """Length buckets hold more short samples or fewer long ones: a tagger's recipe must count
+    its labels that count, or the tuner would compare bucketed batches by samples."""
+    recipe = recipe_from_lightning(Tagger(), Tags())
+    assert recipe.count_unit == "tokens" and recipe.lengths == [3, 9, 2, 7, 5, 12, 4, 6]
+    model, _ = recipe.build()
+    datamodule = Tags()
+    datamodule.setup("fit")
+    batch = pad_tags(datamodule.data[:4])
+    loss, count = recipe.loss_fn(model, batch)
+    assert int(count) == 3 + 9 + 2 + 7 and loss.dim() == 0
+    assert recipe_from_lightning(Classifier(), Images()).count_unit == "samples"
+
+
 def test_recipes_refuse_what_torchturbo_cannot_step():
     class Manual(Classifier):
         def __init__(self) -> None:

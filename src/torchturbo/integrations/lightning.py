@@ -22,6 +22,7 @@ import contextlib
 import copy
 import math
 import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -36,6 +37,7 @@ except ImportError as err:  # pragma: no cover - exercised only without the extr
     ) from err
 
 from torchturbo.config import DistributedConfig, TurboConfig
+from torchturbo.data.collate import IGNORE_INDEX
 from torchturbo.data.length import length_or_none
 from torchturbo.distributed.ddp import COMM_HOOKS, check_comm_hook
 from torchturbo.integrations.lengths import sample_lengths
@@ -148,7 +150,10 @@ def recipe_from_lightning(
     ``training_step(batch, 0)`` and takes its loss (``self.log`` calls are dropped: no Trainer
     is attached). Data, batch size and collate come from the datamodule's (else the module's)
     ``train_dataloader``, after ``prepare_data`` and ``setup("fit")`` as Lightning calls them;
-    lengths from the dataset's "length" or ``input_ids`` when its items have them.
+    lengths from the dataset's "length" or ``input_ids`` when its items have them. Batches of
+    per-token labels (a 2-D ``labels`` tensor) are counted in tokens, the labels that are not
+    -100, so that the tuner compares length buckets, which hold more short samples or fewer
+    long ones, by the work done rather than by samples (see :func:`token_count`).
 
     The job's length (the tuner weighs compile time against it) is ``planned_steps`` (batches
     per process) when given, else what ``trainer`` will run: its ``max_steps`` or
@@ -169,6 +174,7 @@ def recipe_from_lightning(
             "the train DataLoader has no batch_size (a custom batch_sampler?): torchturbo "
             "draws its own batches and needs the number of samples per batch"
         )
+    per_token = token_count(next(iter(loader), None)) is not None
     template = _single_optimizer(module.configure_optimizers())
     initial = copy.deepcopy(module)
     built: list[nn.Module] = []
@@ -185,11 +191,12 @@ def recipe_from_lightning(
         name=type(module).__name__,
         model=make_model,
         optimizer=make_optimizer,
-        loss_fn=training_step_loss,
+        loss_fn=training_step_token_loss if per_token else training_step_loss,
         dataset=loader.dataset,
         batch_size=loader.batch_size,
         collate=loader.collate_fn,
         lengths=sample_lengths(loader.dataset),
+        count_unit="tokens" if per_token else "samples",
         **_planned(trainer, planned_steps, length_or_none(loader)),
     )
 
@@ -245,6 +252,26 @@ def training_step_loss(model: nn.Module, batch: Any) -> torch.Tensor:
             "needs the loss (a tensor, or a dict with 'loss') from every step"
         )
     return loss
+
+
+def token_count(batch: Any) -> torch.Tensor | None:
+    """The labels of ``batch`` that count (not -100) when it is a mapping with a 2-D ``labels``
+    tensor (one label per token); None for any other batch."""
+    labels = batch.get("labels") if isinstance(batch, Mapping) else None
+    if not isinstance(labels, torch.Tensor) or labels.dim() < 2:
+        return None
+    return (labels != IGNORE_INDEX).sum()
+
+
+def training_step_token_loss(model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """``training_step``'s loss and the batch's token count (:func:`token_count`)."""
+    count = token_count(batch)
+    if count is None:
+        raise RecipeError(
+            "this recipe counts tokens, but a batch has no 2-D 'labels' tensor: every batch of a "
+            "DataLoader must be of one kind"
+        )
+    return training_step_loss(model, batch), count
 
 
 def _single_optimizer(configured: Any) -> torch.optim.Optimizer:
