@@ -50,6 +50,10 @@ _HEAD_ARGUMENTS = ("labels", "logits_to_keep", "num_items_in_batch", "shift_labe
 #: patch: float32 sums in another order differ by ~1e-6; a soft-capped or scaled head by far more.
 _CHECK_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-8}
 _HALF_CHECK_TOLERANCE = 2e-2
+#: Config fields of models whose forward changes the logits after the head (Gemma-2's
+#: soft-capping, Cohere's and Granite's scaling): refused outright, since on a freshly
+#: initialised model the logits are too small for the check to see soft-capping.
+_LOGIT_CHANGES = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -96,6 +100,17 @@ def _head_and_body(model: nn.Module) -> tuple[nn.Linear | None, nn.Module | None
     body = getattr(model, "base_model", model)
     if body is model or not isinstance(body, nn.Module):
         return None, None, "the model has no base model (base_model_prefix) to run under the head"
+    config = getattr(model, "config", None)
+    changes = [name for name in _LOGIT_CHANGES if getattr(config, name, None) is not None]
+    if changes:
+        return (
+            None,
+            None,
+            (
+                f"its forward changes the logits after the head ({', '.join(changes)}): chunking "
+                "the plain head's cross-entropy would train another loss"
+            ),
+        )
     return head, body, ""
 
 
