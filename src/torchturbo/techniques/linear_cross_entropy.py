@@ -124,6 +124,15 @@ def _loss_only(
     return total
 
 
+def _accumulate_product(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``total += a @ b``, in place where the dtypes allow (no ``[vocab x hidden]`` temporary);
+    under autocast the product runs in its dtype and is added to the float32 total."""
+    if a.dtype == b.dtype == total.dtype and not torch.is_autocast_enabled(total.device.type):
+        total.addmm_(a, b)
+    else:
+        total += a @ b
+
+
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """The summed loss over the kept tokens; its gradients are computed in the forward."""
 
@@ -152,19 +161,26 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             stop = start + chunk_tokens
             chunk = hidden[start:stop]
             logits = _chunk_logits(chunk, weight, bias)
-            losses, lse, kept = _token_losses(logits, labels[start:stop], ignore_index)
-            total += losses.sum()
-            # d(loss)/d(logits) = softmax - one_hot(label), zero on ignored tokens; built in
-            # the logits' own buffer, so a chunk holds one [chunk x vocab] matrix at a time.
-            grad_logits = logits.sub_(lse.unsqueeze(1)).exp_()
+            chunk_labels = labels[start:stop]
+            kept = chunk_labels != ignore_index
+            targets = torch.where(kept, chunk_labels, 0)
+            target_logits = logits.gather(1, targets.unsqueeze(1)).squeeze(1)
+            # The softmax in the logits' own buffer, one exp per element, no temporary: a
+            # chunk holds one [chunk x vocab] matrix at a time.
+            peak = logits.amax(dim=1, keepdim=True)
+            sums = logits.sub_(peak).exp_().sum(dim=1)
+            lse = peak.squeeze(1) + sums.log()
+            total += torch.where(kept, lse - target_logits, 0.0).sum()
+            # d(loss)/d(logits) = softmax - one_hot(label), zero on ignored tokens.
+            grad_logits = logits.div_(sums.unsqueeze(1))
             rows = kept.nonzero().squeeze(1)
-            grad_logits[rows, labels[start:stop][rows]] -= 1.0
-            grad_logits.mul_(kept.unsqueeze(1))
+            grad_logits[rows, chunk_labels[rows]] -= 1.0
+            grad_logits.index_fill_(0, (~kept).nonzero().squeeze(1), 0.0)
             compute = grad_logits.to(chunk.dtype)
             if grad_hidden is not None:
                 grad_hidden[start:stop] = compute @ weight
             if grad_weight is not None:
-                grad_weight += compute.t() @ chunk
+                _accumulate_product(grad_weight, compute.t(), chunk)
             if grad_bias is not None:
                 grad_bias += grad_logits.sum(0)
         ctx.has = (grad_hidden is not None, grad_weight is not None, grad_bias is not None)
