@@ -250,3 +250,19 @@ def test_the_facts_measure_the_logits_and_the_stage_proposes_by_their_share() ->
     small = chunked_loss_stage(context(0.1))
     assert isinstance(small, list) and "too small a share" in str(small[0].not_applicable)
     assert "80%" in expectation(context(0.8).facts).evidence
+
+
+def test_a_language_model_inside_a_wrapper_is_found_and_named() -> None:
+    """A LightningModule (or any wrapper) holding the HF model: the model inside is patched."""
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lm = tiny_llama()
+
+    wrapper = Wrapper()
+    result = apply_chunked_loss(wrapper)
+    assert result.applied and result.targets == ("lm",), result
+    assert getattr(wrapper.lm, CHUNKED_MARK) and not hasattr(wrapper, CHUNKED_MARK)
+    output = wrapper.lm(**token_batches(1)[0])
+    assert output.logits is None and output.loss is not None

@@ -2,8 +2,9 @@
 
 A Hugging Face causal LM computes ``lm_head(hidden)`` for every token and then the
 cross-entropy of those float32 logits: at a 128k vocabulary they dominate training memory.
-:func:`apply_chunked_loss` replaces the model's ``forward`` on the instance (parameters and
-``state_dict`` keys are unchanged) so that, when labels are passed with gradients enabled, it
+:func:`apply_chunked_loss` replaces the model's ``forward`` on the instance (that of each
+outermost causal LM a wrapper such as a LightningModule holds; parameters and ``state_dict``
+keys are unchanged) so that, when labels are passed with gradients enabled, it
 runs the model's body, shifts the labels as ``transformers``' ``ForCausalLMLoss`` does and
 computes the loss with :func:`~torchturbo.techniques.linear_cross_entropy.linear_cross_entropy`
 on the output embeddings' weight (tied or not) and bias; the output then carries the loss and
@@ -72,12 +73,40 @@ class ChunkedLossConfig:
 
 
 def apply_chunked_loss(model: nn.Module, chunk_tokens: int = CHUNK_TOKENS) -> TechniqueResult:
-    """Make a causal LM compute its training loss in chunks (see the module docstring)."""
+    """Make every outermost causal LM in ``model`` (itself, or one a LightningModule or another
+    wrapper holds) compute its training loss in chunks; the result's targets are their names
+    ("" for ``model`` itself). See the module docstring."""
+    found = _language_models(model)
+    if not found:
+        return not_applied(
+            "chunked_loss", "the model has no linear LM head (get_output_embeddings)"
+        )
+    reasons = {name: _patch(module, chunk_tokens) for name, module in found}
+    targets = tuple(name for name, why in reasons.items() if not why)
+    if not targets:
+        return not_applied("chunked_loss", "; ".join(why for why in reasons.values()))
+    return applied("chunked_loss", targets)
+
+
+def _language_models(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The outermost modules with a linear output embedding, by qualified name."""
+    found: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if any(name.startswith(f"{outer}.") or not outer for outer, _ in found):
+            continue
+        get_head = getattr(module, "get_output_embeddings", None)
+        if callable(get_head) and isinstance(get_head(), nn.Linear):
+            found.append((name, module))
+    return found
+
+
+def _patch(model: nn.Module, chunk_tokens: int) -> str:
+    """Replace the causal LM's forward by the chunked one; why not, or "" when done."""
     if getattr(model, CHUNKED_MARK, False):
-        return applied("chunked_loss")
+        return ""
     head, body, why = _head_and_body(model)
     if why:
-        return not_applied("chunked_loss", why)
+        return why
     assert head is not None and body is not None
     original = model.forward
     patched = functools.wraps(original)(
@@ -85,10 +114,10 @@ def apply_chunked_loss(model: nn.Module, chunk_tokens: int = CHUNK_TOKENS) -> Te
     )
     mismatch = _check(model, head, original, patched)
     if mismatch:
-        return not_applied("chunked_loss", mismatch)
+        return mismatch
     model.forward = patched
     setattr(model, CHUNKED_MARK, True)
-    return applied("chunked_loss")
+    return ""
 
 
 def _head_and_body(model: nn.Module) -> tuple[nn.Linear | None, nn.Module | None, str]:
