@@ -188,7 +188,7 @@ SETTINGS: dict[str, Setting] = {
         tolerance=1e-5,
         took_effect=_chunked,
         stacks="it changes a causal LM's loss, a model the other settings do not train: its "
-        "composition with bf16, checkpointing and compile is tested in tests/test_chunked_loss.py",
+        "composition with bf16 and checkpointing is tested in tests/test_chunked_loss.py",
         lm=True,
     ),
 }

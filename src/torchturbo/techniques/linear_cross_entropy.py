@@ -80,7 +80,10 @@ def linear_cross_entropy(
 
 
 def _check_labels(labels: torch.Tensor, vocab: int, ignore_index: int) -> None:
-    """Refuse a label outside the vocabulary, as ``cross_entropy`` does (one sync per call)."""
+    """Refuse a label outside the vocabulary, as ``cross_entropy`` does (one sync per call;
+    skipped while torch.compile traces, where reading a value would break the graph)."""
+    if torch.compiler.is_compiling():
+        return
     kept = labels[labels != ignore_index]
     if kept.numel() and (int(kept.min()) < 0 or int(kept.max()) >= vocab):
         bad = int(kept.min()) if int(kept.min()) < 0 else int(kept.max())
