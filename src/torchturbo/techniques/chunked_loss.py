@@ -153,9 +153,14 @@ def _chunked_forward(
     **kwargs: Any,
 ) -> Any:
     arguments = _named_arguments(original, args, kwargs)
-    labels = arguments.get("labels")
-    if labels is None or not torch.is_grad_enabled() or arguments.get("logits_to_keep", 0):
+    if (
+        arguments is None
+        or arguments.get("labels") is None
+        or not torch.is_grad_enabled()
+        or arguments.get("logits_to_keep", 0)
+    ):
         return original(*args, **kwargs)
+    labels = arguments["labels"]
     return_dict = arguments.pop("return_dict", None)
     outputs = body(**_body_arguments(body, arguments))
     loss = causal_lm_loss(
@@ -174,13 +179,16 @@ def _chunked_forward(
 
 def _named_arguments(
     forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> dict[str, Any]:
-    """The call's arguments by name, those taken by ``**kwargs`` among them."""
+) -> dict[str, Any] | None:
+    """The call's arguments by name, those taken by ``**kwargs`` among them; None when some
+    went to ``*args`` and have no name to pass on by."""
     signature = inspect.signature(forward)
     arguments = dict(signature.bind(*args, **kwargs).arguments)
     for name, parameter in signature.parameters.items():
         if parameter.kind is inspect.Parameter.VAR_KEYWORD:
             arguments |= arguments.pop(name, {})
+        elif parameter.kind is inspect.Parameter.VAR_POSITIONAL and arguments.pop(name, ()):
+            return None
     return arguments
 
 
