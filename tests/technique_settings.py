@@ -68,6 +68,9 @@ class Setting:
     excludes: dict[str, str] = field(default_factory=dict)
     #: It trains through ``Turbo.setup``'s loader on variable-length samples (data techniques).
     data: bool = False
+    #: It trains a tiny causal language model (Llama, built from a config) on token batches
+    #: with labels, and its loss is the model's own (the loss techniques).
+    lm: bool = False
     #: Its runs compile (tens of seconds): marked slow.
     slow: bool = False
 
@@ -91,6 +94,11 @@ def _stores_compressed(run: Run) -> bool:
     with run.turbo.switches(), saved_tensor_packer(look, lambda value: value):
         run.turbo.forward(run.loss_fn, run.batch)
     return torch.bfloat16 in stored
+
+
+def _chunked(run: Run) -> bool:
+    """Whether the loss came from the chunked path: applied, and no step saw full logits."""
+    return _applied(run, "chunked_loss") and all(p["logits"] is None for p in run.probes)
 
 
 def _compile_cache() -> dict[str, Any]:
@@ -174,12 +182,52 @@ SETTINGS: dict[str, Setting] = {
             for name in ("compile", "compile_cache")
         },
     ),
+    "chunked_loss": Setting(
+        on={"chunked_loss__enabled": True, "chunked_loss__chunk_tokens": 7},
+        # The same float32 sums in other orders (chunks of 7 tokens, gradients accumulated).
+        tolerance=1e-5,
+        took_effect=_chunked,
+        stacks="it changes a causal LM's loss, a model the other settings do not train: its "
+        "composition with bf16 and checkpointing is tested in tests/test_chunked_loss.py",
+        lm=True,
+    ),
 }
 
 
 def model_for(setting: Setting) -> nn.Module:
     """The model each step technique trains: convolutions and Linears."""
+    if setting.lm:
+        return tiny_llama()
     return TokenClassifier() if setting.data else ConvNet()
+
+
+def tiny_llama(vocab: int = 96, tied: bool = False) -> nn.Module:
+    """A two-layer LlamaForCausalLM built from a config (no download)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        tie_word_embeddings=tied,
+    )
+    return LlamaForCausalLM(config)
+
+
+def token_batches(steps: int, vocab: int = 96) -> list[dict[str, torch.Tensor]]:
+    """Causal-LM batches of 2 x 12 tokens, labels the inputs with a padded tail ignored."""
+    generator = torch.Generator().manual_seed(2)
+    batches = []
+    for _ in range(steps):
+        ids = torch.randint(vocab, (2, 12), generator=generator)
+        labels = ids.clone()
+        labels[1, 9:] = -100
+        batches.append({"input_ids": ids, "labels": labels})
+    return batches
 
 
 class TokenClassifier(nn.Module):

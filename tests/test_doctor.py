@@ -324,3 +324,31 @@ def test_dataset_facts_see_transforms_and_memory_mapped_files(tmp_path):
     assert dataset_facts(WithTransform(*tensors)).transforms == ["transform"]
     mapped = dataset_facts(MemmapDataset(write_memmap(TensorDataset(*tensors), tmp_path / "m")))
     assert mapped.memmapped and not mapped.in_ram
+
+
+def test_an_lm_heads_logits_are_reported_in_memory_analysis_and_as_a_lever(misaligned):
+    """A causal LM: the memory item gives its logits' share of the activations, and the chunked
+    loss lever is ranked from it; the MLP (no LM head) shows neither (negative control)."""
+    from technique_settings import tiny_llama, token_batches
+
+    samples = [
+        {"input_ids": ids, "labels": labels}
+        for batch in token_batches(4, vocab=2048)
+        for ids, labels in zip(batch["input_ids"], batch["labels"], strict=True)
+    ]
+    recipe = _recipe(
+        "llm",
+        lambda: tiny_llama(vocab=2048),
+        samples,
+        batch_size=4,
+        loss_fn=lambda model, batch: model(**batch).loss,
+    )
+    result = diagnose(recipe, device="cpu", profile_steps=1)
+    memory = result.item("memory analysis").evidence
+    assert "the LM head's float32 logits 384.0 KiB" in memory, memory
+    assert "[chunked_loss] enabled = true" in memory
+    lever = next(lever for lever in result.levers if lever.name == "chunked loss")
+    assert lever.expected_gain and "the float32 logits take" in lever.evidence
+    assert "logits" not in misaligned.item("memory analysis").evidence
+    lever = next(lever for lever in misaligned.levers if lever.name == "chunked loss")
+    assert lever.expected_gain is None and "no [tokens x vocab] logits" in lever.evidence

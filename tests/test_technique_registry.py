@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 import torch
-from technique_settings import SETTINGS, Run, Setting, model_for
+from technique_settings import SETTINGS, Run, Setting, model_for, token_batches
 
 from torchturbo import Turbo, TurboConfig
 from torchturbo.config import ConfigError
@@ -81,6 +81,9 @@ def train(config: TurboConfig, setting: Setting, *, break_model: bool = False) -
         )
         assert loader is not None
         batches: list[Any] = list(loader)
+    elif setting.lm:
+        model, optimizer, _ = turbo.setup(model, optimizer)
+        batches = token_batches(STEPS)
     else:
         model, optimizer, _ = turbo.setup(model, optimizer)
         generator = torch.Generator().manual_seed(1)
@@ -100,6 +103,12 @@ def train(config: TurboConfig, setting: Setting, *, break_model: bool = False) -
             def loss_fn(m: torch.nn.Module, b: dict[str, torch.Tensor]) -> Any:
                 logits = _probe(m, b["input_ids"], probes)
                 return torch.nn.functional.cross_entropy(logits.float(), b["label"])
+        elif setting.lm:
+
+            def loss_fn(m: torch.nn.Module, b: dict[str, torch.Tensor]) -> Any:
+                output = m(**b)
+                probes.append({"output_dtype": output.loss.dtype, "logits": output.logits})
+                return output.loss
         else:
 
             def loss_fn(m: torch.nn.Module, b: tuple[torch.Tensor, torch.Tensor]) -> Any:

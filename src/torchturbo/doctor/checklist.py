@@ -436,8 +436,22 @@ def _memory(f: Findings) -> Verdict:
         "applied",
         f"measured here: {_memory_text(f)} ({kind}); activations held for backward "
         f"{format_bytes(f.model.activation_bytes)}; parameters "
-        f"{_count(f.model.num_params)}",
+        f"{_count(f.model.num_params)}{_logits_text(f)}",
         None,
+    )
+
+
+def _logits_text(f: Findings) -> str:
+    """The LM head's logits against the activations, where the model has such a head."""
+    if f.logits_bytes is None:
+        return ""
+    share = f.logits_bytes / max(f.model.activation_bytes, f.logits_bytes)
+    advice = " ([chunked_loss] enabled = true computes the loss without them)"
+    if f.config.section("chunked_loss").enabled:
+        advice = " (the loss is chunked: they are never all held)"
+    return (
+        f"; the LM head's float32 logits {format_bytes(f.logits_bytes)}, {share:.0%} of the "
+        f"activations{advice}"
     )
 
 

@@ -116,6 +116,7 @@ def diagnose(
             if recipe.lengths is not None
             else None
         ),
+        logits_bytes=machine.logits_bytes,
     )
     return Diagnosis(
         workload=recipe.name,

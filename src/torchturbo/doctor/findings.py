@@ -58,6 +58,9 @@ class Findings:
     fold: Gain | None
     #: Padding share of random and of length-sorted batches, when the recipe has lengths.
     padding: tuple[float, float] | None
+    #: Bytes of the linear LM head's float32 logits in one forward (``Facts.logits_bytes``);
+    #: None for a model without one.
+    logits_bytes: int | None = None
 
     @property
     def step_seconds(self) -> float:

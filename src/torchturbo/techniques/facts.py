@@ -5,7 +5,9 @@
   runs bf16 ~80x slower, and TF32 is a CUDA tensor-core mode that changes nothing on a CPU;
 * the padding of random batches and of length-bucketed ones, from the recipe's lengths;
 * the share of the forward's FLOPs in 2-D convolutions (``FlopCounterMode``), and whether batch
-  shapes vary (compile then recompiles).
+  shapes vary (compile then recompiles);
+* for a model with a linear LM head (``get_output_embeddings``), the bytes of its float32
+  logits in one forward and the bytes that forward holds for backward (``measure.memory``).
 
 ``levers`` turns them into expected gains.
 """
@@ -21,6 +23,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from torchturbo.data.bucketing import padding_fractions
+from torchturbo.measure.memory import activation_bytes
 from torchturbo.measure.native import emulated, gemm_speedup
 from torchturbo.recipe import Recipe
 from torchturbo.techniques.nhwc import has_2d_convolutions
@@ -51,6 +54,11 @@ class Facts:
     comm_share: float | None = None
     #: The optimizer step's share of a training step, from the baseline's phases; None unknown.
     optimizer_share: float | None = None
+    #: Bytes of the linear LM head's logits in one forward, as float32 (tokens x vocab x 4: the
+    #: loss upcasts them); None for a model without such a head, or whose head was not run.
+    logits_bytes: int | None = None
+    #: Bytes that forward holds for backward (parameters excluded); None without an LM head.
+    activation_bytes: int | None = None
 
 
 def gemm_speedups(device: torch.device) -> dict[str, float]:
@@ -76,6 +84,22 @@ def conv_flop_share(forward: Callable[[], Any]) -> float:
 
 def leaf_module_count(model: nn.Module) -> int:
     return sum(1 for module in model.modules() if not any(True for _ in module.children()))
+
+
+def lm_head_census(model: nn.Module, forward: Callable[[], Any]) -> tuple[int | None, int | None]:
+    """(float32 bytes of the linear LM head's logits, bytes held for backward) over one
+    ``forward()``; (None, None) when the model has no linear output embeddings."""
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    if not isinstance(head, nn.Linear):
+        return None, None
+    seen: list[int] = []
+    handle = head.register_forward_hook(lambda module, args, output: seen.append(output.numel()))
+    try:
+        held = activation_bytes(forward, model=model)
+    finally:
+        handle.remove()
+    return (4 * sum(seen) if seen else None), held
 
 
 def shape_key(batch: Any) -> tuple[Any, ...]:
@@ -106,6 +130,7 @@ def gather(
     if recipe.lengths is not None:
         padding = padding_fractions(recipe.lengths, recipe.batch_size, recipe.seed)
     convolutions = has_2d_convolutions(model)
+    logits, held = lm_head_census(model, forward)
     return Facts(
         device=str(device),
         gemm_speedup=gemm_speedups(device),
@@ -117,4 +142,6 @@ def gather(
         shapes_vary=len({shape_key(batch) for batch in batches}) > 1,
         comm_share=comm_share,
         optimizer_share=optimizer_share,
+        logits_bytes=logits,
+        activation_bytes=held,
     )
