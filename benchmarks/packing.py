@@ -86,8 +86,14 @@ def main() -> int:
     parser.add_argument("--batch-size", type=int, default=8, help="rows per random batch")
     parser.add_argument("--repeats", type=int, default=5, help="interleaved rounds (default 5)")
     parser.add_argument("--tune-budget", type=float, default=120.0, help="tuner seconds")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="intra-op threads (default 1: see below)"
+    )
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args()
+    # On a shared machine, OpenMP threads competing with other jobs for a core make steps many
+    # times slower at random (docs/techniques/dynamic_batching.md): one thread keeps ratios.
+    torch.set_num_threads(args.threads)
     job = recipe(args.samples, args.median, args.batch_size)
     base = TurboConfig(device="cpu")
     configs = {

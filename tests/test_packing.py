@@ -308,7 +308,7 @@ def test_packing_and_bucketing_exclude_each_other():
     assert CPU.replace(data__packing=True, data__max_tokens=256).data.max_tokens == 256
 
 
-def _lm_dataset(n: int = 48) -> tuple[list[dict[str, torch.Tensor]], list[int]]:
+def _lm_dataset(n: int = 24) -> tuple[list[dict[str, torch.Tensor]], list[int]]:
     lengths = long_tailed(n, seed=1).tolist()
     return [{"input_ids": d} for d in documents(lengths, seed=1)], lengths
 
@@ -343,7 +343,7 @@ def test_packed_training_reaches_the_unpacked_losses_on_the_same_documents():
         return batch
 
     unpacked, _ = _train(tiny_llama(), CPU, batch_sampler=bins, collate_fn=padded)
-    assert len(packed) == len(unpacked) > 3
+    assert len(packed) == len(unpacked) >= 3
     # float32, other row shapes: sums in another order, about 1e-6 relative per step.
     assert packed == pytest.approx(unpacked, rel=1e-4)
     leaky, _ = _train(tiny_llama(use_cache=True), config)  # negative control: it leaks
