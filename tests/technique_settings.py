@@ -172,6 +172,18 @@ SETTINGS: dict[str, Setting] = {
         "stack with it in the tuner's tests (tests/test_tune.py), on its own batches",
         data=True,
     ),
+    "packing": Setting(
+        on={"data__packing": True},
+        tolerance=1e-5,  # the same samples, once each, pooled per document of packed rows
+        took_effect=lambda run: (
+            "document_ids" in run.batch
+            and run.baseline is not None
+            and run.input_elements < run.baseline.input_elements
+        ),
+        stacks="it changes which samples share a row, not the step: the step techniques stack "
+        "with it as with length buckets, on its own batches",
+        data=True,
+    ),
     "activation_compression": Setting(
         on={"activation_compression__dtype": "bf16", "activation_compression__min_bytes": 1024},
         # Saved activations rounded to bf16 (0.4% each) reach the gradients only.
@@ -231,14 +243,22 @@ def token_batches(steps: int, vocab: int = 96) -> list[dict[str, torch.Tensor]]:
 
 
 class TokenClassifier(nn.Module):
-    """Mean-pooled embeddings of variable-length token ids (0 pads): the data techniques' model."""
+    """Mean-pooled embeddings of variable-length token ids (0 pads): the data techniques' model.
+    Given ``document_ids`` (a packed row), it pools each document of the row instead."""
 
     def __init__(self, vocab: int = 50, width: int = 16, classes: int = 3) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, width)
         self.head = nn.Linear(width, classes)
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        if document_ids is not None:
+            documents = document_ids[0]
+            count = int(documents.max()) + 1
+            embedded = self.embed(ids[0])
+            summed = embedded.new_zeros(count, embedded.shape[1]).index_add_(0, documents, embedded)
+            sizes = torch.bincount(documents, minlength=count).unsqueeze(1)
+            return self.head(summed / sizes)
         mask = (ids != 0).unsqueeze(-1).float()
         pooled = (self.embed(ids) * mask).sum(1) / mask.sum(1).clamp(min=1)
         return self.head(pooled)

@@ -195,6 +195,7 @@ def test_every_config_field_is_carried_or_noted():
         ("data", "prefetch_factor"): 4,
         ("data", "non_blocking"): False,
         ("data", "bucketing"): True,
+        ("data", "packing"): True,
         ("data", "max_tokens"): 4096,
         ("data", "pad_to_multiple"): 8,
         ("reliability", "keep_last"): 5,

@@ -57,8 +57,10 @@ def _skip_unavailable(*settings: Setting) -> None:
             pytest.skip(f"cannot take effect here: {reason}")
 
 
-def _probe(model: torch.nn.Module, inputs: torch.Tensor, probes: list[dict[str, Any]]) -> Any:
-    output = model(inputs)
+def _probe(
+    model: torch.nn.Module, inputs: torch.Tensor, probes: list[dict[str, Any]], **kw: Any
+) -> Any:
+    output = model(inputs, **kw)
     probes.append({"output_dtype": output.dtype, "cudnn_benchmark": torch.backends.cudnn.benchmark})
     return output
 
@@ -101,8 +103,11 @@ def train(config: TurboConfig, setting: Setting, *, break_model: bool = False) -
             elements += batch["input_ids"].numel()
 
             def loss_fn(m: torch.nn.Module, b: dict[str, torch.Tensor]) -> Any:
-                logits = _probe(m, b["input_ids"], probes)
-                return torch.nn.functional.cross_entropy(logits.float(), b["label"])
+                # A packed row holds several samples: its documents' ids, and the sample count.
+                documents = {k: b[k] for k in ("document_ids",) if k in b}
+                logits = _probe(m, b["input_ids"], probes, **documents)
+                loss = torch.nn.functional.cross_entropy(logits.float(), b["label"])
+                return loss, b["label"].numel()
         elif setting.lm:
 
             def loss_fn(m: torch.nn.Module, b: dict[str, torch.Tensor]) -> Any:

@@ -208,8 +208,13 @@ class DataConfig:
     non_blocking: bool = True
     #: Length-bucketed batches (data/bucketing.py); needs per-sample lengths from the recipe.
     bucketing: bool = False
-    #: Token budget per bucketed batch, padding included; None = the recipe's batch size times
-    #: its mean length, so that bucketing changes padding, not the amount of work per step.
+    #: Whole documents packed into one row per batch up to max_tokens, positions restarting per
+    #: document (data/packing.py); needs per-sample lengths and a model that keeps documents
+    #: apart (techniques/packing_isolation.py checks it). Excludes bucketing.
+    packing: bool = False
+    #: Token budget per bucketed batch, padding included (per packed row with packing); None =
+    #: the recipe's batch size times its mean length, so that bucketing or packing changes
+    #: padding, not the amount of work per step.
     max_tokens: int | None = between(None, 1)
     #: Pad sequence lengths up to a multiple of this (8 suits tensor cores).
     pad_to_multiple: int = between(1, 1, high=65536, why="every sequence is padded to it")
@@ -229,9 +234,15 @@ class DataConfig:
                 f"[data] prefetch_factor = {self.prefetch_factor} needs num_workers > 0 "
                 "(the main process does not prefetch); set num_workers or remove prefetch_factor"
             )
-        if self.max_tokens is not None and not self.bucketing:
+        if self.packing and self.bucketing:
             problems.append(
-                f"[data] max_tokens = {self.max_tokens} is only used with bucketing = true"
+                "[data] packing = true and bucketing = true exclude each other: packing leaves "
+                "no padding to bucket away; choose one (the tuner measures both)"
+            )
+        if self.max_tokens is not None and not (self.bucketing or self.packing):
+            problems.append(
+                f"[data] max_tokens = {self.max_tokens} is only used with bucketing = true or "
+                "packing = true"
             )
         if self.max_tokens is not None and self.pad_to_multiple > self.max_tokens:
             problems.append(

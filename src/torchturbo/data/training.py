@@ -1,5 +1,5 @@
-"""The loader ``Turbo.setup`` builds from a dataset: bucketed by length when the config asks,
-split across ranks under torchrun, and otherwise what ``build_loader`` makes of ``[data]``."""
+"""The loader ``Turbo.setup`` builds from a dataset: bucketed by length or packed when the config
+asks, split across ranks under torchrun, and otherwise what ``build_loader`` makes of ``[data]``."""
 
 from __future__ import annotations
 
@@ -8,12 +8,14 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from torchturbo.config import DataConfig
 from torchturbo.data.bucketing import BucketBatchSampler
 from torchturbo.data.collate import pad_collate
 from torchturbo.data.loader import build_loader
+from torchturbo.data.packing import PackingBatchSampler, packed_collate, takes_boundaries
 from torchturbo.distributed.strategy import Strategy
 
 
@@ -30,6 +32,7 @@ def training_loader(
     seed: int | None,
     lengths: Sequence[int] | None,
     pad_values: Mapping[str, int] | None,
+    model: nn.Module,
 ) -> DataLoader:
     """A DataLoader over ``data`` for this rank (see ``Turbo.setup`` for the arguments).
 
@@ -37,13 +40,29 @@ def training_loader(
     (``pad_values`` per field) and collates the rest as torch's default collate does.
     ``[data] bucketing = true`` batches by ``lengths`` (the bucketing sampler shards whole
     batches across ranks itself); otherwise a dataset with ``batch_size`` is split across ranks
-    by the strategy, and a ``batch_sampler`` of the caller's is used as given.
+    by the strategy, and a ``batch_sampler`` of the caller's is used as given. ``[data] packing
+    = true`` packs whole documents into one row per batch (``data/packing.py``; the sampler
+    shards whole rows), collated by :func:`packed_collate` unless ``collate_fn`` is given, with
+    the document boundaries when ``model``'s forward takes them.
     """
+    if config.packing:
+        collate_fn = collate_fn or functools.partial(
+            packed_collate, boundaries=takes_boundaries(model)
+        )
+        lengths, budget = _token_budget("packing", config, lengths, batch_size)
+        batch_sampler = PackingBatchSampler(lengths, max_tokens=budget, seed=seed or 0)
+        batch_size = None
     collate_fn = collate_fn or functools.partial(
         pad_collate, pad_to_multiple=config.pad_to_multiple, pad_values=pad_values
     )
     if config.bucketing:
-        batch_sampler = _bucket_sampler(config, lengths, batch_size, seed)
+        lengths, budget = _token_budget("bucketing", config, lengths, batch_size)
+        batch_sampler = BucketBatchSampler(
+            lengths,
+            max_tokens=budget,
+            pad_to_multiple=config.pad_to_multiple,
+            seed=seed or 0,
+        )
         batch_size = None
     elif batch_sampler is None and batch_size is not None:
         batch_sampler = strategy.batch_sampler(data, batch_size, shuffle=shuffle, seed=seed or 0)
@@ -62,22 +81,20 @@ def training_loader(
     )
 
 
-def _bucket_sampler(
-    config: DataConfig, lengths: Sequence[int] | None, batch_size: int | None, seed: int | None
-) -> BucketBatchSampler:
-    """The length-bucketing batch sampler that ``[data] bucketing = true`` asks for."""
+def _token_budget(
+    field: str, config: DataConfig, lengths: Sequence[int] | None, batch_size: int | None
+) -> tuple[Sequence[int], int]:
+    """The lengths, and ``[data] max_tokens`` or else batch size x mean length (at least the
+    longest sample, which must fit on its own)."""
     if lengths is None:
         raise ValueError(
-            "[data] bucketing = true needs per-sample lengths: pass setup(..., lengths=[...])"
+            f"[data] {field} = true needs per-sample lengths: pass setup(..., lengths=[...])"
         )
-    max_tokens = config.max_tokens
-    if max_tokens is None:
-        if batch_size is None:
-            raise ValueError(
-                "[data] bucketing = true without max_tokens needs batch_size= to derive the "
-                "token budget (batch_size x mean length)"
-            )
-        max_tokens = max(round(batch_size * sum(lengths) / len(lengths)), max(lengths))
-    return BucketBatchSampler(
-        lengths, max_tokens=max_tokens, pad_to_multiple=config.pad_to_multiple, seed=seed or 0
-    )
+    if config.max_tokens is not None:
+        return lengths, config.max_tokens
+    if batch_size is None:
+        raise ValueError(
+            f"[data] {field} = true without max_tokens needs batch_size= to derive the "
+            "token budget (batch_size x mean length)"
+        )
+    return lengths, max(round(batch_size * sum(lengths) / len(lengths)), max(lengths))

@@ -141,7 +141,10 @@ class Turbo:
         is applied rather than lost, and calls ``set_epoch`` on its sampler every epoch.
         Parameter objects are preserved (FSDP re-points the optimizer at its shards), so an
         optimizer built before ``setup`` stays valid. With ``[data] bucketing = true``,
-        ``lengths`` (one per sample) feed a :class:`~torchturbo.data.bucketing.BucketBatchSampler`.
+        ``lengths`` (one per sample) feed a :class:`~torchturbo.data.bucketing.BucketBatchSampler`;
+        with ``[data] packing = true`` a :class:`~torchturbo.data.packing.PackingBatchSampler`
+        and :func:`~torchturbo.data.packing.packed_collate` (check the model first:
+        ``torchturbo.techniques.packing_isolation.check_isolation``).
         Without ``collate_fn``, :func:`~torchturbo.data.collate.pad_collate` pads
         variable-length fields of dict samples (``pad_values`` per field, e.g. the tokenizer's
         pad id) and collates the rest as torch's default collate does. Under torchrun a dataset
@@ -187,6 +190,7 @@ class Turbo:
                 seed=seed,
                 lengths=lengths,
                 pad_values=pad_values,
+                model=model,
             )
         self.loader = EpochLoader(data)
         return self.model, optimizer, self.loader

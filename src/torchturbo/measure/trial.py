@@ -32,6 +32,7 @@ from torchturbo.config import DataConfig, TurboConfig
 from torchturbo.data.bucketing import BucketBatchSampler
 from torchturbo.data.collate import pad_collate
 from torchturbo.data.length import length_or_none
+from torchturbo.data.packing import PackingBatchSampler, packed_collate
 from torchturbo.distributed.comm import CommStats
 from torchturbo.distributed.launch import current_env
 from torchturbo.engine import Turbo
@@ -241,15 +242,46 @@ def bucketed_batches(recipe: Recipe, count: int, data: DataConfig | None = None)
         raise ValueError(f"recipe {recipe.name!r} gives no per-sample lengths to bucket by")
     data = data or DataConfig()
     lengths = list(recipe.lengths)
-    budget = data.max_tokens or max(
-        round(recipe.batch_size * sum(lengths) / len(lengths)), max(lengths)
-    )
     sampler = BucketBatchSampler(
-        lengths, max_tokens=budget, pad_to_multiple=data.pad_to_multiple, seed=recipe.seed
+        lengths,
+        max_tokens=_token_budget(recipe, lengths, data),
+        pad_to_multiple=data.pad_to_multiple,
+        seed=recipe.seed,
     )
     collate = recipe.collate or functools.partial(
         pad_collate, pad_to_multiple=data.pad_to_multiple, pad_values=recipe.pad_values
     )
+    return _first_batches(recipe, sampler, collate, count)
+
+
+def packed_batches(
+    recipe: Recipe, count: int, data: DataConfig | None = None, *, boundaries: bool = False
+) -> list[Any]:
+    """The first ``count`` packed rows of the recipe's dataset (``data/packing.py``), of the
+    same token budget as :func:`bucketed_batches`, so both compute about as many tokens;
+    ``boundaries`` adds ``document_ids`` and ``cu_seqlens`` (for models that take them)."""
+    if recipe.lengths is None:
+        raise ValueError(f"recipe {recipe.name!r} gives no per-sample lengths to pack by")
+    data = data or DataConfig()
+    lengths = list(recipe.lengths)
+    sampler = PackingBatchSampler(
+        lengths, max_tokens=_token_budget(recipe, lengths, data), seed=recipe.seed
+    )
+    collate = functools.partial(packed_collate, boundaries=boundaries)
+    return _first_batches(recipe, sampler, collate, count)
+
+
+def _token_budget(recipe: Recipe, lengths: list[int], data: DataConfig) -> int:
+    """``[data] max_tokens``, else the recipe's batch size x mean length (at least the
+    longest sample, which must fit on its own)."""
+    return data.max_tokens or max(
+        round(recipe.batch_size * sum(lengths) / len(lengths)), max(lengths)
+    )
+
+
+def _first_batches(
+    recipe: Recipe, sampler: BucketBatchSampler, collate: Callable[[list[Any]], Any], count: int
+) -> list[Any]:
     batches = []
     for indices in sampler:
         batches.append(collate([recipe.dataset[i] for i in indices]))

@@ -16,11 +16,18 @@ from typing import Any
 import torch
 
 from torchturbo.config import DataConfig, TurboConfig
+from torchturbo.data.packing import takes_boundaries
 from torchturbo.distributed.launch import current_env
 from torchturbo.measure.flops import count_step_flops
 from torchturbo.measure.peak import mfu, stated_peak
 from torchturbo.measure.timing import Timing, measure_interleaved
-from torchturbo.measure.trial import Trial, bucketed_batches, fixed_batches, start_trial
+from torchturbo.measure.trial import (
+    Trial,
+    bucketed_batches,
+    fixed_batches,
+    packed_batches,
+    start_trial,
+)
 from torchturbo.recipe import Recipe
 from torchturbo.techniques.nhwc import has_2d_convolutions
 
@@ -89,8 +96,13 @@ def _positions(batch: Any) -> int | None:
 
 
 def _mask(batch: Any) -> torch.Tensor | None:
-    """A batch's token mask (``mask``, or Hugging Face's ``attention_mask``), if it has one."""
-    mask = batch.get("mask", batch.get("attention_mask")) if isinstance(batch, Mapping) else None
+    """A batch's token mask (``mask``, or Hugging Face's ``attention_mask``), if it has one; a
+    packed row (``position_ids`` and no mask) is all real tokens."""
+    if not isinstance(batch, Mapping):
+        return None
+    mask = batch.get("mask", batch.get("attention_mask"))
+    if mask is None and isinstance(batch.get("position_ids"), torch.Tensor):
+        mask = torch.ones_like(batch["position_ids"], dtype=torch.bool)
     return mask if isinstance(mask, torch.Tensor) else None
 
 
@@ -111,6 +123,7 @@ def compare_configs(
     say = on_progress or (lambda message: None)
     plain = fixed_batches(recipe, num_batches)
     bucketed: list[Any] | None = None
+    packed: list[Any] | None = None
     trials: dict[str, Trial] = {}
     first_step: dict[str, float] = {}
     try:
@@ -120,6 +133,13 @@ def compare_configs(
             if config.data.bucketing and recipe.lengths is not None:
                 bucketed = bucketed or bucketed_batches(recipe, num_batches, config.data)
                 batches = bucketed
+            if config.data.packing and recipe.lengths is not None:
+                # Boundary fields only for a model whose forward takes them (not HF's).
+                boundaries = takes_boundaries(recipe.build()[0])
+                packed = packed or packed_batches(
+                    recipe, num_batches, config.data, boundaries=boundaries
+                )
+                batches = packed
             trials[name], first_step[name] = start_trial(recipe, config, batches)
         say("timing (interleaved)")
         timings = measure_interleaved(
@@ -166,6 +186,8 @@ def _notes(recipe: Recipe, trial: Trial) -> dict[str, str]:
         )
     if data.bucketing and recipe.lengths is None:
         notes["bucketing"] = "the recipe gives no per-sample lengths to bucket by"
+    if data.packing and recipe.lengths is None:
+        notes["packing"] = "the recipe gives no per-sample lengths to pack by"
     if trial.position and not trial.turbo.optimizer_steps:
         notes["accumulation"] = (
             f"no optimizer step in {trial.position} micro-batches ([accumulation] steps = "

@@ -19,7 +19,8 @@ def dynamic_batching_stage(ctx: StageContext) -> list[Candidate] | str:
     return [
         candidate(
             "length buckets",
-            ctx.best.replace(data__bucketing=True),
+            # Packing excludes buckets: from a packed best, buckets are tried instead of it.
+            ctx.best.replace(data__bucketing=True, data__packing=False),
             levers.length_buckets(ctx.facts),
             batching="buckets",
         )

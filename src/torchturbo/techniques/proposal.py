@@ -24,7 +24,9 @@ class Candidate:
 
     ``expected_gain`` (None: no prior) orders the work; ``not_applicable`` says why it cannot
     help here, and then it is reported, not trained. ``batching`` names batches other than the
-    current best's: "buckets" (length buckets) or "split:N" (each batch cut into N micro-batches).
+    current best's: "buckets" (length buckets), "packed" or "packed:ids" (packed rows, with the
+    document boundaries for models that take them) or "split:N" (each batch cut into N
+    micro-batches).
     ``batches`` and ``recipe`` override the batches and the recipe outright (tests inject
     techniques this way).
     """

@@ -41,8 +41,9 @@ StageFn = Callable[[StageContext], list[Candidate] | str]
 @dataclass(frozen=True)
 class Stage:
     """A tuner stage: ``rank`` places it in the report (the article's order: precision 10,
-    float8 20, memory format 30, compile 40, optimizer 50, memory 60, dynamic batching 70; the
-    strategy's communication stages 80-90). Measuring order is by expected gain, not rank."""
+    float8 20, memory format 30, compile 40, optimizer 50, memory 60, dynamic batching 70,
+    packing 71; the strategy's communication stages 80-90). Measuring order is by expected gain,
+    not rank."""
 
     name: str
     rank: int

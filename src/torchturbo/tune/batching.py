@@ -1,7 +1,9 @@
-"""The batches a tuner trial trains on: the recipe's fixed batches, or length buckets of the same
-token budget, or each batch cut into micro-batches; and small readers of batches and losses.
+"""The batches a tuner trial trains on: the recipe's fixed batches, or length buckets or packed
+rows of the same token budget, or each batch cut into micro-batches; and small readers of
+batches and losses.
 
-A candidate names its batching ("buckets", "split:N"); the current best's batches are the
+A candidate names its batching ("buckets", "packed", "packed:ids" with the document
+boundaries, "split:N"); the current best's batches are the
 starting point, so that a later candidate keeps the batching an earlier one adopted and is timed
 on the same batches as the best.
 """
@@ -11,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from torchturbo.measure.trial import bucketed_batches
+from torchturbo.measure.trial import bucketed_batches, packed_batches
 from torchturbo.recipe import Recipe
 from torchturbo.reliability.oom import leading_size, split_batch
 
@@ -36,11 +38,16 @@ def batches_for(
     for kind in batchings:
         if kind == "buckets":
             batches = bucketed_batches(recipe, count)
+        elif kind in ("packed", "packed:ids"):
+            batches = packed_batches(recipe, count, boundaries=kind == "packed:ids")
         elif kind is not None and kind.startswith("split:"):
             pieces = int(kind.removeprefix("split:"))
             batches = [piece for batch in batches for piece in split_batch(batch, pieces)]
         elif kind is not None:
-            raise ValueError(f"unknown batching {kind!r}: expected 'buckets' or 'split:N'")
+            raise ValueError(
+                f"unknown batching {kind!r}: expected 'buckets', 'packed', 'packed:ids' or "
+                "'split:N'"
+            )
     return batches
 
 
