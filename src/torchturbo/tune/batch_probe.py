@@ -1,14 +1,17 @@
 """The batch finder on a recipe: each micro-batch size measured as one real training step, and
 the ranks' measurements agreed so that every rank chooses the same batch.
 
-A size is measured as a fresh trial (``measure.trial``) of the config on one batch of that many
-samples: its step footprint (``Trial.memory_footprint``: the allocator's peak on CUDA, saved
-tensors + weights + gradients + optimizer state on CPU), or "does not fit" when CUDA runs out of
-memory. A recipe with per-sample lengths is measured on its longest samples, padded as the loader
-pads them, so that no batch of that size needs more. Under torchrun every rank measures its own
-step and the verdict is taken over all of them (an ``all_reduce`` of the largest overshoot): a
-size fits only where it fits on every rank, so the smallest rank's fit wins, and every rank
-takes the same branches of the search (the trials' DDP collectives keep pairing up).
+A size is measured as the step training will run: a fresh trial (``measure.trial``) of the
+config on one recipe batch cut into ``[accumulation] micro_batches`` pieces of that size (the
+whole batch stays in memory, as it does when the loader hands it over), or on one larger batch
+for ``max``. The figure is its step footprint (``Trial.memory_footprint``: the allocator's peak
+on CUDA, saved tensors + weights + gradients + optimizer state on CPU), or "does not fit" when
+CUDA runs out of memory. A recipe with per-sample lengths is measured on its longest samples,
+padded as the loader pads them, so that no batch of that size needs more. Under torchrun every
+rank measures its own step and the verdict is taken over all of them (an ``all_reduce`` of the
+largest overshoot): a size fits only where it fits on every rank, so the smallest rank's fit
+wins, and every rank takes the same branches of the search (the trials' DDP collectives keep
+pairing up).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import torch.distributed as dist
 
 from torchturbo.config import TurboConfig
 from torchturbo.data.length import length_or_none
-from torchturbo.distributed.launch import current_env
+from torchturbo.distributed.launch import current_env, init_distributed
 from torchturbo.engine import resolve_device
 from torchturbo.measure.trial import fixed_batches, start_trial
 from torchturbo.recipe import Recipe
@@ -51,7 +54,7 @@ def find_batch(
         raise ValueError(f"memory budget {budget_bytes} bytes is not positive")
     config = config or TurboConfig(device=str(resolve_device("auto")))
     config = config.replace(accumulation__micro_batches=1)
-    env = current_env()
+    env = init_distributed(config.device)  # under torchrun: joins the group the ranks agree in
     device = resolve_device(config.device)
     budget = _agreed(budget_bytes, device, smallest=True)
 
@@ -86,9 +89,14 @@ def apply_plan(config: TurboConfig, batch_plan: BatchPlan) -> TurboConfig:
 
 
 def step_footprint(recipe: Recipe, config: TurboConfig, size: int) -> int | None:
-    """Bytes one training step of ``config`` needs on a batch of ``size`` samples of
-    ``recipe`` (see the module); None where CUDA ran out of memory or no figure can be read."""
-    batch = probe_batch(recipe, size)
+    """Bytes one training step of ``config`` needs with micro-batches of ``size`` samples of
+    ``recipe`` (a recipe batch cut into pieces of that size, or a batch of ``size`` above the
+    recipe's: see the module); None where CUDA ran out of memory or no figure can be read."""
+    pieces = math.ceil(recipe.batch_size / size)
+    if math.ceil(recipe.batch_size / pieces) != size and size < recipe.batch_size:
+        raise ValueError(f"a batch of {recipe.batch_size} cannot be cut into pieces of {size}")
+    batch = probe_batch(recipe, max(size, recipe.batch_size))
+    config = config.replace(accumulation__micro_batches=pieces)
     device = resolve_device(config.device)
     trial = None
     try:

@@ -2,11 +2,13 @@
 
 Given ``fits(size) -> (fits, bytes)`` (one measured step's footprint at a micro-batch of
 ``size`` samples, agreed across ranks by the caller), :func:`largest_fit` finds the largest size
-that fits with few measurements: the recipe's batch first (it usually fits), then a micro-batch of
-1 (if even that does not fit, nothing will), then the size the straight line through the two
-predicts (a step's memory is a fixed part, weights, gradients and optimizer state, plus
-activations that grow with the samples), checked by measuring it and the size above it, and
-bisection where the line was wrong (allocator rounding, workspaces). Each size is measured once.
+that fits with few measurements, among the sizes a recipe batch can be cut into
+(:func:`micro_sizes`: a batch of 8 runs as pieces of 8, 4, 3, 2 or 1): the recipe's batch first
+(it usually fits), then a micro-batch of 1 (if even that does not fit, nothing will), then the
+size the straight line through the two predicts (a step's memory is a fixed part, weights,
+gradients and optimizer state, plus activations that grow with the samples), checked by
+measuring it and the size above it, and bisection where the line was wrong (allocator rounding,
+workspaces). Each size is measured once.
 
 :func:`plan` turns the fit into what training runs. Kept global batch (``keep``): each batch of
 the recipe is cut into ``micro_batches`` pieces of at most the fit, accumulated exactly (count
@@ -20,8 +22,9 @@ not agree across DDP ranks.
 
 from __future__ import annotations
 
+import bisect
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -51,49 +54,65 @@ class Fit:
     probes: tuple[Probe, ...]
 
 
-def largest_fit(fits: Fits, high: int, budget_bytes: int, *, grow: int = 1) -> Fit:
-    """The largest size in [1, ``high`` x ``grow``] that ``fits``, measuring ``high`` first.
+def micro_sizes(recipe_batch: int) -> list[int]:
+    """The micro-batch sizes a batch of ``recipe_batch`` can run as, ascending: the largest
+    piece when it is cut into 1, 2, ... ``recipe_batch`` nearly equal pieces."""
+    return sorted({math.ceil(recipe_batch / pieces) for pieces in range(1, recipe_batch + 1)})
 
-    ``grow`` > 1 (the ``max`` mode) doubles past ``high`` while sizes fit, up to ``high`` x
-    ``grow``. ``fits`` must be monotone (a larger micro-batch never needs less memory);
-    ``budget_bytes`` is only used to predict where the line through two figures crosses it.
+
+def largest_fit(fits: Fits, sizes: Sequence[int], budget_bytes: int, *, start: int) -> Fit:
+    """The largest of ``sizes`` (ascending) that ``fits``, measuring ``start`` first.
+
+    Sizes above ``start`` (the ``max`` mode) are tried by doubling while they fit. ``fits``
+    must be monotone (a larger micro-batch never needs less memory); ``budget_bytes`` is only
+    used to predict where the line through two figures crosses it.
     """
-    if high < 1 or grow < 1:
-        raise ValueError(f"largest_fit needs high >= 1 and grow >= 1, got {high} and {grow}")
+    if not sizes or start not in sizes or list(sizes) != sorted(set(sizes)) or sizes[0] < 1:
+        raise ValueError(f"largest_fit needs ascending positive sizes holding {start}")
     measured: dict[int, Probe] = {}
 
-    def probe(size: int) -> Probe:
+    def probe(index: int) -> Probe:
+        size = sizes[index]
         if size not in measured:
             ok, used = fits(size)
             measured[size] = Probe(size, used, ok)
         return measured[size]
 
-    if probe(high).fits:
-        low, top = high, high * grow
-        while low < top and probe(min(2 * low, top)).fits:
-            low = min(2 * low, top)
+    def at_most(size: float) -> int:
+        return bisect.bisect_right(sizes, size) - 1
+
+    def found(index: int | None) -> Fit:
+        return Fit(0 if index is None else sizes[index], tuple(measured.values()))
+
+    low = sizes.index(start)
+    if probe(low).fits:
+        top = len(sizes) - 1
+        while low < top and probe(next_up := max(low + 1, at_most(2 * sizes[low]))).fits:
+            low = next_up
         if low == top:
-            return Fit(low, tuple(measured.values()))
-        above = min(2 * low, top)
-    elif high == 1 or not probe(1).fits:
-        return Fit(0, tuple(measured.values()))
+            return found(low)
+        above = next_up
+    elif low == 0 or not probe(0).fits:
+        return found(None)
     else:
-        low, above = 1, high
-    guess = _on_the_line(measured[low], measured[above], budget_bytes)
-    if guess is not None and low < guess < above:
-        if probe(guess).fits:
-            low = guess
-            if guess + 1 < above and not probe(guess + 1).fits:
-                above = guess + 1
+        low, above = 0, low
+    guess = _on_the_line(measured[sizes[low]], measured[sizes[above]], budget_bytes)
+    if guess is not None:
+        # Check the line's answer and the size above it: two measurements when it is right.
+        index = min(max(at_most(guess), low), above - 1)
+        if index > low and not probe(index).fits:
+            above = index
         else:
-            above = guess
+            low = index
+            if low + 1 < above and not probe(low + 1).fits:
+                above = low + 1
     while above - low > 1:
         middle = (low + above) // 2
         if probe(middle).fits:
             low = middle
         else:
             above = middle
-    return Fit(low, tuple(measured.values()))
+    return found(low)
 
 
 def _on_the_line(low: Probe, high: Probe, budget_bytes: int) -> int | None:
@@ -194,7 +213,10 @@ def plan(
     optimizer's class name, which picks the learning-rate rule ``max`` notes;
     ``accumulation_steps`` are the batches per optimizer step the config already accumulates.
     """
-    found = largest_fit(fits, recipe_batch, budget_bytes, grow=grow if mode == "max" else 1)
+    sizes = micro_sizes(recipe_batch)
+    if mode == "max":
+        sizes += list(range(recipe_batch + 1, recipe_batch * grow + 1))
+    found = largest_fit(fits, sizes, budget_bytes, start=recipe_batch)
     if found.size == 0:
         raise MemoryBudgetError(_no_fit(found, recipe_batch, budget_bytes))
     per_step = world_size * accumulation_steps

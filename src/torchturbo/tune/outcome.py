@@ -274,6 +274,8 @@ class TuneResult:
     loss_curves: dict[str, list[float]]
     system: dict[str, str]
     fingerprint: dict[str, Any] = field(default_factory=dict)
+    #: The batch finder's plan (``tune.batch_size.BatchPlan.to_dict``); None without --find-batch.
+    batch: dict[str, Any] | None = None
 
     def job(self) -> dict[str, Any]:
         """The planned job timed with fp32 eager and with the chosen config: one-time costs plus
@@ -339,4 +341,5 @@ class TuneResult:
             "loss_curves": self.loss_curves,
             "system": self.system,
             "fingerprint": self.fingerprint,
+            "batch": self.batch,
         }
