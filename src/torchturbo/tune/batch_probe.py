@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from torchturbo.config import TurboConfig
 from torchturbo.data.length import length_or_none
@@ -70,6 +71,7 @@ def find_batch(
         largest = _agreed(used if used is not None else -1, device)
         return over <= 0, largest if largest >= 0 else None
 
+    model, optimizer = recipe.build()
     found = plan(
         fits,
         recipe_batch=recipe.batch_size,
@@ -77,10 +79,11 @@ def find_batch(
         world_size=env.world_size,
         mode=mode,
         grow=_growth(recipe, env.world_size),
-        optimizer=_optimizer_name(recipe),
+        optimizer=type(optimizer).__name__,  # picks the learning-rate rule
         accumulation_steps=config.accumulation.steps,
     )
-    return dataclasses.replace(found, notes=found.notes + _length_notes(recipe, found))
+    notes = _length_notes(recipe, found) + _norm_notes(model, found)
+    return dataclasses.replace(found, notes=found.notes + notes)
 
 
 def apply_plan(config: TurboConfig, batch_plan: BatchPlan) -> TurboConfig:
@@ -148,9 +151,16 @@ def _growth(recipe: Recipe, world_size: int) -> int:
     return max(1, min(MAX_GROWTH, size // world_size // recipe.batch_size))
 
 
-def _optimizer_name(recipe: Recipe) -> str:
-    """The class name of the recipe's optimizer, which picks the learning-rate rule."""
-    return type(recipe.build()[1]).__name__
+def _norm_notes(model: nn.Module, found: BatchPlan) -> tuple[str, ...]:
+    """BatchNorm is what micro-batching cannot keep exact: say so where the model has one."""
+    kinds = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+    norms = any(isinstance(m, kinds) for m in model.modules())
+    if not norms or found.micro_batches == 1:
+        return ()
+    return (
+        "the model's BatchNorm layers compute their statistics per micro-batch, not per batch "
+        "(GroupNorm or LayerNorm would not change)",
+    )
 
 
 def _length_notes(recipe: Recipe, found: BatchPlan) -> tuple[str, ...]:

@@ -282,7 +282,7 @@ def _kept_notes(recipe_batch: int, pieces: int, mode: BatchMode) -> tuple[str, .
         )
     notes.append(
         f"each batch of {recipe_batch} runs as {pieces} micro-batches, accumulated: "
-        f"[accumulation] micro_batches = {pieces}; BatchNorm statistics are per micro-batch"
+        f"[accumulation] micro_batches = {pieces}"
     )
     return tuple(notes)
 
