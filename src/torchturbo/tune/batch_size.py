@@ -257,8 +257,8 @@ def _no_fit(found: Fit, recipe_batch: int, budget_bytes: int) -> str:
     )
     return (
         f"--memory-budget {format_bytes(budget_bytes)} is below one sample: {what}{needs}; "
-        "raise the budget, or lower the memory per sample (--checkpointing.mode full, "
-        "--precision.dtype bf16)"
+        "raise the budget, or lower the memory per sample (smaller samples or model; "
+        "[checkpointing] mode = 'full' in the config measured, find_batch(config=...))"
     )
 
 
