@@ -121,6 +121,21 @@ def tune(
     return config, result
 
 
+def _find_batch(
+    recipe: Recipe,
+    options: TuneOptions,
+    config: TurboConfig,
+    say: Callable[[str, str, float], None],
+    budget: Budget,
+) -> BatchPlan | None:
+    """The batch finder's plan when asked for (``--find-batch``): the baseline, hence every
+    candidate built on it, trains in its micro-batches."""
+    if options.find_batch is None or options.memory_budget is None:
+        return None
+    say("batch", f"largest micro-batch within {format_bytes(options.memory_budget)}", budget.left())
+    return find_batch(recipe, options.memory_budget, config=config, mode=options.find_batch)
+
+
 def _tune(
     recipe: Recipe,
     options: TuneOptions,
@@ -189,28 +204,13 @@ def _tune(
         except KeyboardInterrupt as interrupt:
             raise TuneInterrupted(_partial(run, current, reuse)) from interrupt
         result = _result(run, baseline, best, confirmation, loader, reuse, reuse_note, current)
-        if batch_plan is not None:
-            result = dataclasses.replace(result, batch=batch_plan.to_dict())
     finally:
         live = {id(i.trial): i.trial for i in (baseline, best, *adoptions)}
         for live_trial in live.values():
             live_trial.close()
+    if batch_plan is not None:
+        result = dataclasses.replace(result, batch=batch_plan.to_dict())
     return best.config, result
-
-
-def _find_batch(
-    recipe: Recipe,
-    options: TuneOptions,
-    config: TurboConfig,
-    say: Callable[[str, str, float], None],
-    budget: Budget,
-) -> BatchPlan | None:
-    """The batch finder's plan when asked for (``--find-batch``): the baseline, hence every
-    candidate built on it, trains in its micro-batches."""
-    if options.find_batch is None or options.memory_budget is None:
-        return None
-    say("batch", f"largest micro-batch within {format_bytes(options.memory_budget)}", budget.left())
-    return find_batch(recipe, options.memory_budget, config=config, mode=options.find_batch)
 
 
 def select_stages(stages: Mapping[str, Stage], options: TuneOptions) -> dict[str, Stage]:
