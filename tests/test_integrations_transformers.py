@@ -187,6 +187,7 @@ def test_every_config_field_is_carried_or_noted():
         ("checkpointing", "every_n"): 2,
         ("compile", "cache_dir"): "compile-cache",
         ("accumulation", "steps"): 4,
+        ("accumulation", "micro_batches"): 2,
         ("clipping", "max_norm"): 0.5,
         ("clipping", "norm_type"): 1.0,
         ("data", "num_workers"): 2,

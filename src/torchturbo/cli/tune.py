@@ -53,6 +53,23 @@ def add_parser(commands: Any) -> None:
         help="total memory a step may use, e.g. 20GiB, 512MiB (default: no budget)",
     )
     tune.add_argument(
+        "--find-batch",
+        nargs="?",
+        const="keep",
+        choices=("keep", "max"),
+        default=None,
+        metavar="keep|max",
+        help=(
+            "before tuning, find the largest micro-batch whose step fits --memory-budget, "
+            "measured at a few sizes (every rank under torchrun; the smallest fit wins). "
+            "keep (the default): keep the global batch (batch x processes): each batch runs "
+            "as N micro-batches accumulated exactly ([accumulation] micro_batches = N in "
+            "turbo.toml); max: when the recipe's batch fits, the largest batch that fits "
+            "instead (up to 16x): the global batch grows, and the learning-rate rule for it "
+            "is reported, not applied"
+        ),
+    )
+    tune.add_argument(
         "--planned-steps",
         type=int,
         default=None,
@@ -107,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
     )
     from torchturbo.tune.search import TuneInterrupted, TuneOptions, tune
     from torchturbo.tune.stages import PRECISION_FORMATS
-    from torchturbo.tune.summary import headline
+    from torchturbo.tune.summary import batch_line, headline
 
     options = TuneOptions(
         time_budget_s=args.time_budget,
@@ -118,6 +135,7 @@ def run(args: argparse.Namespace) -> int:
         only=args.only,
         skip=args.skip,
         compile_cache_dir=str(args.out / COMPILE_CACHE),
+        find_batch=args.find_batch,
     )
     check_writable(args.out)
     previous = read_previous(args.out)
@@ -162,6 +180,8 @@ def run(args: argparse.Namespace) -> int:
         console.print(Text(f"plots left out of the report: {left_out}"))
     print_table(console, incremental_table(results))
     console.print(Text(headline(results)))
+    if chosen := batch_line(results):
+        console.print(Text(chosen))
     console.print(Text(f"report: {paths['html']}"))
     console.print(Text(f"use it: torchturbo bench {results['recipe']} --config {paths['config']}"))
     return 0

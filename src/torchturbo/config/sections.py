@@ -155,6 +155,11 @@ class AccumulationConfig:
     #: A window also closes at the end of an epoch: ``torchturbo train`` refuses more steps than
     #: an epoch has batches, which would make every window the epoch.
     steps: int = between(1, 1)
+    #: Pieces each batch from the loader is cut into along dim 0, each its own forward and
+    #: backward, accumulated as exactly as ``steps`` is: the batch, hence the global batch and
+    #: the optimizer step, stay the same while a step holds the activations of one piece
+    #: (ceil(batch / micro_batches) samples). ``tune --find-batch`` sets it to fit a budget.
+    micro_batches: int = between(1, 1)
 
     def __post_init__(self) -> None:
         validate_section(self)

@@ -59,7 +59,8 @@ class StepMetrics:
 
     ``loss`` is the micro-batch's mean loss as a detached tensor: reading it with ``float()`` is
     a device sync, so the engine leaves that to the caller. ``micro_batches`` is how many pieces
-    the batch ran as (more than 1 after an out-of-memory split, see ``torchturbo.reliability.oom``).
+    the batch ran as (``[accumulation] micro_batches``, more after an out-of-memory split, see
+    ``torchturbo.reliability.oom``).
     """
 
     loss: torch.Tensor
@@ -206,6 +207,7 @@ class Turbo:
             budget_bytes=reliability.memory_budget_bytes,
             auto=reliability.auto_microbatch and refused is None,
             device=self.device,
+            split=self.config.accumulation.micro_batches,
         )
 
     # -- what was applied ---------------------------------------------------------------------

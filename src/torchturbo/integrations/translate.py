@@ -84,14 +84,28 @@ def hf_arguments(config: TurboConfig, fields: Collection[str] | None = None) -> 
     kwargs, notes = arguments.kwargs, arguments.notes
     _hf_device(config, kwargs, notes)
     registry.translate(config, arguments)
-    if config.accumulation.steps > 1:
+    if config.accumulation.steps * config.accumulation.micro_batches > 1:
         # One means "as the recipe's batches come": the user's own accumulation stays theirs.
-        kwargs["gradient_accumulation_steps"] = config.accumulation.steps
+        kwargs["gradient_accumulation_steps"] = (
+            config.accumulation.steps * config.accumulation.micro_batches
+        )
+    _micro_batches(config, notes, "per_device_train_batch_size")
     _clipping(config, kwargs, notes, "max_grad_norm", "Trainer clips at 1.0 unless told")
     _hf_data(config, kwargs, notes)
     _reliability(config, notes, "save_total_limit")
     _hf_distributed(config, kwargs, notes)
     return Translation(kwargs, notes)
+
+
+def _micro_batches(config: TurboConfig, notes: dict[str, str], batch_size: str) -> None:
+    """A trainer cuts no batch into pieces: a smaller batch with more accumulation is the same
+    global batch, which the accumulation keyword above already multiplies."""
+    pieces = config.accumulation.micro_batches
+    if pieces > 1:
+        notes[_key("accumulation", "micro_batches")] = (
+            f"divide {batch_size} by {pieces} (the accumulation above is multiplied by it): "
+            "the same global batch in micro-batches that fit"
+        )
 
 
 def _hf_device(config: TurboConfig, kwargs: dict[str, Any], notes: dict[str, str]) -> None:
@@ -214,12 +228,15 @@ def lightning_arguments(config: TurboConfig) -> Translation:
         if ":" in config.device:
             kwargs["devices"] = [int(config.device.split(":", 1)[1])]
     registry.translate(config, arguments)
-    if config.accumulation.steps > 1:
-        kwargs["accumulate_grad_batches"] = config.accumulation.steps
+    if config.accumulation.steps * config.accumulation.micro_batches > 1:
+        kwargs["accumulate_grad_batches"] = (
+            config.accumulation.steps * config.accumulation.micro_batches
+        )
         notes[_key("accumulation", "steps")] = (
             "Lightning averages the micro-batches' mean losses: exact for equal batches; for "
             "batches of different token counts normalize by the window's count in training_step"
         )
+    _micro_batches(config, notes, "your DataLoader's batch_size")
     if config.clipping.max_norm is not None:
         kwargs["gradient_clip_algorithm"] = "norm"
     _clipping(config, kwargs, notes, "gradient_clip_val", "Lightning does not clip unless told")

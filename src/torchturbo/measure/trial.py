@@ -39,6 +39,7 @@ from torchturbo.engine import Turbo
 from torchturbo.measure.memory import activation_bytes, track_peak_memory
 from torchturbo.measure.timing import time_once
 from torchturbo.recipe import Recipe
+from torchturbo.reliability.oom import split_batch
 
 
 def fixed_batches(recipe: Recipe, count: int, *, seed: int | None = None) -> list[Any]:
@@ -193,13 +194,18 @@ class Trial:
         return max(0, peak.peak_bytes - peak.baseline_bytes) + persistent, peak.kind
 
     def activation_bytes(self) -> int | None:
-        """Bytes held for backward after one forward of the first batch; None for a compiled
-        model whose saved tensors no hook saw (older torch saves them inside the compiled
-        autograd function, out of reach: a number there would be wrong, not approximate).
+        """Bytes held for backward after one forward of the first batch (of its first piece
+        with ``[accumulation] micro_batches``); None for a compiled model whose saved tensors no
+        hook saw (older torch saves them inside the compiled autograd function, out of reach: a
+        number there would be wrong, not approximate).
         Measured once: the shapes, hence the bytes, do not change as the trial trains.
         """
         if self._activation_bytes is None:
-            batch = self.batches[0]
+            # A step holds one piece's activations at a time: with micro-batches, the first
+            # (the largest: pieces differ by at most one sample).
+            assert self.turbo.microbatcher is not None
+            split = self.turbo.microbatcher.split
+            batch = split_batch(self.batches[0], split)[0] if split > 1 else self.batches[0]
             # As a micro-step that does not close its window: under DDP, no_sync(), since a
             # forward outside it expects a backward with its all-reduce to follow.
             assert self.turbo.strategy is not None

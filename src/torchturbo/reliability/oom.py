@@ -51,13 +51,19 @@ class MicroBatcher:
     """Runs batches as pieces; on out-of-memory doubles the pieces and replays the window."""
 
     def __init__(
-        self, model: nn.Module, *, budget_bytes: int | None, auto: bool, device: torch.device
+        self,
+        model: nn.Module,
+        *,
+        budget_bytes: int | None,
+        auto: bool,
+        device: torch.device,
+        split: int = 1,
     ) -> None:
         self.budget_bytes = budget_bytes
         self.auto = auto
         self.device = device
-        #: Pieces each batch is cut into (1 until the first out-of-memory).
-        self.split = 1
+        #: Pieces each batch is cut into (``split``, doubled at each out-of-memory).
+        self.split = split
         #: Samples in the largest piece of the last batch.
         self.micro_batch_size: int | None = None
         #: One line per change of ``split``, for reports.

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from torchturbo.tune.fields import adopted_rows
 from torchturbo.tune.plots import PLOTS
 from torchturbo.tune.summary import (
+    batch_line,
+    batch_notes,
     budget_line,
     confirmation_line,
     headline,
@@ -25,8 +27,10 @@ from torchturbo.tune.summary import (
     system_line,
 )
 from torchturbo.tune.tables import (
+    BATCH_HEADERS,
     CANDIDATE_HEADERS,
     INCREMENTAL_HEADERS,
+    batch_rows,
     candidate_rows,
     header_row,
     incremental_rows,
@@ -83,6 +87,7 @@ def build_blocks(
         _Para(headline(results), strong=True),
         _Para(confirmation_line(results)),
         _Para(budget_line(results)),
+        *_batch_blocks(results),
         _Heading("Incremental table"),
         _Para(
             "The baseline, then each adopted technique in the order it was adopted. Each ratio is "
@@ -117,6 +122,20 @@ def build_blocks(
     ]
     blocks += trainer_blocks()
     return blocks
+
+
+def _batch_blocks(results: dict) -> list[_Block]:
+    """The batch finder's section (``--find-batch``): its choice, what it kept and changed, and
+    every micro-batch size it measured; nothing without it."""
+    line = batch_line(results)
+    if not line:
+        return []
+    return [
+        _Heading("Batch for the budget"),
+        _Para(line + "."),
+        *(_Para(note[0].upper() + note[1:] + ".") for note in batch_notes(results)),
+        _Grid(BATCH_HEADERS, batch_rows(results)),
+    ]
 
 
 def usage_snippet(results: dict) -> str:

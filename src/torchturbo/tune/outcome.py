@@ -255,6 +255,8 @@ class TuneResult:
     time_budget_s: float
     elapsed_s: float
     memory_budget_bytes: int | None
+    #: The batch finder's plan (``tune.batch_size.BatchPlan.to_dict``); None without --find-batch.
+    batch: dict[str, Any] | None = None
     planned_steps: int
     loss_tolerance: float
     #: Who set ``planned_steps`` ("the Trainer's max_steps=500", "--planned-steps") and whether
@@ -323,6 +325,7 @@ class TuneResult:
             "time_budget_s": self.time_budget_s,
             "elapsed_s": self.elapsed_s,
             "memory_budget_bytes": self.memory_budget_bytes,
+            "batch": self.batch,
             "planned_steps": self.planned_steps,
             "planned_steps_source": self.planned_steps_source,
             "planned_steps_assumed": self.planned_steps_assumed,

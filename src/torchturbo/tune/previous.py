@@ -42,6 +42,7 @@ def fingerprint(
         "torch": torch.__version__,
         "torchturbo": torchturbo.__version__,
         "memory_budget": options.memory_budget,
+        "find_batch": options.find_batch,
         "loss_tolerance": options.loss_tolerance,
         "planned_steps": horizon(recipe, options.planned_steps).steps,
     }

@@ -45,12 +45,15 @@ from torchturbo.measure.breakdown import PhaseRecorder
 from torchturbo.measure.machine import summary
 from torchturbo.measure.timing import time_once
 from torchturbo.measure.trial import fixed_batches, start_trial
+from torchturbo.output.tables import format_bytes
 from torchturbo.recipe import Recipe
 from torchturbo.techniques.compile import compile_cache
 from torchturbo.techniques.facts import gather
 from torchturbo.techniques.levers import priority
 from torchturbo.techniques.proposal import Candidate, StageContext
 from torchturbo.tune import batching
+from torchturbo.tune.batch_probe import apply_plan, find_batch
+from torchturbo.tune.batch_size import BatchPlan
 from torchturbo.tune.budget import Budget
 from torchturbo.tune.candidate import estimate, try_candidate
 from torchturbo.tune.confirm import confirm
@@ -118,6 +121,21 @@ def tune(
     return config, result
 
 
+def _find_batch(
+    recipe: Recipe,
+    options: TuneOptions,
+    config: TurboConfig,
+    say: Callable[[str, str, float], None],
+    budget: Budget,
+) -> BatchPlan | None:
+    """The batch finder's plan when asked for (``--find-batch``): the baseline, hence every
+    candidate built on it, trains in its micro-batches."""
+    if options.find_batch is None or options.memory_budget is None:
+        return None
+    say("batch", f"largest micro-batch within {format_bytes(options.memory_budget)}", budget.left())
+    return find_batch(recipe, options.memory_budget, config=config, mode=options.find_batch)
+
+
 def _tune(
     recipe: Recipe,
     options: TuneOptions,
@@ -131,8 +149,11 @@ def _tune(
     budget = Budget(options.time_budget_s, clock)
     device = resolve_device(options.device or "auto")
     say = on_progress or (lambda stage, candidate, left: None)
-    say("baseline", "fp32 eager", budget.left())
     base_config = TurboConfig(device=str(device))
+    batch_plan = _find_batch(recipe, options, base_config, say, budget)
+    if batch_plan is not None:
+        base_config = apply_plan(base_config, batch_plan)
+    say("baseline", "fp32 eager", budget.left())
     batches = fixed_batches(recipe, NUM_BATCHES)
     begin = clock()
     trial, first = start_trial(recipe, base_config, batches, clock)
@@ -187,6 +208,8 @@ def _tune(
         live = {id(i.trial): i.trial for i in (baseline, best, *adoptions)}
         for live_trial in live.values():
             live_trial.close()
+    if batch_plan is not None:
+        result = dataclasses.replace(result, batch=batch_plan.to_dict())
     return best.config, result
 
 

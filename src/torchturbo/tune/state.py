@@ -14,6 +14,7 @@ from torchturbo.measure.trial import Trial
 from torchturbo.recipe import Recipe
 from torchturbo.techniques.facts import Facts
 from torchturbo.techniques.proposal import Candidate, StageContext
+from torchturbo.tune.batch_size import BatchMode
 from torchturbo.tune.budget import Budget
 from torchturbo.tune.decide import MIN_ROUNDS
 from torchturbo.tune.horizon import Horizon, horizon
@@ -50,6 +51,10 @@ class TuneOptions:
     #: the chosen config names it and the one-time cost a compile is judged on is its
     #: warm-cache cost, which is what the job that loads this cache pays.
     compile_cache_dir: str = ""
+    #: Find the largest micro-batch that fits ``memory_budget`` before tuning
+    #: (``tune.batch_probe``): "keep" keeps the global batch by micro-batching, "max" may grow
+    #: it; None: do not.
+    find_batch: BatchMode | None = None
 
     def __post_init__(self) -> None:
         checks = {
@@ -63,6 +68,8 @@ class TuneOptions:
                 raise ValueError(f"{name} = {getattr(self, name)!r} is out of range")
         if self.memory_budget is not None and self.memory_budget <= 0:
             raise ValueError(f"memory budget {self.memory_budget} bytes is not positive")
+        if self.find_batch is not None and self.memory_budget is None:
+            raise ValueError("--find-batch needs a memory budget to fit: give --memory-budget SIZE")
 
 
 @dataclass

@@ -177,3 +177,16 @@ def loader_line(results: dict) -> str:
     reason = str(loader.get("reason") or "").strip().rstrip(".")
     verdict = f"Verdict: {loader.get('verdict', 'n/a')}" + (f", {reason}" if reason else "")
     return f"{verdict}. Chosen settings: {settings or 'none'}."
+
+
+def batch_line(results: dict) -> str:
+    """The batch finder's choice in one line ("" without --find-batch)."""
+    batch = results.get("batch")
+    return str(batch.get("summary") or "") if isinstance(batch, dict) else ""
+
+
+def batch_notes(results: dict) -> list[str]:
+    """What the batch finder kept and changed, one sentence each."""
+    batch = results.get("batch")
+    notes = batch.get("notes") if isinstance(batch, dict) else None
+    return [str(note) for note in notes] if isinstance(notes, list) else []

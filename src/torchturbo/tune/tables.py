@@ -130,3 +130,20 @@ def candidate_rows(results: dict) -> list[tuple[str, ...]]:
 def header_row(template: tuple[str, ...], results: dict) -> tuple[str, ...]:
     unit = str(results.get("unit") or "throughput")
     return tuple(h.format(unit=unit) for h in template)
+
+
+BATCH_HEADERS = ("micro-batch", "step footprint", "within the budget")
+
+
+def batch_rows(results: dict) -> list[tuple[str, ...]]:
+    """The batch finder's measurements (``--find-batch``), smallest micro-batch first: each
+    size's measured step footprint (the largest rank's under torchrun) and whether it fit."""
+    batch = results.get("batch")
+    probes = batch.get("probes") if isinstance(batch, dict) else None
+    if not isinstance(probes, list):
+        return []
+    return [
+        (fmt_int(p.get("size")), fmt_bytes(p.get("bytes")), "yes" if p.get("fits") else "no")
+        for p in sorted(probes, key=lambda p: p.get("size") or 0)
+        if isinstance(p, dict)
+    ]
