@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -193,18 +194,6 @@ def test_the_budget_the_headline_asks_for_is_more_than_the_one_given():
     assert "(a budget of about 4 min would measure them)" in headline(results)
 
 
-class ScaledClock:
-    """Real time, stretched: every real millisecond counts as ``factor`` ms, so a tiny model's
-    steps cost what a real model's do on a CPU, and the budget logic runs for real."""
-
-    def __init__(self, factor: float) -> None:
-        self.factor = factor
-        self.origin = time.perf_counter()
-
-    def __call__(self) -> float:
-        return self.origin + self.factor * (time.perf_counter() - self.origin)
-
-
 def _sleepy_loss(model, batch):
     time.sleep(0.25)  # a model whose step takes a quarter of a second, as real ones on a CPU
     return classification_loss(model, batch)
@@ -225,13 +214,28 @@ def test_a_slow_model_keeps_the_budget_and_names_what_it_could_not_measure():
     assert result.unmeasured_s > 0
 
 
-def test_the_budget_is_kept_on_an_injected_clock():
-    clock = ScaledClock(10.0)  # every step, build and measurement costs ten times as much
+def _stepping_clock(monkeypatch, seconds: Callable[[Trial], float]) -> Callable[[], float]:
+    """A clock that only steps advance, each by ``seconds(trial)``: the budget logic and the
+    paired rounds then see the same times whatever else loads the machine (real sleeps and a
+    stretched real clock failed under a load of 10)."""
+    now = [0.0]
+    real_step = Trial.step
+
+    def step(self):
+        real_step(self)
+        now[0] += seconds(self)
+
+    monkeypatch.setattr(Trial, "step", step)
+    return lambda: now[0]
+
+
+def test_the_budget_is_kept_on_an_injected_clock(monkeypatch):
+    clock = _stepping_clock(monkeypatch, lambda trial: 0.25)  # a real model's step on a CPU
     # Under COMPILE_BASE_S, so compile can never fit, however fast this machine runs the rest.
     options = dataclasses.replace(QUICK, time_budget_s=0.9 * COMPILE_BASE_S, max_rounds=15)
     begin = clock()
     _, result = tune(tiny_recipe(), options, stages=_only("precision", "compile"), clock=clock)
-    assert clock() - begin <= 1.1 * options.time_budget_s
+    assert 0 < clock() - begin <= 1.1 * options.time_budget_s
     assert _rows(result)["compile:default"].verdict == "not measured"
 
 
@@ -373,27 +377,17 @@ def test_a_previous_run_of_another_recipe_is_not_reused():
     assert not any(o.reused for o in second.candidates)
 
 
-def _slowed(monkeypatch, max_norm: float, seconds: float) -> None:
-    """Trials whose config clips at ``max_norm`` sleep ``seconds`` per step: a deterministic
-    "technique" that makes training slower."""
-    real = Trial.step
-
-    def step(self):
-        real(self)
-        if self.config.clipping.max_norm == max_norm:
-            time.sleep(seconds)
-
-    monkeypatch.setattr(Trial, "step", step)
-
-
 def test_an_adoption_the_confirmation_contradicts_is_dropped_and_the_baseline_kept(monkeypatch):
-    _slowed(monkeypatch, 123.0, 0.015)  # ~4x slower: under the probe's 10x, so it is measured
+    # 4x slower (under the probe's 10x, so it is measured), on a clock only steps advance.
+    clock = _stepping_clock(
+        monkeypatch, lambda trial: 0.04 if trial.config.clipping.max_norm == 123.0 else 0.01
+    )
     monkeypatch.setattr(candidate_module, "judge", lambda **_: Verdict(adopt=True, reason="forced"))
     stages = {
         "bad": lambda ctx: [Candidate("slow", ctx.best.replace(clipping__max_norm=123.0), 2.0)]
     }
     options = dataclasses.replace(QUICK, max_rounds=10)
-    config, result = tune(tiny_recipe(), options, stages=stages)
+    config, result = tune(tiny_recipe(), options, stages=stages, clock=clock)
     assert result.confirmation.state == "reverted" and result.confirmation.dropped == ("slow",)
     assert config.clipping.max_norm is None  # the written config is the baseline's
     assert result.adopted == ()
