@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from torchturbo.config import TurboConfig
 from torchturbo.measure.footprint import BlockMemory, Line, MemoryEstimate, TensorRecord
@@ -132,11 +133,11 @@ def estimate_memory(
 
 
 def estimate_recipe_memory(
-    recipe: Recipe, batch: Any, device: torch.device | str = "cpu"
+    recipe: Recipe, batch: Any, device: torch.device | str = "cpu", *, time_blocks: bool = True
 ) -> MemoryEstimate:
     """:func:`estimate_memory` with the blocks checkpointing would choose among."""
     blocks = [name for name, _ in find_blocks(recipe.model())]
-    return estimate_memory(recipe, batch, blocks, device=device)
+    return estimate_memory(recipe, batch, blocks, device=device, time_blocks=time_blocks)
 
 
 def _take(batch: Any, samples: int, size: int) -> Any:
@@ -321,4 +322,7 @@ def _block_times(trial: Trial, batch: Any, names: dict[str, nn.Module]) -> dict[
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
+    """Bytes this process holds: for an FSDP2 shard (a DTensor), its local part only."""
+    if isinstance(tensor, DTensor):
+        tensor = tensor.to_local()
     return tensor.numel() * tensor.element_size()

@@ -139,7 +139,8 @@ def _tune(
     base_config = TurboConfig(device=str(device))
     batches = fixed_batches(recipe, NUM_BATCHES)
     say("estimate", "memory of the baseline step", budget.left())
-    memory, memory_error = _estimate(recipe, batches[0], device)
+    # Block forwards are timed only for the planner: without a budget nothing is planned.
+    memory, memory_error = _estimate(recipe, batches[0], device, options.memory_budget is not None)
     if memory is not None and on_estimate is not None:
         on_estimate(memory)
     say("baseline", "fp32 eager", budget.left())
@@ -204,12 +205,13 @@ def _tune(
 
 
 def _estimate(
-    recipe: Recipe, batch: Any, device: torch.device
+    recipe: Recipe, batch: Any, device: torch.device, time_blocks: bool
 ) -> tuple[MemoryEstimate | None, str | None]:
     """The baseline step's memory estimate, or None and why it could not be made (the tuner
     goes on without it: the planner then says it has nothing to plan from)."""
     try:
-        return agree(estimate_recipe_memory(recipe, batch, device)), None
+        memory = estimate_recipe_memory(recipe, batch, device, time_blocks=time_blocks)
+        return agree(memory), None
     except Exception as err:  # a model the hooks cannot follow is a finding, not a crash
         return None, agree(f"{type(err).__name__}: {err}"[:300])
 
