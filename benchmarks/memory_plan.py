@@ -86,7 +86,7 @@ class BasicBlock(nn.Module):
 class SEResNet(nn.Module):
     """torchvision's ResNet layout: conv1/bn1/relu/maxpool attributes, layer1..layer4, fc."""
 
-    def __init__(self, width: int = 16, classes: int = 10) -> None:
+    def __init__(self, width: int = 8, classes: int = 10) -> None:
         super().__init__()
         self.conv1 = nn.Conv2d(3, width, 3, 1, 1, bias=False)
         self.bn1 = nn.BatchNorm2d(width)
@@ -110,7 +110,7 @@ class SEResNet(nn.Module):
 
 def _cnn() -> Recipe:
     generator = torch.Generator().manual_seed(0)
-    x = torch.randn(256, 3, 32, 32, generator=generator)
+    x = torch.randn(256, 3, 64, 64, generator=generator)
     y = (x[:, 0].mean((1, 2)) > 0).long() + 2 * (x[:, 1].mean((1, 2)) > 0).long()
 
     def loss(model: nn.Module, batch: Any) -> tuple[torch.Tensor, int]:
@@ -146,7 +146,7 @@ def _bert() -> Recipe:
         hidden_dropout_prob=0.0,
         attention_probs_dropout_prob=0.0,
     )
-    ids = _tokens(512, 256, 64)
+    ids = _tokens(512, 256, 128)
     labels = (ids[:, 0] % 2).long()
 
     class Classifier(nn.Module):
@@ -184,7 +184,7 @@ def _llama() -> Recipe:
         num_key_value_heads=2,
         max_position_embeddings=256,
     )
-    ids = _tokens(2048, 256, 64)
+    ids = _tokens(2048, 256, 128)
 
     def loss(model: nn.Module, batch: Any) -> tuple[torch.Tensor, int]:
         (tokens,) = batch
@@ -268,7 +268,8 @@ def run_model(name: str, time_budget_s: float, repeats: int) -> dict[str, Any]:
                 point = Point(frozenset(chosen), split, compress)
                 trial = _trial(recipe, point, batches, blocks)
                 try:
-                    trial.step()
+                    for _ in range(split):  # a whole window: the optimizer's state exists
+                        trial.step()
                     bytes_, _ = trial.memory_footprint()
                 finally:
                     trial.close()

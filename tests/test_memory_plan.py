@@ -162,7 +162,7 @@ def _synthetic(batch: int = 8) -> MemoryEstimate:
             checkpointable=True,
             held=Line(0.0, mib),
             freeable=Line(0.0, 0.75 * mib),
-            compressible=Line(0.0, mib),
+            compressible=((0.5 * mib, True), (0.5 * mib, False)),
             forward_s=0.05 if i == 0 else 0.01,
         )
         for i in range(4)

@@ -10,6 +10,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+#: Activation compression leaves saved tensors under this many bytes alone (its default).
+COMPRESS_MIN_BYTES = 2**20
+
 
 @dataclass(frozen=True)
 class Line:
@@ -28,8 +31,9 @@ class BlockMemory:
 
     ``held``: every storage it is the first to save; ``freeable``: what checkpointing the block
     frees (saved by it alone and not one of its inputs, which checkpoint keeps);
-    ``compressible``: float32 non-leaf tensors of at least 1 MiB, which activation compression
-    stores at half size. ``checkpointable``: a block ``find_blocks`` names (a repeated block),
+    ``compressible``: each float32 non-leaf tensor it saves (which activation compression stores
+    at half size once it has ``min_bytes``), as bytes per sample and whether checkpointing the
+    block frees it. ``checkpointable``: a block ``find_blocks`` names (a repeated block),
     not a top-level module such as a stem or a head. ``forward_s``: its forward on the real
     batch, the cost of recomputing it (None where it was not timed).
     """
@@ -39,8 +43,21 @@ class BlockMemory:
     checkpointable: bool
     held: Line
     freeable: Line
-    compressible: Line
+    compressible: tuple[tuple[float, bool], ...] = ()
     forward_s: float | None = None
+
+    def compressible_at(
+        self, samples: float, checkpointed: bool = False, min_bytes: int = COMPRESS_MIN_BYTES
+    ) -> int:
+        """Bytes activation compression would halve at ``samples`` per micro-batch (what a
+        checkpointed block still saves, when ``checkpointed``)."""
+        return round(
+            sum(
+                per_sample * samples
+                for per_sample, frees in self.compressible
+                if per_sample * samples >= min_bytes and not (checkpointed and frees)
+            )
+        )
 
 
 @dataclass(frozen=True)
@@ -96,7 +113,7 @@ class MemoryEstimate:
                     "bytes": b.held.at(n),
                     "fixed_bytes": max(0, round(b.held.fixed)),
                     "freeable_bytes": b.freeable.at(n),
-                    "compressible_bytes": b.compressible.at(n),
+                    "compressible_bytes": b.compressible_at(n),
                     "forward_s": b.forward_s,
                 }
                 for b in self.blocks

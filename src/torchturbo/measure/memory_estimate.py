@@ -26,7 +26,7 @@ import contextlib
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -48,8 +48,6 @@ from torchturbo.techniques.saved_tensors import saved_tensor_packer
 TOP_LEVEL = "(top level: loss, ...)"
 #: Tensors listed as the largest.
 LARGEST = 5
-#: Activation compression leaves saved tensors under this many bytes alone (its default).
-COMPRESS_MIN_BYTES = 2**20
 
 
 def _fit(small: int, large: int, n_small: int, n_large: int) -> Line:
@@ -112,7 +110,7 @@ def estimate_memory(
                 checkpointable=name in blocks,
                 held=fit(a.held, b.held),
                 freeable=fit(a.freeable, b.freeable),
-                compressible=fit(a.compressible, b.compressible),
+                compressible=tuple(b.compressible),
                 forward_s=times.get(name),
             )
         )
@@ -167,7 +165,7 @@ def _attributed(model: nn.Module, blocks: Sequence[str]) -> dict[str, nn.Module]
 class _Totals:
     held: int = 0
     freeable: int = 0
-    compressible: int = 0
+    compressible: list[tuple[float, bool]] = field(default_factory=list)
 
 
 @dataclass
@@ -211,7 +209,7 @@ def _saved(
     try:
         with _forward_only(trial), saved_tensor_packer(pack, lambda value: value):
             loss = trial.turbo.forward(trial.recipe.loss_fn, batch)[0]
-        totals = _totals(saved, inputs, excluded, batch_size / size)
+        totals = _totals(saved, inputs, excluded, size)
         del loss
     finally:
         for handle in handles:
@@ -250,10 +248,10 @@ def _totals(
     saved: list[_Saved],
     inputs: dict[str, set[Any]],
     excluded: set[Any],
-    scale: float,
+    samples: int,
 ) -> tuple[dict[str, _Totals], list[TensorRecord]]:
-    """Storages still held, deduplicated, each counted for the first block that saved it;
-    ``scale`` is the batch over the slice (compression's size threshold applies at the batch)."""
+    """Storages still held, deduplicated, each counted for the first block that saved it, of
+    a slice of ``samples``."""
     savers: dict[Any, list[str]] = {}
     sizes: dict[Any, int] = {}
     first: dict[Any, _Saved] = {}
@@ -275,10 +273,11 @@ def _totals(
         block = totals.setdefault(record.block, _Totals())
         nbytes = sizes[key]
         block.held += nbytes
-        if set(savers[key]) == {record.block} and key not in inputs.get(record.block, set()):
+        frees = set(savers[key]) == {record.block} and key not in inputs.get(record.block, set())
+        if frees:
             block.freeable += nbytes
-        if record.compressible and nbytes * scale >= COMPRESS_MIN_BYTES:
-            block.compressible += nbytes
+        if record.compressible:
+            block.compressible.append((nbytes / samples, frees))
         tensor = shapes[key]
         dtype = str(tensor.dtype).removeprefix("torch.")
         records.append(TensorRecord(record.block, tuple(tensor.shape), dtype, nbytes))

@@ -79,13 +79,8 @@ def footprint(
 
 
 def _block_bytes(block: BlockMemory, samples: float, checkpointed: bool, compress: bool) -> int:
-    held = block.held.at(samples)
-    compressible = block.compressible.at(samples)
-    if checkpointed:
-        freed = block.freeable.at(samples)
-        held -= freed
-        compressible = max(0, compressible - freed)
-    return held - (compressible // 2 if compress else 0)
+    held = block.held.at(samples) - (block.freeable.at(samples) if checkpointed else 0)
+    return held - (block.compressible_at(samples, checkpointed) // 2 if compress else 0)
 
 
 def plans(
