@@ -22,6 +22,7 @@ the measurement says how far off it is.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
@@ -98,14 +99,7 @@ def plans(
     leanest: Plan | None = None
     for split, compress in itertools.product(splits, (False, True) if compression else (False,)):
         for plan in _choices(estimate, blocks, budget - offset, split, compress):
-            plan = Plan(
-                plan.blocks,
-                plan.split,
-                plan.compress,
-                plan.estimated_bytes + offset,
-                plan.recompute_s,
-                plan.block_type,
-            )
+            plan = dataclasses.replace(plan, estimated_bytes=plan.estimated_bytes + offset)
             if plan.estimated_bytes <= budget:
                 fitting.append(plan)
             elif leanest is None or plan.estimated_bytes < leanest.estimated_bytes:
