@@ -25,6 +25,7 @@ CONFIGS = {
     "by_type": CheckpointConfig(mode="selective", module_types=("Sequential",)),
     "by_name": CheckpointConfig(mode="selective", name_pattern="blocks.[02]"),
     "every_2nd": CheckpointConfig(mode="selective", every_n=2),
+    "named_blocks": CheckpointConfig(mode="selective", blocks=("blocks.0", "blocks.3")),
 }
 
 

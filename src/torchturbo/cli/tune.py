@@ -108,11 +108,25 @@ def stage_list(text: str) -> tuple[str, ...]:
     return names
 
 
+def estimate_accuracy(record: dict[str, Any]) -> str | None:
+    """How far the memory estimate made before launch was from the measured baseline step."""
+    if record.get("error_reason"):
+        return f"memory estimate: not made ({record['error_reason']})"
+    measured, error = record.get("measured_bytes"), record.get("error")
+    if not measured or error is None:
+        return None
+    return (
+        f"memory: {record['total_bytes'] / 2**20:.1f} MiB estimated before launch, "
+        f"{measured / 2**20:.1f} MiB measured ({error:+.1%})"
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.text import Text
 
     from torchturbo.distributed import is_main_process, launched
+    from torchturbo.measure.footprint import MemoryEstimate, describe
     from torchturbo.output.live import TuneLine
     from torchturbo.output.table_fit import print_table
     from torchturbo.tune.plots import plots_left_out
@@ -147,6 +161,12 @@ def run(args: argparse.Namespace) -> int:
         lambda notice: console.print(notice, markup=False, highlight=False),
     )
     line = TuneLine(f"tune {recipe.name}", options.time_budget_s)
+
+    def print_estimate(estimate: MemoryEstimate) -> None:
+        if is_main_process():
+            for text in describe(estimate):
+                console.print(Text(text))
+
     with launched(args.device or "auto"):
         try:
             with live_on_rank_zero(line):
@@ -155,6 +175,7 @@ def run(args: argparse.Namespace) -> int:
                     options,
                     on_progress=line.report,
                     previous=previous,
+                    on_estimate=print_estimate,
                 )
         except TuneInterrupted as interrupted:
             if is_main_process() and interrupted.measured:
@@ -179,6 +200,8 @@ def run(args: argparse.Namespace) -> int:
     if (left_out := plots_left_out()) is not None:
         console.print(Text(f"plots left out of the report: {left_out}"))
     print_table(console, incremental_table(results))
+    if (accuracy := estimate_accuracy(results.get("memory_estimate") or {})) is not None:
+        console.print(Text(accuracy))
     console.print(Text(headline(results)))
     if chosen := batch_line(results):
         console.print(Text(chosen))

@@ -118,8 +118,12 @@ class CheckpointConfig:
 
     SECTION: typing.ClassVar[str] = "checkpointing"
     #: off; full: every block (see techniques/checkpointing.py for what a block is); selective:
-    #: blocks chosen by module_types / name_pattern, thinned by every_n.
+    #: blocks chosen by blocks, module_types / name_pattern, thinned by every_n.
     mode: CheckpointMode = "off"
+    #: Qualified names of the modules to checkpoint, e.g. ["layers.0", "layers.3"] (selective
+    #: only; what the tuner's memory planner writes). An unknown name is an error that lists
+    #: the model's blocks.
+    blocks: tuple[str, ...] = ()
     #: Class names of modules to checkpoint, e.g. ["TransformerEncoderLayer"] (selective only).
     module_types: tuple[str, ...] = ()
     #: fnmatch pattern on qualified module names, e.g. "encoder.layers.*" (selective only).
@@ -131,16 +135,21 @@ class CheckpointConfig:
         validate_section(self, self._combinations)
 
     def _combinations(self) -> list[str]:
-        chooses_nothing = not (self.module_types or self.name_pattern) and self.every_n == 1
-        if self.mode == "selective" and chooses_nothing:
+        by_name = self.blocks or self.module_types or self.name_pattern
+        if self.mode == "selective" and not by_name and self.every_n == 1:
             return [
-                "[checkpointing] mode = 'selective' needs module_types, name_pattern or "
+                "[checkpointing] mode = 'selective' needs blocks, module_types, name_pattern or "
                 "every_n > 1 to choose blocks; use mode = 'full' to checkpoint all blocks"
             ]
-        if self.mode != "selective" and (self.module_types or self.name_pattern):
+        if self.mode != "selective" and by_name:
             return [
-                f"[checkpointing] module_types/name_pattern are only used with mode = "
+                f"[checkpointing] blocks/module_types/name_pattern are only used with mode = "
                 f"'selective', but mode = {self.mode!r}"
+            ]
+        if self.blocks and (self.module_types or self.name_pattern or self.every_n > 1):
+            return [
+                "[checkpointing] blocks names the modules outright: leave module_types, "
+                "name_pattern and every_n at their defaults beside it"
             ]
         return []
 

@@ -35,6 +35,8 @@ from torchturbo.doctor.gains import Gain, fold_gain, measure_variants
 from torchturbo.doctor.model_facts import ModelFacts, inspect_model
 from torchturbo.doctor.profiling import profile_training
 from torchturbo.engine import resolve_device
+from torchturbo.measure.footprint import MemoryEstimate
+from torchturbo.measure.memory_estimate import estimate_recipe_memory
 from torchturbo.measure.trial import fixed_batches
 from torchturbo.recipe import Recipe
 from torchturbo.techniques import levers, registry
@@ -85,6 +87,8 @@ def diagnose(
         say("inspecting the model")
         batches = fixed_batches(recipe, _SAMPLE_BATCHES)
         facts, fold, machine = _inspect(recipe, batches, run_device, say)
+        say("estimating the memory of a step")
+        memory, memory_note = _memory_estimate(recipe, batches[0], run_device)
         say(f"profiling {2 * profile_steps + 3} training steps")
         trace = Path(trace_dir) if trace_dir is not None else None
         profile = profile_training(recipe, config, loader, steps=profile_steps, trace_dir=trace)
@@ -136,7 +140,20 @@ def diagnose(
             Lever(lever.name, lever.expectation.gain, lever.expectation.evidence)
             for lever in registry.ranked_levers(machine)
         ],
+        memory_estimate=memory,
+        memory_estimate_note=memory_note,
     )
+
+
+def _memory_estimate(
+    recipe: Recipe, batch: Any, device: torch.device
+) -> tuple[MemoryEstimate | None, str]:
+    """The step's memory estimate, or None and why not (a model the hooks cannot follow is
+    a finding of the diagnosis, not its end)."""
+    try:
+        return estimate_recipe_memory(recipe, batch, device), ""
+    except Exception as err:
+        return None, f"memory estimate failed: {type(err).__name__}: {err}"[:300]
 
 
 def _inspect(

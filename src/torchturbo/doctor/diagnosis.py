@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from torchturbo.measure.footprint import MemoryEstimate
+
 #: The article's closing checklist: 5 groups of 3 items, in its order.
 CHECKLIST: dict[str, tuple[str, ...]] = {
     "data flow": ("DataLoader configuration", "preprocessing on the device", "memory-mapped files"),
@@ -85,6 +87,10 @@ class Diagnosis:
     #: ``torchturbo tune`` measures first. Each: name, expected gain (None: cannot help here),
     #: and the fact behind it.
     levers: list[Lever] = dataclasses.field(default_factory=list)
+    #: The fp32 eager step's memory, estimated from one instrumented step on slices of a batch
+    #: (``measure.memory_estimate``); None, and the reason in the note, where it failed.
+    memory_estimate: MemoryEstimate | None = None
+    memory_estimate_note: str = ""
 
     def item(self, name: str) -> Item:
         """The item called ``name`` (a KeyError lists the names)."""
@@ -100,6 +106,9 @@ class Diagnosis:
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: paths become strings, tuples lists."""
         out = dataclasses.asdict(self)
+        out["memory_estimate"] = (
+            None if self.memory_estimate is None else self.memory_estimate.to_dict()
+        )
         out["trace_path"] = None if self.trace_path is None else str(self.trace_path)
         out["top_operators"] = [
             {"name": name, "self_ms_per_step": ms, "share": share}

@@ -8,6 +8,7 @@ from rich.table import Table
 from rich.text import Text
 
 from torchturbo.doctor.diagnosis import CHECKLIST, Diagnosis
+from torchturbo.measure.footprint import describe
 from torchturbo.output.tables import format_bytes
 
 #: The narrowest terminal that gets the estimated gain as a column of its own: in 80 columns a
@@ -33,6 +34,11 @@ def render(diagnosis: Diagnosis, console: Console | None = None) -> None:
         f"[bold]peak memory[/] {format_bytes(diagnosis.peak_memory_bytes)} "
         f"({diagnosis.peak_memory_kind})"
     )
+    if diagnosis.memory_estimate is not None:
+        for line in describe(diagnosis.memory_estimate):
+            console.print(Text(line))
+    elif diagnosis.memory_estimate_note:
+        console.print(Text(diagnosis.memory_estimate_note))
     share = diagnosis.breakdown["input_wait"] / diagnosis.step_seconds
     console.print(
         f"[bold]verdict[/] {diagnosis.bound}: input wait is {share:.0%} of a "

@@ -35,7 +35,7 @@ CHECKPOINT_MARKER = "_torchturbo_checkpointed"
 _StorageKey = tuple[str, int]
 
 
-def _storage_key(tensor: torch.Tensor) -> tuple[_StorageKey, int] | None:
+def storage_key(tensor: torch.Tensor) -> tuple[_StorageKey, int] | None:
     """(device, address) of the tensor's storage and its size; None for storage-less tensors."""
     try:
         storage = tensor.untyped_storage()
@@ -66,7 +66,7 @@ def activation_bytes(
     Not counted: the transient peak of backward itself (gradients, and the recomputed
     activations of one checkpointed block at a time).
     """
-    excluded = {entry[0] for t in _excluded_tensors(model, exclude) if (entry := _storage_key(t))}
+    excluded = {entry[0] for t in _excluded_tensors(model, exclude) if (entry := storage_key(t))}
     held: list[weakref.ref[torch.Tensor]] = []
 
     def pack(value: Any) -> Any:
@@ -98,7 +98,7 @@ def activation_bytes(
         sizes: dict[_StorageKey, int] = {}
         for ref in held:
             tensor = ref()
-            if tensor is not None and (entry := _storage_key(tensor)) and entry[0] not in excluded:
+            if tensor is not None and (entry := storage_key(tensor)) and entry[0] not in excluded:
                 sizes[entry[0]] = entry[1]
         del loss
     finally:

@@ -11,8 +11,9 @@ gradient) are left alone: they are alive anyway, so a copy would add memory, and
 precision would drop. Tensors under ``min_bytes`` (1 MiB) are left alone too: their casts cost
 more than they save.
 
-It trades time (a cast per saved tensor, each way) for memory, so the tuner proposes it only over
-a memory budget, beside checkpointing (which trades more time for more memory). Under
+It trades time (a cast per saved tensor, each way) for memory, so the tuner's memory planner
+(``tune/memory_plan.py``) proposes it only over a memory budget, alone or with checkpointing and
+micro-batching. Under
 ``torch.compile`` it does not apply, and says why: the compiled graph saves its tensors inside
 its own autograd function, where no saved-tensor hook sees them (tested: nothing was stored in
 bf16 with torch 2.13).
@@ -28,9 +29,8 @@ from typing import Any, Literal
 import torch
 
 from torchturbo.config import TurboConfig, between, validate_section
-from torchturbo.techniques.proposal import Candidate, StageContext, memory_not_needed
 from torchturbo.techniques.saved_tensors import saved_tensor_packer
-from torchturbo.techniques.spec import Stage, Technique
+from torchturbo.techniques.spec import Technique
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -83,17 +83,6 @@ class _Compressed:
     tensor: torch.Tensor
 
 
-def activation_compression_stage(ctx: StageContext) -> list[Candidate] | str:
-    not_needed = memory_not_needed(
-        ctx,
-        "compressing activations would only cost time",
-        "compressing would only cost time",
-    )
-    if not_needed:
-        return not_needed
-    return [Candidate("activations:bf16", ctx.best.replace(activation_compression__dtype="bf16"))]
-
-
 def _switch(
     config: TurboConfig, device: torch.device
 ) -> contextlib.AbstractContextManager[Any] | str:
@@ -113,5 +102,4 @@ TECHNIQUE = Technique(
     doc="docs/techniques/activation_compression.md",
     requested=lambda config: config.section("activation_compression").dtype != "off",
     switch=_switch,
-    stage=Stage("activation_compression", 65, activation_compression_stage, fits_memory=True),
 )

@@ -29,9 +29,8 @@ import torch.utils.checkpoint
 from torch import nn
 
 from torchturbo.config import CheckpointConfig, TurboConfig
-from torchturbo.techniques.proposal import Candidate, StageContext, memory_not_needed
 from torchturbo.techniques.result import TechniqueResult, applied, not_applied
-from torchturbo.techniques.spec import Stage, Technique, TrainerArguments
+from torchturbo.techniques.spec import Technique, TrainerArguments
 
 #: Attribute set on every checkpointed module; measure/memory.py reads it to count the inputs
 #: that checkpoint keeps alive through a closure rather than through saved-tensor hooks.
@@ -64,6 +63,8 @@ def select_blocks(model: nn.Module, config: CheckpointConfig) -> list[tuple[str,
         return []
     if config.mode == "full":
         chosen = find_blocks(model)
+    elif config.blocks:
+        chosen = _outermost(_named(model, config.blocks))
     elif config.module_types or config.name_pattern:
         chosen = [
             (name, module)
@@ -78,6 +79,24 @@ def select_blocks(model: nn.Module, config: CheckpointConfig) -> list[tuple[str,
     else:
         chosen = find_blocks(model)
     return chosen[:: config.every_n]
+
+
+def _named(model: nn.Module, names: tuple[str, ...]) -> list[tuple[str, nn.Module]]:
+    """The modules ``names`` name, in the model's order; an unknown name is a ValueError that
+    lists the model's blocks (a typo should not silently checkpoint nothing)."""
+    modules = dict(model.named_modules())
+    unknown = [n for n in names if not n or n not in modules]
+    if unknown:
+        blocks = [n for n, _ in find_blocks(model)]
+        more = f" (+{len(blocks) - 12} more)" if len(blocks) > 12 else ""
+        shown = ", ".join(blocks[:12]) + more
+        raise ValueError(
+            f"[checkpointing] blocks: no module named {', '.join(map(repr, unknown))} in "
+            f"{type(model).__name__}; its blocks are {shown or 'none'} (any qualified module "
+            "name from model.named_modules() works)"
+        )
+    wanted = set(names)
+    return [(n, m) for n, m in model.named_modules() if n in wanted]
 
 
 def _outermost(named: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
@@ -162,38 +181,8 @@ def apply_activation_checkpointing(model: nn.Module, config: CheckpointConfig) -
     return applied("checkpointing", tuple(name for name, _ in chosen))
 
 
-def memory_stage(ctx: StageContext) -> list[Candidate] | str:
-    """Over a memory budget: checkpointing (all blocks, every 2nd) and micro-batching (each
-    batch in 2, 4 or 8 pieces, accumulated exactly), whichever fits at the least cost."""
-    not_needed = memory_not_needed(
-        ctx,
-        "checkpointing and micro-batching would only cost time",
-        "checkpointing would only add recompute",
-    )
-    if not_needed:
-        return not_needed
-    candidates = [
-        Candidate("checkpointing:full", ctx.best.replace(checkpointing__mode="full")),
-        Candidate(
-            "checkpointing:every_2nd",
-            ctx.best.replace(checkpointing__mode="selective", checkpointing__every_n=2),
-        ),
-    ]
-    batch_size = ctx.batch_size or ctx.recipe.batch_size
-    for split in (2, 4, 8):
-        if batch_size % split == 0:
-            candidates.append(
-                Candidate(
-                    f"micro-batch {batch_size // split} x{split}",
-                    ctx.best.replace(accumulation__steps=split),
-                    batching=f"split:{split}",
-                )
-            )
-    return candidates
-
-
 def _by_type_or_name(config: CheckpointConfig) -> bool:
-    return bool(config.module_types or config.name_pattern)
+    return bool(config.blocks or config.module_types or config.name_pattern)
 
 
 def _transform(model: nn.Module, config: TurboConfig, device: torch.device) -> TechniqueResult:
@@ -245,6 +234,5 @@ TECHNIQUE = Technique(
         "(torch.compile traces through checkpoint and honours its recompute boundaries)"
     ),
     carried_by={"transformers": _hf_carries},
-    stage=Stage("memory", 60, memory_stage, fits_memory=True),
     translations={"transformers": _hf_arguments},
 )

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from torchturbo.config import TurboConfig
+from torchturbo.measure.footprint import MemoryEstimate
 from torchturbo.recipe import Recipe
 from torchturbo.techniques import levers
 from torchturbo.techniques.facts import Facts
@@ -56,6 +57,8 @@ class StageContext:
     backend: str | None = None
     #: The current best's batch size per step (after any micro-batching).
     batch_size: int | None = None
+    #: The fp32 eager step's memory estimate (``measure.memory_estimate``), for the planner.
+    memory: MemoryEstimate | None = None
     notes: dict[str, str] = field(default_factory=dict)
 
     @property

@@ -153,7 +153,7 @@ def try_candidate(
         )
         while len(trial.losses) < PARITY_STEPS * candidate.config.accumulation.steps:
             trial.step()
-        memory_bytes = trial.memory_footprint()[0]
+        memory_bytes, memory_kind = trial.memory_footprint()
         warm_steps = 1 + (shapes - 1 if cost.compile_s else 0)
         one_time = max(0.0, first + warm - warm_steps * (trial.step_seconds or 0.0))
         graphs = _graphs_since(graphs_before) if cost.compile_s else None
@@ -176,6 +176,8 @@ def try_candidate(
     outcome = agree(
         _judged(run, stage, candidate, measured, curve, memory_bytes, one_time, best, fit_memory)
     )
+    if memory_bytes is None:  # a footprint that could not be measured says why
+        outcome = dataclasses.replace(outcome, reason=f"{outcome.reason}; memory {memory_kind}")
     if graphs is not None:  # recompiles are a one-time cost the job pays too: say how many
         outcome = dataclasses.replace(
             outcome, reason=f"{outcome.reason}; {graphs} graph(s) compiled for {shapes} shape(s)"

@@ -276,6 +276,9 @@ class TuneResult:
     loss_curves: dict[str, list[float]]
     system: dict[str, str]
     fingerprint: dict[str, Any] = field(default_factory=dict)
+    #: The baseline step's memory estimate made before it ran, with the footprint then measured
+    #: and its relative error (``search._estimate_record``).
+    memory_estimate: dict[str, Any] = field(default_factory=dict)
 
     def job(self) -> dict[str, Any]:
         """The planned job timed with fp32 eager and with the chosen config: one-time costs plus
@@ -342,4 +345,5 @@ class TuneResult:
             "loss_curves": self.loss_curves,
             "system": self.system,
             "fingerprint": self.fingerprint,
+            "memory_estimate": self.memory_estimate,
         }

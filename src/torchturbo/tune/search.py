@@ -42,7 +42,9 @@ from torchturbo.distributed.consensus import agree
 from torchturbo.distributed.launch import current_env
 from torchturbo.engine import resolve_device
 from torchturbo.measure.breakdown import PhaseRecorder
+from torchturbo.measure.footprint import MemoryEstimate
 from torchturbo.measure.machine import summary
+from torchturbo.measure.memory_estimate import estimate_recipe_memory
 from torchturbo.measure.timing import time_once
 from torchturbo.measure.trial import fixed_batches, start_trial
 from torchturbo.output.tables import format_bytes
@@ -102,6 +104,7 @@ def tune(
     previous: Mapping[str, Any] | Sequence[tuple[Mapping[str, Any], str]] | None = None,
     previous_source: str = "the previous results.json",
     clock: Callable[[], float] = time.perf_counter,
+    on_estimate: Callable[[MemoryEstimate], None] | None = None,
 ) -> tuple[TurboConfig, TuneResult]:
     """Tune ``recipe``; returns the chosen config and the run's :class:`TuneResult`.
 
@@ -109,12 +112,13 @@ def tune(
     candidates it decided for the same recipe, machine and options are reused and the budget goes
     to the others. Several (results, name) pairs may be given: the first made for this run is
     reused. ``on_progress(stage, candidate, seconds_left)`` is called as the work moves on;
-    ``clock`` is what the budget is counted on.
+    ``clock`` is what the budget is counted on. ``on_estimate`` is handed the memory estimate
+    of the baseline step before anything is measured (the result then says how far off it was).
     """
     options = options or TuneOptions()
     with compile_cache(options.compile_cache_dir):
         config, result = _tune(
-            recipe, options, stages, on_progress, previous, previous_source, clock
+            recipe, options, stages, on_progress, previous, previous_source, clock, on_estimate
         )
     if config.compile.mode != "off" and options.compile_cache_dir:
         config = config.replace(compile__cache_dir=options.compile_cache_dir)
@@ -144,6 +148,7 @@ def _tune(
     previous: Mapping[str, Any] | Sequence[tuple[Mapping[str, Any], str]] | None,
     previous_source: str,
     clock: Callable[[], float],
+    on_estimate: Callable[[MemoryEstimate], None] | None,
 ) -> tuple[TurboConfig, TuneResult]:
     selected = select_stages(stages or STAGES, options)
     budget = Budget(options.time_budget_s, clock)
@@ -155,6 +160,12 @@ def _tune(
         base_config = apply_plan(base_config, batch_plan)
     say("baseline", "fp32 eager", budget.left())
     batches = fixed_batches(recipe, NUM_BATCHES)
+    say("estimate", "memory of the baseline step", budget.left())
+    # Block forwards are timed only for the planner: without a budget nothing is planned.
+    memory, memory_error = _estimate(recipe, batches[0], device, options.memory_budget is not None)
+    if memory is not None and on_estimate is not None:
+        on_estimate(memory)
+    say("baseline", "fp32 eager", budget.left())
     begin = clock()
     trial, first = start_trial(recipe, base_config, batches, clock)
     build_s = max(0.0, clock() - begin - first)
@@ -181,6 +192,7 @@ def _tune(
             baseline_step_s=trial.step_seconds,
             reference_losses=trial.loss_curve()[:PARITY_STEPS],
             adoptions=adoptions,
+            memory=memory,
         )
         parameters = sum(p.numel() for p in trial.model.parameters())
         current = fingerprint(recipe, options, device, parameters)
@@ -204,6 +216,9 @@ def _tune(
         except KeyboardInterrupt as interrupt:
             raise TuneInterrupted(_partial(run, current, reuse)) from interrupt
         result = _result(run, baseline, best, confirmation, loader, reuse, reuse_note, current)
+        result = dataclasses.replace(
+            result, memory_estimate=_estimate_record(memory, memory_error, baseline.memory_bytes)
+        )
     finally:
         live = {id(i.trial): i.trial for i in (baseline, best, *adoptions)}
         for live_trial in live.values():
@@ -211,6 +226,31 @@ def _tune(
     if batch_plan is not None:
         result = dataclasses.replace(result, batch=batch_plan.to_dict())
     return best.config, result
+
+
+def _estimate(
+    recipe: Recipe, batch: Any, device: torch.device, time_blocks: bool
+) -> tuple[MemoryEstimate | None, str | None]:
+    """The baseline step's memory estimate, or None and why it could not be made (the tuner
+    goes on without it: the planner then says it has nothing to plan from)."""
+    try:
+        memory = estimate_recipe_memory(recipe, batch, device, time_blocks=time_blocks)
+        return agree(memory), None
+    except Exception as err:  # a model the hooks cannot follow is a finding, not a crash
+        return None, agree(f"{type(err).__name__}: {err}"[:300])
+
+
+def _estimate_record(
+    memory: MemoryEstimate | None, error: str | None, measured: int | None
+) -> dict[str, Any]:
+    """What results.json keeps of the estimate: its split, the measured footprint it is
+    judged against and the relative error (estimate / measured - 1)."""
+    if memory is None:
+        return {"error_reason": error or "not made"}
+    record = memory.to_dict()
+    record["measured_bytes"] = measured
+    record["error"] = None if not measured else memory.total_bytes / measured - 1
+    return record
 
 
 def select_stages(stages: Mapping[str, Stage], options: TuneOptions) -> dict[str, Stage]:
@@ -309,6 +349,10 @@ def _search(
         ranks = [_rank(run, *proposal, best, over) for proposal in proposals]
         # Estimates read this rank's clock and load: the pick is rank 0's on every rank.
         stage, candidate = proposals[agree(ranks.index(max(ranks)))]
+        if over and stage in MEMORY_STAGES:
+            fits = [(s, c) for s, c in proposals if s in MEMORY_STAGES]
+            best = _fastest_fit(run, fits, best, tried)
+            continue
         tried.add(candidate.name)
         outcome, incumbent = try_candidate(
             run, stage, candidate, best, over and stage in MEMORY_STAGES
@@ -320,6 +364,45 @@ def _search(
             run.adoptions.append(incumbent)
             best = incumbent
     return best
+
+
+def _fastest_fit(
+    run: Run, proposals: list[tuple[str, Candidate]], best: Incumbent, tried: set[str]
+) -> Incumbent:
+    """Over the budget: measure every memory candidate against the same best (its footprint
+    and speed) and adopt the fastest that fits, rather than the first. The others that fit are
+    rejected with the winner's name and both speeds; each row keeps its own measurement."""
+    leader: tuple[Outcome, Incumbent] | None = None
+    beaten: list[Outcome] = []
+    for stage, candidate in proposals:
+        tried.add(candidate.name)
+        outcome, incumbent = try_candidate(run, stage, candidate, best, True)
+        if incumbent is None:
+            run.outcomes.append(outcome)
+        elif leader is None or _speed(outcome) > _speed(leader[0]):
+            if leader is not None:
+                leader[1].trial.close()  # only the leader's trial stays alive
+                beaten.append(leader[0])
+            leader = (outcome, incumbent)
+        else:
+            incumbent.trial.close()
+            beaten.append(outcome)
+    if leader is None:
+        return best
+    winner, incumbent = leader
+    for outcome in beaten:
+        reason = (
+            f"fits, but {winner.name} is faster ({_speed(winner):.2f}x against "
+            f"{_speed(outcome):.2f}x, both against {best.name}); {outcome.reason}"
+        )
+        run.outcomes.append(dataclasses.replace(outcome, verdict="rejected", reason=reason))
+    run.outcomes.append(winner)
+    run.adoptions.append(incumbent)
+    return incumbent
+
+
+def _speed(outcome: Outcome) -> float:
+    return outcome.comparison.speed.ratio if outcome.comparison is not None else 0.0
 
 
 def _proposals(
@@ -373,6 +456,7 @@ def _context(run: Run, best: Incumbent) -> StageContext:
         world_size=env.world_size,
         backend=env.backend,
         batch_size=batching.batch_size(best.trial.batches),
+        memory=run.memory,
     )
 
 

@@ -6,7 +6,8 @@ it is expected to bring (``techniques.levers``, from facts measured in seconds),
 measuring, or the fact that makes it not applicable here (bf16 without bf16 units, channels_last
 without convolutions), which spares training it at all. The technique stages are declared by the
 techniques themselves (``Technique.stage``, gathered by ``techniques/registry.py``); this module
-adds the strategy's: DDP communication, which is the distributed strategy's, not a model's.
+adds the memory planner's, which combines several techniques, and the strategy's: DDP
+communication, which is the distributed strategy's, not a model's.
 Stages only build configs: measuring and deciding is ``search.py``'s, and the report lists the
 stages by rank whatever order they were measured in.
 """
@@ -18,6 +19,7 @@ from collections.abc import Callable
 from torchturbo.techniques import levers, registry
 from torchturbo.techniques.proposal import Candidate, StageContext, candidate
 from torchturbo.techniques.spec import Stage
+from torchturbo.tune.memory_plan import memory_plan_stage
 
 #: The formats the precision stage tries (the CLI says up front which of them are emulated).
 PRECISION_FORMATS = ("tf32", "bf16", "fp16")
@@ -98,8 +100,11 @@ def bucket_stage(ctx: StageContext) -> list[Candidate] | str:
 
 #: The strategy's stages: after every technique's (ranks 80 and 90).
 STRATEGY_STAGES = (Stage("comm_hook", 80, comm_hook_stage), Stage("ddp_buckets", 90, bucket_stage))
+#: The memory planner: it combines several techniques' knobs (checkpointing, accumulation,
+#: activation compression), so it is the tuner's stage rather than one technique's.
+PLANNER_STAGES = (Stage("memory", 60, memory_plan_stage, fits_memory=True),)
 
-_ALL = sorted([*registry.stages(), *STRATEGY_STAGES], key=lambda s: s.rank)
+_ALL = sorted([*registry.stages(), *PLANNER_STAGES, *STRATEGY_STAGES], key=lambda s: s.rank)
 #: Stage name -> function, by rank: the techniques' stages, then the strategy's.
 STAGES: dict[str, Callable[[StageContext], list[Candidate] | str]] = {
     stage.name: stage.propose for stage in _ALL

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from torchturbo.config import TurboConfig
+from torchturbo.measure.footprint import MemoryEstimate
 from torchturbo.measure.trial import Trial
 from torchturbo.recipe import Recipe
 from torchturbo.techniques.facts import Facts
@@ -104,6 +105,8 @@ class Run:
     reference_losses: list[float]
     outcomes: list[Outcome] = field(default_factory=list)
     adoptions: list[Incumbent] = field(default_factory=list)
+    #: The baseline step's memory estimate, made before it ran (None where it failed).
+    memory: MemoryEstimate | None = None
 
     @property
     def horizon(self) -> Horizon:

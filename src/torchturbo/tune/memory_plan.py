@@ -1,0 +1,226 @@
+"""The memory planner: the configurations that should fit ``--memory-budget``, cheapest first.
+
+Over the budget, the tuner does not try a menu and stop at the first that fits: this stage
+proposes plans, the tuner measures every one (footprint and speed against the same current best,
+``search``) and keeps the fastest that fits. A plan combines
+
+* micro-batching (each batch in 1, 2, 4 or 8 pieces, accumulated exactly: the global batch is
+  kept),
+* activation compression (saved float32 activations stored in bf16; eager only),
+* and the blocks to checkpoint: for each of those, the cheapest set that frees what is still
+  missing, a knapsack over blocks (``knapsack``) whose savings are the bytes each block's
+  checkpointing frees and whose costs are its measured forward time (what recomputing it
+  costs), both from the memory estimate (``measure.memory_estimate``); and whole block types
+  (every ``BasicBlock``, every ``LlamaDecoderLayer``) where that fits.
+
+A plan's footprint is the estimate's, calibrated by the measured footprint of the current best
+(the estimate's figure for the best is moved onto what was measured), and only plans that
+should fit are proposed, without one another's redundant knobs (a plan is left out when another
+one fits with a subset of its knobs). When none should fit, the leanest plan is proposed, so that
+the measurement says how far off it is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass
+
+from torchturbo.config import TurboConfig
+from torchturbo.measure.footprint import BlockMemory, MemoryEstimate
+from torchturbo.techniques.proposal import Candidate, StageContext, memory_not_needed
+from torchturbo.tune.knapsack import cheapest_cover
+
+#: Micro-batch splits a plan may use.
+SPLITS = (1, 2, 4, 8)
+#: A whole block type is proposed beside the knapsack's blocks when it recomputes at most this
+#: many times as much (block forwards are timed once, on a busy machine).
+TYPE_MARGIN = 1.25
+#: Plans measured at most (the cheapest by estimated recompute, then by split).
+MAX_PLANS = 6
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One way to fit: which blocks to checkpoint (all of a type when ``block_type`` is set),
+    the micro-batch split, bf16 activation storage, the footprint it is expected to have and
+    the forward seconds it recomputes per step."""
+
+    blocks: tuple[str, ...]
+    split: int
+    compress: bool
+    estimated_bytes: int
+    recompute_s: float
+    block_type: str | None = None
+
+    def knobs(self) -> tuple[frozenset[str], int, bool]:
+        return frozenset(self.blocks), self.split, self.compress
+
+    def dominates(self, other: Plan) -> bool:
+        """Fits with a subset of ``other``'s knobs (and is not the same plan)."""
+        mine, theirs = self.knobs(), other.knobs()
+        return (
+            mine != theirs
+            and mine[0] <= theirs[0]
+            and mine[1] <= theirs[1]
+            and mine[2] <= theirs[2]
+        )
+
+
+def footprint(
+    estimate: MemoryEstimate, checkpointed: Collection[str], split: int, compress: bool
+) -> int:
+    """Estimated bytes of a step with these knobs (at the estimate's batch size)."""
+    samples = estimate.batch_size / split
+    return estimate.persistent_bytes + sum(
+        _block_bytes(block, samples, block.name in checkpointed, compress)
+        for block in estimate.blocks
+    )
+
+
+def _block_bytes(block: BlockMemory, samples: float, checkpointed: bool, compress: bool) -> int:
+    held = block.held.at(samples) - (block.freeable.at(samples) if checkpointed else 0)
+    return held - (block.compressible_at(samples, checkpointed) // 2 if compress else 0)
+
+
+def plans(
+    estimate: MemoryEstimate,
+    budget: int,
+    *,
+    offset: int = 0,
+    splits: tuple[int, ...] = SPLITS,
+    compression: bool = True,
+) -> list[Plan]:
+    """The plans expected to fit ``budget`` once ``offset`` (measured minus estimated bytes of
+    the current best) is added, cheapest first; the leanest plan alone when none should fit."""
+    blocks = [b for b in estimate.blocks if b.checkpointable]
+    fitting: list[Plan] = []
+    leanest: Plan | None = None
+    for split, compress in itertools.product(splits, (False, True) if compression else (False,)):
+        for plan in _choices(estimate, blocks, budget - offset, split, compress):
+            plan = dataclasses.replace(plan, estimated_bytes=plan.estimated_bytes + offset)
+            if plan.estimated_bytes <= budget:
+                fitting.append(plan)
+            elif leanest is None or plan.estimated_bytes < leanest.estimated_bytes:
+                leanest = plan
+    kept = _unique(p for p in fitting if not any(o.dominates(p) for o in fitting))
+    kept.sort(key=lambda p: (p.recompute_s, p.split, p.compress, len(p.blocks)))
+    if kept:
+        return kept[:MAX_PLANS]
+    return [leanest] if leanest is not None else []
+
+
+def _choices(
+    estimate: MemoryEstimate, blocks: list[BlockMemory], budget: int, split: int, compress: bool
+) -> list[Plan]:
+    """For one split and compression: the knapsack's blocks, every whole block type, and (the
+    leanest) every block."""
+    samples = estimate.batch_size / split
+    plain = footprint(estimate, (), split, compress)
+    savings = [
+        _block_bytes(b, samples, False, compress) - _block_bytes(b, samples, True, compress)
+        for b in blocks
+    ]
+    costs = [_cost(b) for b in blocks]
+    chosen: list[tuple[tuple[str, ...], str | None]] = []
+    cover = cheapest_cover(list(zip(costs, savings, strict=True)), plain - budget)
+    if cover is not None:
+        chosen.append((tuple(blocks[i].name for i in sorted(cover[0])), None))
+    for type_name in sorted({b.type_name for b in blocks}):
+        typed = [b for b in blocks if b.type_name == type_name]
+        # A whole type is worth measuring beside the knapsack's pick only where its recompute
+        # is within the noise of a forward timed once (``TYPE_MARGIN``).
+        if cover is None or sum(map(_cost, typed)) <= TYPE_MARGIN * cover[1]:
+            chosen.append((tuple(b.name for b in typed), type_name))
+    chosen.append((tuple(b.name for b in blocks), None))
+    out = []
+    for names, block_type in chosen:
+        if not names and split == 1 and not compress:
+            continue  # no change at all: the current best
+        recompute = sum(_cost(b) for b in blocks if b.name in names)
+        bytes_ = footprint(estimate, names, split, compress)
+        out.append(Plan(names, split, compress, bytes_, recompute, block_type))
+    return out
+
+
+def _cost(block: BlockMemory) -> float:
+    return block.forward_s if block.forward_s is not None else 0.0
+
+
+def _unique(found: Iterable[Plan]) -> list[Plan]:
+    seen: dict[tuple[frozenset[str], int, bool], Plan] = {}
+    for plan in found:
+        seen.setdefault(plan.knobs(), plan)
+    return list(seen.values())
+
+
+def plan_config(best: TurboConfig, plan: Plan, all_blocks: int) -> TurboConfig:
+    """``best`` with the plan's knobs set."""
+    changes: dict[str, object] = {}
+    if plan.blocks and len(plan.blocks) == all_blocks:
+        changes["checkpointing__mode"] = "full"
+    elif plan.block_type is not None:
+        changes["checkpointing__mode"] = "selective"
+        changes["checkpointing__module_types"] = (plan.block_type,)
+    elif plan.blocks:
+        changes["checkpointing__mode"] = "selective"
+        changes["checkpointing__blocks"] = plan.blocks
+    if plan.split > 1:
+        changes["accumulation__steps"] = best.accumulation.steps * plan.split
+    if plan.compress:
+        changes["activation_compression__dtype"] = "bf16"
+    return best.replace(**changes)
+
+
+def plan_name(plan: Plan, all_blocks: int, batch_size: int) -> str:
+    """A short, unique name: what the plan checkpoints, splits and compresses."""
+    parts = []
+    if plan.blocks and len(plan.blocks) == all_blocks:
+        parts.append(f"ckpt all {all_blocks} blocks")
+    elif plan.block_type is not None:
+        parts.append(f"ckpt every {plan.block_type}")
+    elif len(plan.blocks) <= 3:
+        parts += [f"ckpt {','.join(plan.blocks)}"] if plan.blocks else []
+    else:
+        parts.append(f"ckpt {len(plan.blocks)} blocks ({plan.blocks[0]}..{plan.blocks[-1]})")
+    if plan.split > 1:
+        parts.append(f"micro-batch {batch_size // plan.split} x{plan.split}")
+    if plan.compress:
+        parts.append("bf16 activations")
+    return "plan: " + " + ".join(parts)
+
+
+def memory_plan_stage(ctx: StageContext) -> list[Candidate] | str:
+    """Over the budget: every plan that should fit (``plans``), to be measured side by side."""
+    not_needed = memory_not_needed(
+        ctx,
+        "checkpointing, micro-batching and compression would only cost time",
+        "checkpointing, micro-batching and compression would only cost time",
+    )
+    if not_needed:
+        return not_needed
+    estimate, budget = ctx.memory, ctx.memory_budget
+    assert budget is not None  # memory_not_needed said there is one
+    if estimate is None:
+        return "no memory estimate of this recipe's step: nothing to plan from"
+    offset = 0
+    same_batch = ctx.batch_size in (None, estimate.batch_size)
+    if ctx.best_memory_bytes is not None and same_batch:
+        offset = ctx.best_memory_bytes - footprint(estimate, (), 1, False)
+    splits = tuple(s for s in SPLITS if estimate.batch_size % s == 0) if same_batch else (1,)
+    # Compression's hooks cannot see what a compiled graph saves (activation_compression.py).
+    compression = ctx.best.compile.mode == "off"
+    count = sum(b.checkpointable for b in estimate.blocks)
+    return [
+        Candidate(
+            plan_name(plan, count, estimate.batch_size),
+            plan_config(ctx.best, plan, count),
+            evidence=(
+                f"estimated {plan.estimated_bytes / 2**20:.1f} MiB, recomputes "
+                f"{plan.recompute_s * 1e3:.0f} ms of forward per step"
+            ),
+            batching=f"split:{plan.split}" if plan.split > 1 else None,
+        )
+        for plan in plans(estimate, budget, offset=offset, splits=splits, compression=compression)
+    ]

@@ -1,0 +1,224 @@
+"""The memory estimate before launch, the knapsack over blocks and the memory planner."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import random
+
+import pytest
+import torch
+from conftest import MLP, classification_loss
+from test_tune import QUICK, tiny_recipe
+
+from torchturbo.config import CheckpointConfig, ConfigError, TurboConfig
+from torchturbo.measure.footprint import BlockMemory, Line, MemoryEstimate, describe
+from torchturbo.measure.memory_estimate import estimate_memory, estimate_recipe_memory
+from torchturbo.measure.trial import Trial, fixed_batches
+from torchturbo.recipe import Recipe
+from torchturbo.techniques.checkpointing import select_blocks
+from torchturbo.tune.knapsack import cheapest_cover
+from torchturbo.tune.memory_plan import footprint, plan_config, plans
+from torchturbo.tune.search import tune
+from torchturbo.tune.stages import STAGES
+
+
+def _brute_force(items, need):
+    best = None
+    for size in range(len(items) + 1):
+        for chosen in itertools.combinations(range(len(items)), size):
+            if sum(items[i][1] for i in chosen) >= need:
+                cost = sum(items[i][0] for i in chosen)
+                if best is None or (cost, len(chosen)) < (best[1], len(best[0])):
+                    best = (chosen, cost)
+    return best
+
+
+def test_the_knapsack_finds_the_cheapest_cover_exactly():
+    rng = random.Random(0)
+    for _ in range(300):
+        items = [(rng.choice([0.5, 1.0, 2.0, 3.5]), rng.randint(0, 40)) for _ in range(7)]
+        need = rng.randint(-5, 150)
+        got, want = cheapest_cover(items, need), _brute_force(items, need)
+        if want is None:
+            assert got is None
+            continue
+        assert got is not None
+        assert got[1] == pytest.approx(want[1]) and len(got[0]) == len(want[0])
+        assert sum(items[i][1] for i in got[0]) >= need
+
+
+def test_the_knapsack_prefers_cheap_blocks_not_the_first_or_every_second():
+    # Block 0 frees a lot but is slow to recompute; 1 and 2 together free enough for less.
+    items = [(10.0, 100), (1.0, 60), (2.0, 50), (1.0, 5)]
+    assert cheapest_cover(items, 100) == ((1, 2), 3.0)
+    assert cheapest_cover(items, 0) == ((), 0.0)
+    assert cheapest_cover(items, 1000) is None
+
+
+def _mlp_recipe(batch_size: int = 8) -> Recipe:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 16, generator=generator)
+    return Recipe(
+        name="mlp",
+        model=lambda: MLP(width=16, depth=4),
+        optimizer=lambda params: torch.optim.Adam(params, lr=1e-2),
+        loss_fn=classification_loss,
+        dataset=torch.utils.data.TensorDataset(x, (x[:, 0] > 0).long() % 5),
+        batch_size=batch_size,
+    )
+
+
+class _FixedMask(torch.nn.Module):
+    """Saves a tensor that does not grow with the batch (as a causal mask does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.Sequential(
+            *[torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU()) for _ in range(2)]
+        )
+        self.scale = torch.nn.Parameter(torch.ones(16, 16))
+        self.head = torch.nn.Linear(16, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        table = torch.randn(256, 16) * 2  # 16 KiB saved by the matmul, whatever the batch
+        return self.head(self.blocks(x + (table @ self.scale).sum(0)))
+
+
+@pytest.mark.parametrize("model", ["mlp", "fixed", "conv"])
+def test_the_estimate_matches_the_measured_footprint_and_splits_it(model):
+    recipe = {
+        "mlp": _mlp_recipe(16),
+        "fixed": dataclasses.replace(_mlp_recipe(16), model=_FixedMask),
+        "conv": tiny_recipe(),
+    }[model]
+    batches = fixed_batches(recipe, 1)
+    estimate = estimate_recipe_memory(recipe, batches[0])
+    trial = Trial(recipe, TurboConfig(device="cpu"), batches)
+    try:
+        trial.step()
+        measured, _ = trial.memory_footprint()
+        activations = trial.activation_bytes()
+    finally:
+        trial.close()
+    assert measured is not None and activations is not None
+    # Exact on CPU, where both count the same parts: the issue's bar is 20%.
+    assert abs(estimate.total_bytes / measured - 1) < 0.01
+    assert estimate.activation_bytes() == pytest.approx(activations, rel=0.01)
+    parameters = sum(p.numel() * 4 for p in trial.model.parameters())
+    assert estimate.weights_bytes == estimate.gradients_bytes == parameters
+    assert estimate.optimizer_bytes >= 2 * parameters  # Adam: two moments (+ steps)
+    assert any(b.checkpointable for b in estimate.blocks)
+    assert estimate.largest and estimate.largest[0].bytes >= estimate.largest[-1].bytes
+    assert "memory estimate" in next(describe(estimate))
+
+
+def test_what_does_not_grow_with_the_batch_is_the_fixed_part():
+    recipe = dataclasses.replace(_mlp_recipe(16), model=_FixedMask)
+    estimate = estimate_recipe_memory(recipe, fixed_batches(recipe, 1)[0])
+    top = next(b for b in estimate.blocks if b.name.startswith("(top level"))
+    assert top.held.fixed == pytest.approx(256 * 16 * 4, rel=0.01)  # the table, once
+    blocks = [b for b in estimate.blocks if b.checkpointable]
+    assert all(abs(b.held.fixed) < 64 for b in blocks)  # per-sample activations only
+
+
+def test_an_unknown_block_name_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"no module named 'blocks\.9'.*its blocks are blocks\.0"):
+        select_blocks(MLP(), CheckpointConfig(mode="selective", blocks=("blocks.9",)))
+    chosen = select_blocks(MLP(), CheckpointConfig(mode="selective", blocks=("blocks.2", "head")))
+    assert [n for n, _ in chosen] == ["blocks.2", "head"]
+    with pytest.raises(ConfigError, match="blocks names the modules outright"):
+        CheckpointConfig(mode="selective", blocks=("blocks.0",), every_n=2)
+    with pytest.raises(ValueError, match="no module named"):
+        estimate_memory(_mlp_recipe(), torch.zeros(8, 16), ["nope"])
+
+
+class _Wide(torch.nn.Module):
+    """Blocks with a wide hidden layer inside: what checkpointing frees."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.Sequential(
+            *[
+                torch.nn.Sequential(
+                    torch.nn.Linear(16, 256), torch.nn.ReLU(), torch.nn.Linear(256, 16)
+                )
+                for _ in range(4)
+            ]
+        )
+        self.head = torch.nn.Linear(16, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(x))
+
+
+def _synthetic(batch: int = 8) -> MemoryEstimate:
+    """Four blocks of 8 MiB each at batch 8 (1 MiB a sample), the first slow to recompute."""
+    mib = 2**20
+    blocks = tuple(
+        BlockMemory(
+            name=f"layers.{i}",
+            type_name="Wide" if i == 0 else "Layer",
+            checkpointable=True,
+            held=Line(0.0, mib),
+            freeable=Line(0.0, 0.75 * mib),
+            compressible=((0.5 * mib, True), (0.5 * mib, False)),
+            forward_s=0.05 if i == 0 else 0.01,
+        )
+        for i in range(4)
+    )
+    return MemoryEstimate(
+        batch_size=batch,
+        slices=(2, 4),
+        weights_bytes=mib,
+        gradients_bytes=mib,
+        optimizer_bytes=2 * mib,
+        blocks=blocks,
+    )
+
+
+def test_every_plan_should_fit_and_none_carries_a_knob_it_does_not_need():
+    estimate = _synthetic()
+    assert footprint(estimate, (), 1, False) == 36 * 2**20
+    budget = 30 * 2**20  # 6 MiB to free: one block frees 6 MiB
+    found = plans(estimate, budget)
+    assert found
+    for plan in found:
+        assert plan.estimated_bytes <= budget
+        assert not any(other.dominates(plan) for other in found)
+    cheapest = found[0]
+    # The knapsack takes a cheap block, not layers.0 (five times the recompute).
+    assert cheapest.blocks in ((), ("layers.1",)) or cheapest.split > 1
+    checkpointing = [p for p in found if p.blocks and p.split == 1 and not p.compress]
+    assert [p.blocks for p in checkpointing] == [("layers.1",)]
+
+
+def test_a_plan_becomes_a_config_that_names_its_blocks():
+    estimate = _synthetic()
+    plan = next(p for p in plans(estimate, 30 * 2**20) if p.blocks and p.split == 1)
+    config = plan_config(TurboConfig(device="cpu"), plan, all_blocks=4)
+    assert config.checkpointing.mode == "selective"
+    assert config.checkpointing.blocks == ("layers.1",)
+    assert plans(estimate, 1)[0].blocks == tuple(f"layers.{i}" for i in range(4))  # leanest
+
+
+def test_tune_with_a_budget_adopts_the_fastest_plan_that_fits_and_reports_every_plan():
+    recipe = dataclasses.replace(_mlp_recipe(32), model=_Wide)
+    estimate = estimate_recipe_memory(recipe, fixed_batches(recipe, 1)[0])
+    # Two thirds of the activations: several plans fit.
+    budget = estimate.persistent_bytes + 2 * estimate.activation_bytes() // 3
+    options = dataclasses.replace(QUICK, memory_budget=budget, max_rounds=4)
+    _, result = tune(recipe, options, stages={"memory": STAGES["memory"]})
+    rows = [o for o in result.candidates if o.stage == "memory"]
+    measured = [o for o in rows if o.comparison is not None]
+    assert len(measured) >= 2, [o.name for o in rows]
+    assert all(o.memory_bytes is not None for o in measured)
+    adopted = [o for o in rows if o.verdict == "adopted"]
+    assert len(adopted) == 1 and adopted[0].memory_bytes <= budget
+    beaten = [o for o in measured if o.verdict == "rejected" and o.memory_bytes <= budget]
+    for row in beaten:
+        assert f"{adopted[0].name} is faster" in row.reason
+        assert row.comparison.speed.ratio <= adopted[0].comparison.speed.ratio
+    record = result.to_dict()["memory_estimate"]
+    assert record["measured_bytes"] == result.baseline.memory_bytes
+    assert abs(record["error"]) < 0.2
