@@ -202,6 +202,19 @@ def test_a_plan_becomes_a_config_that_names_its_blocks():
     assert plans(estimate, 1)[0].blocks == tuple(f"layers.{i}" for i in range(4))  # leanest
 
 
+def test_a_micro_batched_plan_keeps_the_global_batch_in_the_written_config():
+    """A split is ``[accumulation] micro_batches`` (each batch cut inside the step), never more
+    ``steps``: those would accumulate whole batches, and ``train`` would run a k times larger
+    global batch than the plan was measured with."""
+    estimate = _synthetic()
+    split = next(p for p in plans(estimate, 30 * 2**20) if p.split > 1 and not p.blocks)
+    config = plan_config(TurboConfig(device="cpu"), split, all_blocks=4)
+    assert config.accumulation.micro_batches == split.split
+    assert config.accumulation.steps == 1
+    already = TurboConfig(device="cpu").replace(accumulation__micro_batches=split.split)
+    assert plan_config(already, split, all_blocks=4) == already
+
+
 def test_tune_with_a_budget_adopts_the_fastest_plan_that_fits_and_reports_every_plan():
     recipe = dataclasses.replace(_mlp_recipe(32), model=_Wide)
     estimate = estimate_recipe_memory(recipe, fixed_batches(recipe, 1)[0])

@@ -26,8 +26,7 @@ class Candidate:
     ``expected_gain`` (None: no prior) orders the work; ``not_applicable`` says why it cannot
     help here, and then it is reported, not trained. ``batching`` names batches other than the
     current best's: "buckets" (length buckets), "packed" or "packed:ids" (packed rows, with the
-    document boundaries for models that take them) or "split:N" (each batch cut into N
-    micro-batches).
+    document boundaries for models that take them).
     ``batches`` and ``recipe`` override the batches and the recipe outright (tests inject
     techniques this way).
     """

@@ -1,9 +1,9 @@
 """The batches a tuner trial trains on: the recipe's fixed batches, or length buckets or packed
-rows of the same token budget, or each batch cut into micro-batches; and small readers of
-batches and losses.
+rows of the same token budget; and small readers of batches and losses. (Micro-batches are the
+engine's own: ``[accumulation] micro_batches`` cuts every batch inside the step.)
 
 A candidate names its batching ("buckets", "packed", "packed:ids" with the document
-boundaries, "split:N"); the current best's batches are the
+boundaries); the current best's batches are the
 starting point, so that a later candidate keeps the batching an earlier one adopted and is timed
 on the same batches as the best.
 """
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from torchturbo.measure.trial import bucketed_batches, packed_batches
 from torchturbo.recipe import Recipe
-from torchturbo.reliability.oom import leading_size, split_batch
+from torchturbo.reliability.oom import leading_size
 
 if TYPE_CHECKING:
     from torchturbo.techniques.proposal import Candidate
@@ -40,13 +40,9 @@ def batches_for(
             batches = bucketed_batches(recipe, count)
         elif kind in ("packed", "packed:ids"):
             batches = packed_batches(recipe, count, boundaries=kind == "packed:ids")
-        elif kind is not None and kind.startswith("split:"):
-            pieces = int(kind.removeprefix("split:"))
-            batches = [piece for batch in batches for piece in split_batch(batch, pieces)]
         elif kind is not None:
             raise ValueError(
-                f"unknown batching {kind!r}: expected 'buckets', 'packed', 'packed:ids' or "
-                "'split:N'"
+                f"unknown batching {kind!r}: expected 'buckets', 'packed' or 'packed:ids'"
             )
     return batches
 

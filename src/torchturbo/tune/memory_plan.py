@@ -166,8 +166,10 @@ def plan_config(best: TurboConfig, plan: Plan, all_blocks: int) -> TurboConfig:
     elif plan.blocks:
         changes["checkpointing__mode"] = "selective"
         changes["checkpointing__blocks"] = plan.blocks
-    if plan.split > 1:
-        changes["accumulation__steps"] = best.accumulation.steps * plan.split
+    if plan.split > best.accumulation.micro_batches:
+        # Each loader batch cut into pieces inside the step: the written config trains the
+        # same global batch (``[accumulation] steps`` would accumulate whole batches instead).
+        changes["accumulation__micro_batches"] = plan.split
     if plan.compress:
         changes["activation_compression__dtype"] = "bf16"
     return best.replace(**changes)
@@ -206,9 +208,16 @@ def memory_plan_stage(ctx: StageContext) -> list[Candidate] | str:
         return "no memory estimate of this recipe's step: nothing to plan from"
     offset = 0
     same_batch = ctx.batch_size in (None, estimate.batch_size)
+    # A plan's split is the whole batch's (the pieces a step cuts it into), never fewer than
+    # the best's own ``micro_batches`` (``tune --find-batch`` may have set them).
+    current = ctx.best.accumulation.micro_batches
     if ctx.best_memory_bytes is not None and same_batch:
-        offset = ctx.best_memory_bytes - footprint(estimate, (), 1, False)
-    splits = tuple(s for s in SPLITS if estimate.batch_size % s == 0) if same_batch else (1,)
+        offset = ctx.best_memory_bytes - footprint(estimate, (), current, False)
+    splits = (
+        tuple(s for s in SPLITS if estimate.batch_size % s == 0 and s >= current)
+        if same_batch
+        else (current,)
+    )
     # Compression's hooks cannot see what a compiled graph saves (activation_compression.py).
     compression = ctx.best.compile.mode == "off"
     count = sum(b.checkpointable for b in estimate.blocks)
@@ -220,7 +229,6 @@ def memory_plan_stage(ctx: StageContext) -> list[Candidate] | str:
                 f"estimated {plan.estimated_bytes / 2**20:.1f} MiB, recomputes "
                 f"{plan.recompute_s * 1e3:.0f} ms of forward per step"
             ),
-            batching=f"split:{plan.split}" if plan.split > 1 else None,
         )
         for plan in plans(estimate, budget, offset=offset, splits=splits, compression=compression)
     ]

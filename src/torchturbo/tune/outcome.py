@@ -91,7 +91,7 @@ class Outcome:
     #: to cost; None where there was none.
     expected_gain: float | None = None
     estimate_s: float | None = None
-    #: Batches other than the best's it trained on ("buckets", "split:N"; see tune.batching).
+    #: Batches other than the best's it trained on ("buckets", "packed"; see tune.batching).
     batching: str | None = None
     #: Taken from a previous run's results.json in the same --out instead of measured again.
     reused: bool = False
