@@ -422,3 +422,28 @@ def test_turbo_trainer_trains_on_packed_rows_and_refuses_a_model_that_leaks(tmp_
     )
     with pytest.raises(ValueError, match="packing = true refused on DocumentAttention"):
         leaky.get_train_dataloader()
+
+
+def test_a_trainers_recipe_builds_its_models_with_the_trainers_use_cache(tmp_path):
+    """A Llama config defaults to use_cache=True, which leaks across packed documents; the
+    Trainer trains with its own use_cache (False), so the tuner's check must see that model,
+    or it would refuse packing on every Llama a Trainer fine-tunes."""
+    from transformers import Trainer, TrainingArguments
+
+    from torchturbo.integrations.transformers import recipe_from_trainer
+    from torchturbo.techniques.packing import recipe_isolation
+
+    dataset, _ = _lm_dataset()
+    args = TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, report_to="none", use_cpu=True
+    )
+    trainer = Trainer(
+        model_init=lambda: tiny_llama(use_cache=True),
+        args=args,
+        train_dataset=[{**d, "labels": d["input_ids"]} for d in dataset],
+        data_collator=pad_collate,
+    )
+    recipe = recipe_from_trainer(trainer)
+    assert recipe.model().config.use_cache is False
+    verdict, _ = recipe_isolation(recipe)
+    assert verdict.ok, verdict.reason

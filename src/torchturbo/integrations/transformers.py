@@ -167,10 +167,17 @@ class _Factories:
         self.last: nn.Module | None = None
 
     def model(self) -> nn.Module:
+        """A fresh model as the Trainer trains it: from ``model_init`` or the snapshot, with the
+        Trainer's ``use_cache`` (transformers 5 sets it on the model it trains; a Llama config's
+        own ``use_cache=True`` makes a cache and skips the packed-sequence mask)."""
         if self.initial is None:
             self.last = self.trainer.call_model_init()
         else:
             self.last = copy.deepcopy(self.initial)
+        config = getattr(self.last, "config", None)
+        use_cache = getattr(self.trainer.args, "use_cache", None)
+        if config is not None and use_cache is not None:
+            config.use_cache = use_cache
         return self.last
 
     def optimizer(self, params: Any) -> torch.optim.Optimizer:
