@@ -8,6 +8,7 @@ Tiny Hugging Face models from configs (no downloads): each check takes a fractio
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import os
 import types
@@ -447,3 +448,28 @@ def test_a_trainers_recipe_builds_its_models_with_the_trainers_use_cache(tmp_pat
     assert recipe.model().config.use_cache is False
     verdict, _ = recipe_isolation(recipe)
     assert verdict.ok, verdict.reason
+
+
+def test_the_tuners_packed_rows_hold_only_what_the_recipes_collate_keeps():
+    """A Trainer's dataset carries columns its model does not take (raw text); the recipe's
+    collate drops them, and so must the packed rows the tuner trains on."""
+    dataset, lengths = _lm_dataset(8)
+    with_text = [{**d, "text": "raw"} for d in dataset]
+
+    def collate(samples):
+        return pad_collate([{"input_ids": s["input_ids"]} for s in samples])
+
+    recipe = Recipe(
+        name="with-text",
+        model=tiny_llama,
+        optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+        loss_fn=_hf_loss,
+        dataset=with_text,
+        batch_size=4,
+        collate=collate,
+        lengths=lengths,
+    )
+    rows = batches_for(recipe, ["packed"], [], 2)
+    assert rows and all("text" not in row and "position_ids" in row for row in rows)
+    unfiltered = batches_for(dataclasses.replace(recipe, collate=None), ["packed"], [], 1)
+    assert "text" in unfiltered[0]  # the control: packed_collate alone keeps every column

@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -273,8 +273,28 @@ def packed_batches(
     sampler = PackingBatchSampler(
         lengths, max_tokens=_token_budget(recipe, lengths, data), seed=recipe.seed
     )
-    collate = functools.partial(packed_collate, boundaries=boundaries)
+    pack = functools.partial(packed_collate, boundaries=boundaries)
+    fields = _collated_fields(recipe)
+
+    def collate(samples: list[Any]) -> Any:
+        if fields is not None:
+            samples = [{k: v for k, v in s.items() if k in fields} for s in samples]
+        return pack(samples)
+
     return _first_batches(recipe, sampler, collate, count)
+
+
+def _collated_fields(recipe: Recipe) -> set[str] | None:
+    """The fields the recipe's own collate keeps of a dict sample (a Trainer's collate drops the
+    columns its model does not take, such as raw text), plus ``input_ids`` and ``labels``; None
+    when that cannot be told (no collate, or samples that are not dicts)."""
+    first = recipe.dataset[0]
+    if recipe.collate is None or not isinstance(first, Mapping):
+        return None
+    collated = recipe.collate([first])
+    if not isinstance(collated, Mapping):
+        return None
+    return {*collated, "input_ids", "labels"}
 
 
 def _token_budget(recipe: Recipe, lengths: list[int], data: DataConfig) -> int:
