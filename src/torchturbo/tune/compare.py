@@ -194,8 +194,8 @@ def compare_chain(
         round_s = interleaved_round(
             [trials[i].step for i in order], per_round, per_block, device, clock
         )
-        for i, secs in zip(order, round_s, strict=True):
-            seconds[i].append(secs)
+        for i, per_step in zip(order, round_s, strict=True):
+            seconds[i].append(per_step)
             counts[i].append(trials[i].recent_count(per_round) / per_round)
         rounds = len(seconds[0])
         ratios = [_ratio(counts, seconds, -1, 0, r) for r in range(rounds)]
