@@ -38,7 +38,7 @@ INVALID = [
     ('[compile]\nmode = "fast"', "'reduce-overhead'"),
     ("[compile]\nfullgraph = 0", "fullgraph"),
     ('[checkpointing]\nmode = "some"', "'selective'"),
-    ('[checkpointing]\nmode = "selective"', "needs module_types"),
+    ('[checkpointing]\nmode = "selective"', "needs blocks, module_types"),
     ('[checkpointing]\nmode = "full"\nname_pattern = "x"', "only used with mode = 'selective'"),
     ('[checkpointing]\nmode = "full"\nevery_n = 0', "every_n = 0"),
     ('[checkpointing]\nmode = "selective"\nmodule_types = [1]', "module_types"),
@@ -174,7 +174,7 @@ def test_replace_validates_the_fields_of_a_section_together():
     """selective + every_n is valid together, though selective alone is not (the memory stage)."""
     config = TurboConfig().replace(checkpointing__mode="selective", checkpointing__every_n=2)
     assert config.checkpointing == CheckpointConfig(mode="selective", every_n=2)
-    with pytest.raises(ConfigError, match="needs module_types"):
+    with pytest.raises(ConfigError, match="needs blocks, module_types"):
         TurboConfig().replace(checkpointing__mode="selective")
 
 

@@ -185,6 +185,7 @@ def test_every_config_field_is_carried_or_noted():
         ("checkpointing", "module_types"): ("BertLayer",),
         ("checkpointing", "name_pattern"): "bert.*",
         ("checkpointing", "every_n"): 2,
+        ("checkpointing", "blocks"): None,  # only beside mode = "selective" alone: below
         ("compile", "cache_dir"): "compile-cache",
         ("accumulation", "steps"): 4,
         ("accumulation", "micro_batches"): 2,
@@ -252,6 +253,8 @@ def test_every_config_field_is_carried_or_noted():
             )
         ), f"{key} = {value!r} is silently dropped"
     assert hf_arguments(CPU.replace(precision__dtype="fp16")).kwargs["fp16"] is True
+    named = CPU.replace(checkpointing__mode="selective", checkpointing__blocks=("layer.0",))
+    assert "applied by" in hf_arguments(named).notes["[checkpointing] mode"]
 
 
 def test_transformers_4_names_are_used_when_the_installed_version_has_them():
