@@ -16,13 +16,12 @@ model's loss), and the ``vision`` workload's ResNet on 32 px images. The ways:
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import lightning.pytorch as pl
 import peers
 import torch
-import torch.nn.functional as F
+from peers_lightning import StepClock, VisionModule
 from torch.utils.data import DataLoader, TensorDataset
 from transformers import DataCollatorForLanguageModeling, DataCollatorForTokenClassification
 
@@ -34,9 +33,8 @@ from torchturbo.integrations.lightning import (
     recipe_from_lightning,
     trainer_kwargs,
 )
-from torchturbo.measure.timing import sync
 from torchturbo.recipe import Recipe
-from torchturbo.workloads.vision import ResNet, make_images
+from torchturbo.workloads.vision import make_images
 
 BATCH_SIZE = 16
 #: The ``cnn`` setup's image side: 32 px keeps a step under a second on 2 shared cores.
@@ -59,22 +57,6 @@ class TextModule(pl.LightningModule):
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         return self.model(**batch).loss
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
-
-
-class VisionModule(pl.LightningModule):
-    """The ``vision`` workload's ResNet in a LightningModule."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.net = ResNet(10, "batch")
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        images, labels = batch
-        return F.cross_entropy(self.net(images), labels)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
@@ -118,22 +100,7 @@ class Data(pl.LightningDataModule):
 
 
 def module_for(setup: str) -> pl.LightningModule:
-    return VisionModule() if setup == "cnn" else TextModule(setup)
-
-
-class StepClock(pl.Callback):
-    """Train start and every training batch's end (one optimizer step), the device synced."""
-
-    def __init__(self) -> None:
-        self.begin = 0.0
-        self.ends: list[float] = []
-
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.begin = time.perf_counter()
-
-    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        sync(trainer.strategy.root_device)
-        self.ends.append(time.perf_counter())
+    return VisionModule(1e-3) if setup == "cnn" else TextModule(setup)
 
 
 def trainer(steps: int, callbacks: list[pl.Callback], **kwargs: Any) -> pl.Trainer:
