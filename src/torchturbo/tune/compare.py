@@ -63,6 +63,9 @@ class Measured:
 
     comparison: Comparison
     cut_short: bool
+    #: The same rounds read the other way: the reference against the candidate (named
+    #: ``reversed_against``), for a head-to-head whose loser may be either side.
+    reversed: Comparison | None = None
 
 
 def compare(
@@ -76,15 +79,20 @@ def compare(
     min_rounds: int = 1,
     settle_rounds: int = 1,
     cycle: int | None = None,
+    decided: Callable[[Sequence[float]], bool] | None = None,
+    reversed_against: str | None = None,
     clock: Callable[[], float] = time.perf_counter,
 ) -> Measured:
     """Time ``candidate`` against ``reference`` until the ratio is decided, ``max_rounds`` are
     done, or ``may_continue(seconds of the next round)`` says no (asked only once ``min_rounds``
     are done). A decided ratio is measured on up to ``settle_rounds`` while ``may_continue``
     allows, to narrow the interval a report quotes (the decision only needs it to clear 1).
-    Rounds are whole ``cycle``s of steps (default: :func:`batch_cycle` of the two trials), timed
-    in alternating blocks of about ``MIN_BLOCK_S`` each (``measure.paired``). Sets both
-    trials' ``step_seconds`` to their median of this measurement."""
+    ``decided(per-round ratios)`` replaces "the estimate's decision is not undecided" (see
+    :func:`head_to_head_decided`). Rounds are whole ``cycle``s of steps (default:
+    :func:`batch_cycle` of the two trials), timed in alternating blocks of about
+    ``MIN_BLOCK_S`` each (``measure.paired``). Sets both trials' ``step_seconds`` to their
+    median of this measurement. With ``reversed_against`` (the candidate's name), the result
+    also reads the same rounds as the reference against the candidate."""
     step_s = min(s for s in (reference.step_seconds, candidate.step_seconds, math.inf) if s)
     if cycle is None:
         cycle = batch_cycle(reference.recipe, len(reference.batches), len(candidate.batches))
@@ -99,18 +107,18 @@ def compare(
         ratios = [r.ratio for r in rounds]
         # Two rounds both this much slower decide it: a third would only cost their time.
         hopeless = len(ratios) >= 2 and max(ratios) < 1 / HOPELESS_SLOWDOWN
-        decided = hopeless or estimate(ratios).decision != "undecided"
+        done = hopeless or (decided or _undecided_no_more)(ratios)
         # The slowest of the last rounds, with a margin: a busy machine's rounds vary, and a
         # round that overruns cannot be stopped half-way.
         next_s = 1.5 * per_round * max(r.reference_s + r.candidate_s for r in rounds[-3:])
         out_of_time = (
-            not decided and min_rounds <= len(rounds) < max_rounds and not may_continue(next_s)
+            not done and min_rounds <= len(rounds) < max_rounds and not may_continue(next_s)
         )
-        if decided and not hopeless and len(rounds) < settle_rounds:
-            decided = not may_continue(next_s)
-        decided, out_of_time = agree((decided, out_of_time))
+        if done and not hopeless and len(rounds) < settle_rounds:
+            done = not may_continue(next_s)
+        done, out_of_time = agree((done, out_of_time))
         cut_short = out_of_time
-        return decided or out_of_time
+        return done or out_of_time
 
     rounds = paired_rounds(
         _side(reference),
@@ -123,23 +131,52 @@ def compare(
         clock=clock,
     )
     rounds = agree(rounds)
-    speed = estimate([r.ratio for r in rounds], final=True)
     # Geometric means of the same rounds the ratio is the geometric mean of: the throughputs
     # shown divide to the ratio shown, exactly (medians of each side need not).
     reference.step_seconds = geometric_mean(r.reference_s for r in rounds)
     candidate.step_seconds = geometric_mean(r.candidate_s for r in rounds)
-    comparison = Comparison(
+    comparison = _rounds_comparison(rounds, against, per_round)
+    flipped = None
+    if reversed_against is not None:
+        flipped = _rounds_comparison([_flip(r) for r in rounds], reversed_against, per_round)
+    return Measured(comparison, cut_short, flipped)
+
+
+def head_to_head_decided(ratios: Sequence[float]) -> bool:
+    """Two configs raced for the faster: either is faster beyond the noise, or each is "not
+    faster" than the other (within ``WORTH_MEASURING`` both ways, so either will do)."""
+    ahead = estimate(ratios)
+    behind = estimate([1 / r for r in ratios])
+    if "faster" in (ahead.decision, behind.decision):
+        return True
+    return ahead.decision == behind.decision == "not faster"
+
+
+def _undecided_no_more(ratios: Sequence[float]) -> bool:
+    return estimate(ratios).decision != "undecided"
+
+
+def _flip(round_: Round) -> Round:
+    return Round(
+        reference_s=round_.candidate_s,
+        candidate_s=round_.reference_s,
+        reference_count=round_.candidate_count,
+        candidate_count=round_.reference_count,
+    )
+
+
+def _rounds_comparison(rounds: Sequence[Round], against: str, per_round: int) -> Comparison:
+    return Comparison(
         against=against,
-        speed=speed,
+        speed=estimate([r.ratio for r in rounds], final=True),
         steps_per_round=per_round,
-        step_ms=candidate.step_seconds * 1e3,
-        reference_step_ms=reference.step_seconds * 1e3,
+        step_ms=geometric_mean(r.candidate_s for r in rounds) * 1e3,
+        reference_step_ms=geometric_mean(r.reference_s for r in rounds) * 1e3,
         throughput=geometric_mean(r.candidate_count / r.candidate_s for r in rounds),
         reference_throughput=geometric_mean(r.reference_count / r.reference_s for r in rounds),
         step_samples_ms=tuple(r.candidate_s * 1e3 for r in rounds),
         ratios=tuple(r.ratio for r in rounds),
     )
-    return Measured(comparison, cut_short)
 
 
 def geometric_mean(values: Iterable[float]) -> float:
