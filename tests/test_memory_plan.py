@@ -19,6 +19,10 @@ from torchturbo.recipe import Recipe
 from torchturbo.techniques.checkpointing import select_blocks
 from torchturbo.tune.knapsack import cheapest_cover
 from torchturbo.tune.memory_plan import footprint, plan_config, plans
+from torchturbo.techniques.proposal import Candidate
+from torchturbo.tune import candidate as candidate_module
+from torchturbo.tune import fastest_fit as fastest_fit_module
+from torchturbo.tune.decide import Verdict
 from torchturbo.tune.search import tune
 from torchturbo.tune.stages import STAGES
 
@@ -228,10 +232,75 @@ def test_tune_with_a_budget_adopts_the_fastest_plan_that_fits_and_reports_every_
     assert all(o.memory_bytes is not None for o in measured)
     adopted = [o for o in rows if o.verdict == "adopted"]
     assert len(adopted) == 1 and adopted[0].memory_bytes <= budget
+    fitting = {o.name for o in measured if o.memory_bytes <= budget}
     beaten = [o for o in measured if o.verdict == "rejected" and o.memory_bytes <= budget]
     for row in beaten:
-        assert f"{adopted[0].name} is faster" in row.reason
-        assert row.comparison.speed.ratio <= adopted[0].comparison.speed.ratio
+        winner = row.reason.removeprefix("fits, but ").split(" is ")[0]
+        assert winner in fitting - {row.name}, row.reason
+        if "head to head" in row.reason:  # its figures are the race's, against the winner
+            assert row.comparison.against == winner and row.comparison.speed.ratio <= 1
     record = result.to_dict()["memory_estimate"]
     assert record["measured_bytes"] == result.baseline.memory_bytes
     assert abs(record["error"]) < 0.2
+
+
+def _two_fitting_plans(monkeypatch, before: dict[float, float], racing: dict[float, float]):
+    """Tune with two memory candidates that both fit, "slow" and "fast" (told apart by their
+    clipping norm), on a clock only steps advance: each steps in ``before[norm]`` seconds while
+    measured against the best, and in ``racing[norm]`` once a race has begun."""
+    raced = [False]
+    now = [0.0]
+    real_step, real_compare = Trial.step, fastest_fit_module.compare
+
+    def step(self):
+        real_step(self)
+        norm = self.config.clipping.max_norm
+        now[0] += 0.010 if norm is None else (racing if raced[0] else before)[norm]
+
+    def race(*args, **kwargs):
+        raced[0] = True
+        return real_compare(*args, **kwargs)
+
+    monkeypatch.setattr(Trial, "step", step)
+    monkeypatch.setattr(fastest_fit_module, "compare", race)
+    # Both fit (the footprint is not what these tests are about); the loss is the same.
+    monkeypatch.setattr(candidate_module, "judge", lambda **_: Verdict(True, "fits"))
+    stages = {
+        "memory": lambda ctx: [
+            Candidate("slow", ctx.best.replace(clipping__max_norm=1.0)),
+            Candidate("fast", ctx.best.replace(clipping__max_norm=2.0)),
+        ]
+    }
+    options = dataclasses.replace(QUICK, memory_budget=1, max_rounds=12, skip=("data_loader",))
+    config, result = tune(_mlp_recipe(), options, stages=stages, clock=lambda: now[0])
+    return config, {o.name: o for o in result.candidates}, raced[0]
+
+
+def test_plans_that_fit_are_raced_head_to_head_and_the_race_decides(monkeypatch):
+    """Against the best, the two were measured at different times: "slow" looked faster there
+    (a busy spell during "fast"'s comparison). Head to head, in rounds of their own, "fast"
+    is 1.25x "slow": it is adopted, and "slow"'s row shows the race that beat it."""
+    config, rows, raced = _two_fitting_plans(
+        monkeypatch, before={1.0: 0.011, 2.0: 0.014}, racing={1.0: 0.010, 2.0: 0.008}
+    )
+    assert raced
+    assert rows["fast"].verdict == "adopted" and config.clipping.max_norm == 2.0
+    slow = rows["slow"]
+    assert slow.verdict == "rejected" and "fast is faster" in slow.reason
+    assert "head to head" in slow.reason
+    race_figures = slow.comparison
+    assert race_figures.against == "fast"
+    assert race_figures.speed.ratio == pytest.approx(0.8, rel=0.02)
+    assert race_figures.throughput / race_figures.reference_throughput == pytest.approx(
+        race_figures.speed.ratio
+    )
+
+
+def test_plans_whose_intervals_against_the_best_are_apart_are_not_raced(monkeypatch):
+    config, rows, raced = _two_fitting_plans(
+        monkeypatch, before={1.0: 0.010, 2.0: 0.004}, racing={1.0: 0.004, 2.0: 0.010}
+    )
+    assert not raced and config.clipping.max_norm == 2.0
+    slow = rows["slow"]
+    assert "fast is faster" in slow.reason and "intervals apart" in slow.reason
+    assert slow.comparison.against == "fp32 eager"  # its own measurement, against the best

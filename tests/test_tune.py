@@ -247,7 +247,7 @@ def test_over_the_memory_budget_memory_candidates_go_first(monkeypatch):
         order.append(candidate.name)
         return real(run, stage, candidate, best, fit_memory)
 
-    monkeypatch.setattr("torchturbo.tune.search.try_candidate", recording)
+    monkeypatch.setattr("torchturbo.tune.fastest_fit.try_candidate", recording)
     options = dataclasses.replace(QUICK, memory_budget=1)  # nothing fits: the leanest plan
     _, result = tune(tiny_recipe(), options, stages=_only("precision", "memory"))
     assert order[0] == "plan: ckpt all 2 blocks + micro-batch 1 x8"

@@ -59,6 +59,7 @@ from torchturbo.tune.batch_size import BatchPlan
 from torchturbo.tune.budget import Budget
 from torchturbo.tune.candidate import estimate, try_candidate
 from torchturbo.tune.confirm import confirm
+from torchturbo.tune.fastest_fit import fastest_fit
 from torchturbo.tune.loader_stage import loader_stage
 from torchturbo.tune.outcome import Confirmation, Outcome, TuneResult
 from torchturbo.tune.previous import Previous, fingerprint, is_reusable
@@ -351,7 +352,7 @@ def _search(
         stage, candidate = proposals[agree(ranks.index(max(ranks)))]
         if over and stage in MEMORY_STAGES:
             fits = [(s, c) for s, c in proposals if s in MEMORY_STAGES]
-            best = _fastest_fit(run, fits, best, tried)
+            best = fastest_fit(run, fits, best, tried)
             continue
         tried.add(candidate.name)
         outcome, incumbent = try_candidate(
@@ -364,45 +365,6 @@ def _search(
             run.adoptions.append(incumbent)
             best = incumbent
     return best
-
-
-def _fastest_fit(
-    run: Run, proposals: list[tuple[str, Candidate]], best: Incumbent, tried: set[str]
-) -> Incumbent:
-    """Over the budget: measure every memory candidate against the same best (its footprint
-    and speed) and adopt the fastest that fits, rather than the first. The others that fit are
-    rejected with the winner's name and both speeds; each row keeps its own measurement."""
-    leader: tuple[Outcome, Incumbent] | None = None
-    beaten: list[Outcome] = []
-    for stage, candidate in proposals:
-        tried.add(candidate.name)
-        outcome, incumbent = try_candidate(run, stage, candidate, best, True)
-        if incumbent is None:
-            run.outcomes.append(outcome)
-        elif leader is None or _speed(outcome) > _speed(leader[0]):
-            if leader is not None:
-                leader[1].trial.close()  # only the leader's trial stays alive
-                beaten.append(leader[0])
-            leader = (outcome, incumbent)
-        else:
-            incumbent.trial.close()
-            beaten.append(outcome)
-    if leader is None:
-        return best
-    winner, incumbent = leader
-    for outcome in beaten:
-        reason = (
-            f"fits, but {winner.name} is faster ({_speed(winner):.2f}x against "
-            f"{_speed(outcome):.2f}x, both against {best.name}); {outcome.reason}"
-        )
-        run.outcomes.append(dataclasses.replace(outcome, verdict="rejected", reason=reason))
-    run.outcomes.append(winner)
-    run.adoptions.append(incumbent)
-    return incumbent
-
-
-def _speed(outcome: Outcome) -> float:
-    return outcome.comparison.speed.ratio if outcome.comparison is not None else 0.0
 
 
 def _proposals(

@@ -1,0 +1,133 @@
+"""Over the memory budget: the fastest candidate that fits, found by racing them head to head.
+
+Every memory candidate (the planner's plans, the chunked loss) is first measured against the same
+best, for its footprint, its loss and its speed. Those that fit are then raced: each against the
+fastest so far, in paired rounds of their own, until one is faster beyond the noise or each is
+within ``WORTH_MEASURING`` of the other (``compare.head_to_head_decided``), and the winner goes
+on. Comparing their ratios against the best instead compared two short measurements, each
+against a third config, taken minutes apart: plans a few percent apart were ordered by noise
+(a quiet 2-core run adopted a plan 0.72x as fast as the fastest that fit, docs/memory.md).
+
+Two candidates whose intervals against the best do not overlap are not raced: the order is
+already known. A beaten candidate's row shows the race that beat it (its ratio against the
+winner), or, unraced, its own comparison and both intervals.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from torchturbo.distributed.consensus import agree
+from torchturbo.techniques.proposal import Candidate
+from torchturbo.tune.candidate import reserve, try_candidate
+from torchturbo.tune.compare import compare, head_to_head_decided
+from torchturbo.tune.decide import WORTH_MEASURING, describe, job_times
+from torchturbo.tune.outcome import Comparison, Outcome
+from torchturbo.tune.state import Incumbent, Run
+
+Entry = tuple[Outcome, Incumbent]
+
+
+def fastest_fit(
+    run: Run, proposals: list[tuple[str, Candidate]], best: Incumbent, tried: set[str]
+) -> Incumbent:
+    """Measure every proposal against ``best``, race those that fit, adopt the winner (or keep
+    ``best`` when none fits). Every row goes to ``run.outcomes``; at most three trials (the
+    best, the leader, the challenger) are alive at once."""
+    leader: Entry | None = None
+    for stage, candidate in proposals:
+        tried.add(candidate.name)
+        outcome, incumbent = try_candidate(run, stage, candidate, best, True)
+        if incumbent is None:
+            run.outcomes.append(outcome)
+            continue
+        if leader is None:
+            leader = (outcome, incumbent)
+            continue
+        leader, beaten = _race(run, leader, (outcome, incumbent), best.name)
+        beaten[1].trial.close()
+        run.outcomes.append(beaten[0])
+    if leader is None:
+        return best
+    run.outcomes.append(leader[0])
+    run.adoptions.append(leader[1])
+    return leader[1]
+
+
+def _race(run: Run, leader: Entry, challenger: Entry, best: str) -> tuple[Entry, Entry]:
+    """(winner, beaten): the beaten one's outcome rejected, with the figures that decided it."""
+    lead, rival = leader[0].comparison, challenger[0].comparison
+    assert lead is not None and rival is not None  # both were measured against the best
+    if rival.speed.high < lead.speed.low or rival.speed.low > lead.speed.high:
+        ahead = rival.speed.ratio > lead.speed.ratio
+        winner, beaten = (challenger, leader) if ahead else (leader, challenger)
+        faster, slower = (rival, lead) if ahead else (lead, rival)
+        reason = (
+            f"fits, but {winner[0].name} is faster: {describe(faster.speed)} against "
+            f"{describe(slower.speed)}, both against {best}, intervals apart"
+        )
+        return winner, (_rejected(run, beaten[0], reason), beaten[1])
+    step_s = min(leader[1].trial.step_seconds or 0.0, challenger[1].trial.step_seconds or 0.0)
+    held_back = reserve(run, step_s)
+    run.say("memory", f"race: {challenger[0].name} against {leader[0].name}", run.budget.left())
+    measured = compare(
+        leader[1].trial,
+        challenger[1].trial,
+        against=leader[0].name,
+        reversed_against=challenger[0].name,
+        device=run.device,
+        max_rounds=run.options.max_rounds,
+        may_continue=lambda seconds: run.budget.left() - held_back >= seconds,
+        decided=head_to_head_decided,
+        clock=run.clock,
+    )
+    assert measured.reversed is not None
+    challenger_wins = agree(measured.comparison.speed.ratio > 1)
+    if challenger_wins:
+        winner, beaten, race = challenger, leader, measured.reversed
+    else:
+        winner, beaten, race = leader, challenger, measured.comparison
+    if race.speed.high < 1:
+        verdict = "is faster"
+    elif head_to_head_decided(race.ratios):
+        verdict = f"is ahead, and within {WORTH_MEASURING:.0%} either way"
+    else:
+        verdict = "is ahead, not beyond the noise"
+    reason = (
+        f"fits, but {winner[0].name} {verdict}: this measured {describe(race.speed)} against it "
+        "head to head"
+    )
+    if measured.cut_short:
+        reason += ", the budget stopped the race"
+    return winner, (_rejected(run, beaten[0], reason, race, winner[0]), beaten[1])
+
+
+def _rejected(
+    run: Run,
+    outcome: Outcome,
+    reason: str,
+    race: Comparison | None = None,
+    winner: Outcome | None = None,
+) -> Outcome:
+    """``outcome`` rejected for ``reason``; after a race, its figures are the race's (its speed
+    and its job against the winner's), so that the row's columns agree with its reason."""
+    rejected = dataclasses.replace(
+        outcome, verdict="rejected", reason=f"{reason}; {outcome.reason}"
+    )
+    if race is None or winner is None:
+        return rejected
+    job = job_times(
+        steps=run.horizon.steps,
+        best_step_s=race.reference_step_ms / 1e3,
+        ratio=race.speed.ratio,
+        best_one_time_s=winner.one_time_s or 0.0,
+        one_time_s=outcome.one_time_s or 0.0,
+    )
+    return dataclasses.replace(
+        rejected,
+        comparison=race,
+        job_s=job.candidate_s,
+        reference_job_s=job.best_s,
+        break_even_steps=None if job.break_even == math.inf else job.break_even,
+    )
