@@ -14,9 +14,9 @@ not linear in the samples stays out of the estimate: allocator slack and, on CUD
 peak of backward (gradients being reduced, a checkpointed block recomputed), which the measured
 footprint includes.
 
-Each block also gets its forward time on the real batch (no_grad, so nothing is saved): the cost
-of recomputing it under checkpointing, which the memory planner weighs against the bytes it
-frees. No library does this split (``accelerate estimate-memory`` counts weights only), hence the
+Each block also gets its forward time on the real batch, with grad enabled as in the backward's
+recomputation (which records the block's graph again): the cost of recomputing it under
+checkpointing, which the memory planner weighs against the bytes it frees. No library does this split (``accelerate estimate-memory`` counts weights only), hence the
 hand-written counter.
 """
 
@@ -285,7 +285,8 @@ def _totals(
 
 
 def _block_times(trial: Trial, batch: Any, names: dict[str, nn.Module]) -> dict[str, float]:
-    """Each block's forward seconds on ``batch`` under no_grad (the fastest of two passes)."""
+    """Each block's forward seconds on ``batch``, recording the graph as recomputation does
+    (the fastest of two passes; the graphs are dropped unused)."""
     device = trial.turbo.device
     starts: dict[str, float] = {}
     best: dict[str, float] = {}
@@ -311,7 +312,7 @@ def _block_times(trial: Trial, batch: Any, names: dict[str, nn.Module]) -> dict[
             handles.append(module.register_forward_pre_hook(enter(name)))
             handles.append(module.register_forward_hook(leave(name)))
     try:
-        with torch.no_grad(), _forward_only(trial):
+        with torch.enable_grad(), _forward_only(trial):
             for _ in range(2):
                 trial.turbo.forward(trial.recipe.loss_fn, batch)
     finally:
