@@ -2,7 +2,9 @@
 
 For a CNN shaped like torchvision's ResNet (a stem of attributes, not a Sequential; basic blocks
 with squeeze-and-excitation), a tiny ``BertModel`` and a tiny ``LlamaForCausalLM`` (both built
-from a config), each on synthetic learnable data:
+from a config), and with ``--models`` three more (a MobileNetV2-shaped CNN of depthwise inverted
+residuals, ``DistilBertForSequenceClassification`` and ``GPT2LMHeadModel``), each on synthetic
+learnable data:
 
 1. the memory estimate made before launch (``measure.memory_estimate``) against the baseline
    step's measured footprint (``Trial.memory_footprint``);
@@ -204,7 +206,113 @@ def _llama() -> Recipe:
     )
 
 
-RECIPES: dict[str, Callable[[], Recipe]] = {"cnn": _cnn, "encoder": _bert, "decoder": _llama}
+class InvertedResidual(nn.Module):
+    """MobileNetV2's block: expand 1x1, depthwise 3x3, squeeze-and-excite, project 1x1."""
+
+    def __init__(self, c_in: int, c_out: int, stride: int, expand: int = 4) -> None:
+        super().__init__()
+        hidden = c_in * expand
+        self.expand = nn.Sequential(
+            nn.Conv2d(c_in, hidden, 1, bias=False), nn.BatchNorm2d(hidden), nn.ReLU6()
+        )
+        self.depthwise = nn.Sequential(
+            nn.Conv2d(hidden, hidden, 3, stride, 1, groups=hidden, bias=False),
+            nn.BatchNorm2d(hidden),
+            nn.ReLU6(),
+        )
+        self.se = SqueezeExcite(hidden)
+        self.project = nn.Sequential(nn.Conv2d(hidden, c_out, 1, bias=False), nn.BatchNorm2d(c_out))
+        self.residual = stride == 1 and c_in == c_out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.project(self.se(self.depthwise(self.expand(x))))
+        return x + out if self.residual else out
+
+
+class MobileNet(nn.Module):
+    """A stem of attributes and a ``features`` list of inverted residuals, as torchvision's."""
+
+    def __init__(self, classes: int = 4) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 16, 3, 2, 1, bias=False)
+        self.stem_bn = nn.BatchNorm2d(16)
+        self.features = nn.ModuleList(
+            [
+                InvertedResidual(16, 16, 1),
+                InvertedResidual(16, 24, 2),
+                InvertedResidual(24, 24, 1),
+                InvertedResidual(24, 32, 2),
+            ]
+        )
+        self.classifier = nn.Linear(32, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.stem_bn(self.stem(x)))
+        for block in self.features:
+            x = block(x)
+        return self.classifier(x.mean((2, 3)))
+
+
+def _mobilenet() -> Recipe:
+    return dataclasses.replace(_cnn(), name="mobilenet", model=MobileNet)
+
+
+def _distilbert() -> Recipe:
+    from transformers import DistilBertConfig, DistilBertForSequenceClassification
+
+    config = DistilBertConfig(
+        vocab_size=512,
+        dim=64,
+        n_layers=4,
+        n_heads=4,
+        hidden_dim=256,
+        max_position_embeddings=256,
+        dropout=0.0,
+        attention_dropout=0.0,
+        num_labels=2,
+    )
+    ids = _tokens(512, 256, 128)
+
+    def loss(model: nn.Module, batch: Any) -> tuple[torch.Tensor, int]:
+        tokens, targets = batch
+        return model(input_ids=tokens, labels=targets).loss, targets.numel()
+
+    return Recipe(
+        name="distilbert-tiny",
+        model=lambda: DistilBertForSequenceClassification(config),
+        optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3),
+        loss_fn=loss,
+        dataset=torch.utils.data.TensorDataset(ids, (ids[:, 0] % 2).long()),
+        batch_size=16,
+    )
+
+
+def _gpt2() -> Recipe:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(
+        vocab_size=2048,
+        n_embd=64,
+        n_layer=4,
+        n_head=4,
+        n_positions=256,
+        bos_token_id=0,
+        eos_token_id=0,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+    return dataclasses.replace(_llama(), name="gpt2-tiny", model=lambda: GPT2LMHeadModel(config))
+
+
+RECIPES: dict[str, Callable[[], Recipe]] = {
+    "cnn": _cnn,
+    "encoder": _bert,
+    "decoder": _llama,
+    "mobilenet": _mobilenet,
+    "distilbert": _distilbert,
+    "gpt2": _gpt2,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -376,7 +484,11 @@ def run_model(name: str, time_budget_s: float, repeats: int) -> dict[str, Any]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", default="cnn,encoder,decoder", help="cnn,encoder,decoder")
+    parser.add_argument(
+        "--models",
+        default="cnn,encoder,decoder",
+        help=f"comma-separated, of {','.join(RECIPES)} (default: cnn,encoder,decoder)",
+    )
     parser.add_argument("--tune-budget", type=float, default=120, help="seconds per tune run")
     parser.add_argument("--repeats", type=int, default=5, help="interleaved rounds of the grid")
     parser.add_argument(

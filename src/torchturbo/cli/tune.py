@@ -50,7 +50,12 @@ def add_parser(commands: Any) -> None:
         "--memory-budget",
         type=parse_size,
         metavar="SIZE",
-        help="total memory a step may use, e.g. 20GiB, 512MiB (default: no budget)",
+        help=(
+            "total memory a step may use, e.g. 20GiB, 512MiB (default: no budget). Over it, "
+            "the tuner plans: blocks to checkpoint, micro-batches that keep the global batch, "
+            "bf16 activations; it measures every plan that should fit and races them head to "
+            "head for the fastest (docs/memory_planning.md)"
+        ),
     )
     tune.add_argument(
         "--find-batch",
