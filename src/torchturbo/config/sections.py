@@ -109,8 +109,8 @@ class CompileConfig:
     cache_dir: str = ""
     #: Fraction of the activations the compiled graph may keep for backward, recomputing the
     #: rest: 0 keeps only the graph's inputs (as checkpointing the whole model), 1 what the
-    #: fastest partition keeps (torch's default). torch's
-    #: ``_functorch.config.activation_memory_budget``, set while Inductor partitions this model
+    #: fastest partition keeps (torch's default). It is torch's
+    #: _functorch.config.activation_memory_budget, set while Inductor partitions this model
     #: only. None (no key): torch's own setting.
     activation_memory_budget: float | None = between(
         None, 0, high=1, why="a fraction of the activations", absent="torch's default"
