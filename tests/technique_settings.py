@@ -25,6 +25,7 @@ import torch
 from conftest import ConvNet
 from torch import nn
 
+from torchturbo.measure.memory import activation_bytes
 from torchturbo.reliability.nested import iter_tensors
 from torchturbo.techniques.checkpointing import CHECKPOINTED_MARK
 from torchturbo.techniques.compile import CACHE_ENV, compiled_graphs
@@ -101,6 +102,18 @@ def _chunked(run: Run) -> bool:
     return _applied(run, "chunked_loss") and all(p["logits"] is None for p in run.probes)
 
 
+def _keeps_only_its_inputs(run: Run) -> bool:
+    """Whether the compiled model keeps nothing for backward beyond its inputs (the batch and
+    copies of the weights), as under budget 0 the partitioner recomputes every activation.
+    Plain compile keeps the convolutions' outputs, 8x as many bytes here; eager keeps more."""
+    if not _applied(run, "compile"):
+        return False
+    batch = run.batch[0]
+    inputs = [batch, *run.model.parameters()]
+    saved = activation_bytes(lambda: run.model(batch).sum(), model=run.model)
+    return saved <= sum(t.numel() * t.element_size() for t in inputs)
+
+
 def _compile_cache() -> dict[str, Any]:
     folder = tempfile.mkdtemp(prefix="torchturbo-cache-")
     return {"compile__mode": "default", "compile__cache_dir": folder}
@@ -145,6 +158,15 @@ SETTINGS: dict[str, Setting] = {
         on=_compile_cache,
         tolerance=1e-4,
         took_effect=_cache_written,
+        slow=True,
+    ),
+    "compile_memory_budget": Setting(
+        on={"compile__mode": "default", "compile__activation_memory_budget": 0.0},
+        tolerance=1e-4,  # compile's: the recompute is the same arithmetic, fused as compiled
+        took_effect=_keeps_only_its_inputs,
+        stacks="it is compile's partition under a budget: compile's pairs cover how compiling "
+        "composes, and each pair compiles for tens of seconds; the planner's compiled plans "
+        "with micro-batches are tested in tests/test_compile_budget.py",
         slow=True,
     ),
     "cudnn_benchmark": Setting(

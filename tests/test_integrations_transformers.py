@@ -187,6 +187,7 @@ def test_every_config_field_is_carried_or_noted():
         ("checkpointing", "every_n"): 2,
         ("checkpointing", "blocks"): None,  # only beside mode = "selective" alone: below
         ("compile", "cache_dir"): "compile-cache",
+        ("compile", "activation_memory_budget"): 0.5,
         ("accumulation", "steps"): 4,
         ("accumulation", "micro_batches"): 2,
         ("clipping", "max_norm"): 0.5,
@@ -227,6 +228,7 @@ def test_every_config_field_is_carried_or_noted():
         "fullgraph": {"compile__mode": "default"},
         "dynamic": {"compile__mode": "default"},
         "cache_dir": {"compile__mode": "default"},
+        "activation_memory_budget": {"compile__mode": "default"},
         "module_types": {"checkpointing__mode": "selective", "checkpointing__every_n": 2},
         "name_pattern": {"checkpointing__mode": "selective", "checkpointing__every_n": 2},
         "every_n": {"checkpointing__mode": "full"},

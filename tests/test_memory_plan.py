@@ -17,12 +17,18 @@ from torchturbo.measure.memory_estimate import estimate_memory, estimate_recipe_
 from torchturbo.measure.trial import Trial, fixed_batches
 from torchturbo.recipe import Recipe
 from torchturbo.techniques.checkpointing import select_blocks
-from torchturbo.tune.knapsack import cheapest_cover
-from torchturbo.tune.memory_plan import footprint, plan_config, plans
 from torchturbo.techniques.proposal import Candidate
 from torchturbo.tune import candidate as candidate_module
 from torchturbo.tune import fastest_fit as fastest_fit_module
 from torchturbo.tune.decide import Verdict
+from torchturbo.tune.knapsack import cheapest_cover
+from torchturbo.tune.memory_plan import (
+    CompiledGraph,
+    budget_plans,
+    footprint,
+    plan_config,
+    plans,
+)
 from torchturbo.tune.search import tune
 from torchturbo.tune.stages import STAGES
 
@@ -304,3 +310,58 @@ def test_plans_whose_intervals_against_the_best_are_apart_are_not_raced(monkeypa
     slow = rows["slow"]
     assert "fast is faster" in slow.reason and "intervals apart" in slow.reason
     assert slow.comparison.against == "fp32 eager"  # its own measurement, against the best
+
+
+def _compiled_plans(best: TurboConfig, **context):
+    """The memory stage's candidates for a best over 12 MiB on ``_synthetic`` (4 MiB of
+    weights, gradients and state; 32 MiB of eager activations at batch 8)."""
+    from conftest import cpu_stage_context
+
+    from torchturbo.tune.memory_plan import memory_plan_stage
+
+    ctx = cpu_stage_context(
+        _mlp_recipe(8),
+        best=best,
+        memory=_synthetic(),
+        memory_budget=12 * 2**20,
+        batch_size=8,
+        **context,
+    )
+    found = memory_plan_stage(ctx)
+    assert isinstance(found, list)
+    return {c.name: c.config for c in found}
+
+
+def test_a_compiled_best_gets_compiled_plans_with_the_budget_computed_from_the_estimate():
+    compiled = TurboConfig(device="cpu").replace(compile__mode="default")
+    # Unmeasured, the eager activations stand in: 8 MiB of room over 32 MiB is 0.25 (0.2 on
+    # the grid) at one piece, over 16 MiB at two pieces 0.5; four pieces fit alone.
+    found = _compiled_plans(compiled, best_memory_bytes=None)
+    assert found["plan: compile memory budget 0.2"].compile.activation_memory_budget == 0.2
+    two = found["plan: compile memory budget 0.5 + micro-batch 4 x2"]
+    assert two.compile.activation_memory_budget == 0.5 and two.accumulation.micro_batches == 2
+    assert not any(c.section("activation_compression").dtype != "off" for c in found.values())
+    assert len(found) <= 6
+    # Measured: the compiled step kept 16 MiB of activations, half the eager estimate's, so
+    # 8 MiB of room is half of what the graph keeps at one piece.
+    measured = _compiled_plans(compiled, best_memory_bytes=20 * 2**20)
+    assert measured["plan: compile memory budget 0.5"].compile.activation_memory_budget == 0.5
+    assert not any("budget" in n and "x2" in n for n in measured)  # x2 fits alone then
+    eager = _compiled_plans(TurboConfig(device="cpu"), best_memory_bytes=None)
+    assert not any(c.compile.activation_memory_budget is not None for c in eager.values())
+    assert any(c.section("activation_compression").dtype == "bf16" for c in eager.values())
+
+
+def test_the_compiled_fraction_is_relative_to_the_bests_own_budget_and_never_raises_it():
+    estimate = _synthetic()
+    mib = 2**20
+    graph = CompiledGraph(budget=0.5, scale=0.25)  # it keeps 4 MiB of 32 at its 0.5
+    # 8 MiB of room over the 8 MiB the graph would keep at budget 1: 1.0, above its 0.5.
+    assert budget_plans(estimate, 12 * mib, (1,), graph) == []
+    # 1.5 MiB of room: 0.19 of 8 MiB at one piece (0.1 on the grid), 0.38 of 4 at two.
+    found = budget_plans(estimate, int(5.5 * mib), (1, 2, 4), graph)
+    assert [(p.memory_budget, p.split) for p in found] == [(0.1, 1), (0.3, 2)]
+    assert all(p.estimated_bytes <= 5.5 * mib for p in found)
+    # Below the weights, gradients and state no fraction fits: the leanest is measured.
+    leanest = plans(estimate, 3 * mib, splits=(1, 2), compression=False, compiled=graph)
+    assert len(leanest) == 1 and leanest[0].estimated_bytes > 3 * mib

@@ -107,9 +107,26 @@ class CompileConfig:
     #: names it; "" leaves torch's default. ``tune`` compiles into one beside turbo.toml, so
     #: that the first step of ``train`` loads what tuning compiled instead of compiling again.
     cache_dir: str = ""
+    #: Fraction of the activations the compiled graph may keep for backward, recomputing the
+    #: rest: 0 keeps only the graph's inputs (as checkpointing the whole model), 1 what the
+    #: fastest partition keeps (torch's default). It is torch's
+    #: _functorch.config.activation_memory_budget, set while Inductor partitions this model
+    #: only. None (no key): torch's own setting.
+    activation_memory_budget: float | None = between(
+        None, 0, high=1, why="a fraction of the activations", absent="torch's default"
+    )
 
     def __post_init__(self) -> None:
-        validate_section(self)
+        validate_section(self, self._combinations)
+
+    def _combinations(self) -> list[str]:
+        if self.activation_memory_budget is not None and self.mode == "off":
+            return [
+                f"[compile] activation_memory_budget = {self.activation_memory_budget} with "
+                "mode = 'off' is invalid: the budget is the compiler's (eager saves every "
+                "activation); set mode = 'default' or remove activation_memory_budget"
+            ]
+        return []
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -40,11 +40,12 @@ def apply_compile(model: nn.Module, config: CompileConfig) -> TechniqueResult:
     cache = use_compile_cache(config.cache_dir)
     # "default" is torch.compile's name for passing no mode at all.
     mode = None if config.mode == "default" else config.mode
-    options: dict[str, Any] = {
-        "mode": mode,
-        "fullgraph": config.fullgraph,
-        "dynamic": config.dynamic,
-    }
+    options: dict[str, Any] = {"fullgraph": config.fullgraph, "dynamic": config.dynamic}
+    budget = config.activation_memory_budget
+    if budget is None:
+        options["mode"] = mode
+    else:
+        options["backend"] = BudgetedInductor(mode, config.dynamic, budget)
     try:
         if type(model).forward.__module__.startswith("torch."):
             # A root whose forward is torch's own (an nn.Sequential) leaves dynamo no frame to
@@ -58,7 +59,59 @@ def apply_compile(model: nn.Module, config: CompileConfig) -> TechniqueResult:
             model.compile(**options)
     except RuntimeError as err:
         return not_applied("compile", f"torch.compile refused the model: {_first_line(err)}")
-    return applied("compile", () if cache is None else (f"cache {cache}",))
+    details = () if budget is None else (f"activation memory budget {budget:g}",)
+    return applied("compile", details + (() if cache is None else (f"cache {cache}",)))
+
+
+class BudgetedInductor:
+    """Inductor as ``torch.compile(mode=mode)`` runs it, partitioning each graph under an
+    activation memory budget: ``torch._functorch.config.activation_memory_budget`` is patched
+    for the backend call alone, which is where AOT autograd partitions the joint graph (the
+    model's first call, and every recompile), so the process's value is never changed.
+
+    Why a backend rather than the value set around the model's calls: dynamo reuses a graph it
+    compiled for another model of the same class (its cache is the code object's) unless the
+    backends differ, so a second model with another budget ran the first one's partition
+    (seen on torch 2.13: one graph for budgets 1.0 and 0.0, both saving the same bytes).
+    Backends compare equal when mode, dynamic and budget do: dynamo then reuses a graph only
+    for the same budget. On disk, AOT autograd's cache key holds the functorch config (every
+    release since the cache came, 2.4): another budget misses, the same one loads.
+    TODO: torch.autograd.graph.region_activation_memory_budget (a prototype in torch 2.13)
+    sets it from inside the traced code; use it once it is stable and torch >= it.
+    """
+
+    def __init__(self, mode: str | None, dynamic: bool | None, budget: float) -> None:
+        from torch._functorch import config as functorch_config
+
+        if not hasattr(functorch_config, "activation_memory_budget"):
+            raise CompileError(
+                f"[compile] activation_memory_budget needs torch._functorch.config."
+                f"activation_memory_budget (torch >= 2.4), which torch {torch.__version__} "
+                "does not have: remove the key or upgrade torch"
+            )
+        self.budget = budget
+        # torch.compile's own Inductor backend, built as torch.compile(mode=...) builds it.
+        self.inductor = torch._TorchCompileInductorWrapper(mode, None, dynamic)
+
+    def __call__(self, graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        from torch._functorch import config as functorch_config
+
+        with functorch_config.patch(activation_memory_budget=self.budget):
+            return self.inductor(graph, example_inputs)
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, BudgetedInductor)
+            and self.budget == other.budget
+            and self.inductor == other.inductor
+        )
+
+    def __hash__(self) -> int:
+        return hash(self.budget)
+
+    def reset(self) -> None:
+        """What ``torch._dynamo.reset`` asks a backend to forget (CUDA graph trees)."""
+        self.inductor.reset()
 
 
 #: The environment variable inductor reads, at each compile, for its cache folder.
@@ -212,6 +265,23 @@ def _cache_arguments(config: TurboConfig, arguments: TrainerArguments) -> None:
     )
 
 
+def _budget_requested(config: TurboConfig) -> bool:
+    return config.compile.mode != "off" and config.compile.activation_memory_budget is not None
+
+
+def _budget_arguments(config: TurboConfig, arguments: TrainerArguments) -> None:
+    budget = config.compile.activation_memory_budget
+    if arguments.trainer == "transformers":
+        text = (
+            f"{budget}: not carried: TrainingArguments has no such field; set "
+            f"torch._functorch.config.activation_memory_budget = {budget} before training "
+            "(the Trainer compiles in its first step)"
+        )
+    else:
+        text = f"{budget}: applied by {arguments.callback}'s compile"
+    arguments.note("compile", "activation_memory_budget", text)
+
+
 TECHNIQUES = (
     Technique(
         name="compile",
@@ -243,5 +313,15 @@ TECHNIQUES = (
         # need to set it again around every step. A trainer that compiles itself needs it.
         carried_by={"engine": lambda config: "apply_compile points inductor at the folder"},
         translations={"transformers": _cache_arguments, "lightning": _cache_arguments},
+    ),
+    # The budget is compile's (apply_compile partitions under it): no hook of its own to run,
+    # an entry for its field's translation, its settings and its tests.
+    Technique(
+        name="compile_memory_budget",
+        section="compile",
+        fields=("activation_memory_budget",),
+        doc="docs/techniques/compile.md",
+        requested=_budget_requested,
+        translations={"transformers": _budget_arguments, "lightning": _budget_arguments},
     ),
 )

@@ -7,6 +7,10 @@ proposes plans, the tuner measures every one (footprint and speed against the sa
 * micro-batching (each batch in 1, 2, 4 or 8 pieces, accumulated exactly: the global batch is
   kept),
 * activation compression (saved float32 activations stored in bf16; eager only),
+* torch.compile's activation memory budget, where the current best is compiled (``[compile]
+  activation_memory_budget``: the partitioner keeps that fraction of what the compiled graph
+  saves and recomputes the rest): the largest fraction on a 0.1 grid that should fit, alone
+  and with the fewest micro-batches that it needs (``budget_plans``),
 * and the blocks to checkpoint: for each of those, the cheapest set that frees what is still
   missing, a knapsack over blocks (``knapsack``) whose savings are the bytes each block's
   checkpointing frees and whose costs are its measured forward time (what recomputing it
@@ -18,12 +22,22 @@ A plan's footprint is the estimate's, calibrated by the measured footprint of th
 should fit are proposed, without one another's redundant knobs (a plan is left out when another
 one fits with a subset of its knobs). When none should fit, the leanest plan is proposed, so that
 the measurement says how far off it is.
+
+The estimate is of the fp32 eager step; a compiled step saves less. Where the best is compiled,
+its measured footprint (taken for every candidate, compiled ones included:
+``Trial.memory_footprint``) moves the eager knobs' plans like any best's, and scales the
+compiled plans: the graph's activations at budget 1 are taken as the estimate's activations
+times the measured over the estimated ones of the best (divided by the best's own budget), at
+each split by the estimate's line. Unmeasured, the eager figure stands in (compile keeps no
+more than eager): the fraction is then too small, never too large. A budget keeps the graph's
+inputs even at 0, which the estimate leaves out; the tuner measures what each plan takes.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
@@ -39,6 +53,11 @@ SPLITS = (1, 2, 4, 8)
 TYPE_MARGIN = 1.25
 #: Plans measured at most (the cheapest by estimated recompute, then by split).
 MAX_PLANS = 6
+#: The grid of a compiled plan's activation memory budget (stable names, one config per step).
+BUDGET_STEP = 0.1
+#: Of those, compiled plans at most: the budget at the fewest micro-batches it fits with, and
+#: at the next split (a larger fraction kept, fewer ops recomputed).
+MAX_BUDGET_PLANS = 2
 
 
 @dataclass(frozen=True)
@@ -53,6 +72,9 @@ class Plan:
     estimated_bytes: int
     recompute_s: float
     block_type: str | None = None
+    #: ``[compile] activation_memory_budget`` (compiled plans only, which change nothing else
+    #: but the split: ``knobs`` and ``dominates`` compare the eager knobs' plans).
+    memory_budget: float | None = None
 
     def knobs(self) -> tuple[frozenset[str], int, bool]:
         return frozenset(self.blocks), self.split, self.compress
@@ -84,6 +106,15 @@ def _block_bytes(block: BlockMemory, samples: float, checkpointed: bool, compres
     return held - (block.compressible_at(samples, checkpointed) // 2 if compress else 0)
 
 
+@dataclass(frozen=True)
+class CompiledGraph:
+    """The current best's compiled graph: its activation memory budget, and ``scale``, what it
+    saves at budget 1 over what the eager estimate saves (1 when unmeasured)."""
+
+    budget: float = 1.0
+    scale: float = 1.0
+
+
 def plans(
     estimate: MemoryEstimate,
     budget: int,
@@ -91,24 +122,62 @@ def plans(
     offset: int = 0,
     splits: tuple[int, ...] = SPLITS,
     compression: bool = True,
+    compiled: CompiledGraph | None = None,
 ) -> list[Plan]:
     """The plans expected to fit ``budget`` once ``offset`` (measured minus estimated bytes of
-    the current best) is added, cheapest first; the leanest plan alone when none should fit."""
+    the current best) is added, cheapest first; the leanest plan alone when none should fit.
+    With ``compiled`` (the best is compiled), ``budget_plans`` join them."""
     blocks = [b for b in estimate.blocks if b.checkpointable]
     fitting: list[Plan] = []
-    leanest: Plan | None = None
+    unfit: list[Plan] = []
     for split, compress in itertools.product(splits, (False, True) if compression else (False,)):
         for plan in _choices(estimate, blocks, budget - offset, split, compress):
             plan = dataclasses.replace(plan, estimated_bytes=plan.estimated_bytes + offset)
-            if plan.estimated_bytes <= budget:
-                fitting.append(plan)
-            elif leanest is None or plan.estimated_bytes < leanest.estimated_bytes:
-                leanest = plan
+            (fitting if plan.estimated_bytes <= budget else unfit).append(plan)
     kept = _unique(p for p in fitting if not any(o.dominates(p) for o in fitting))
-    kept.sort(key=lambda p: (p.recompute_s, p.split, p.compress, len(p.blocks)))
-    if kept:
-        return kept[:MAX_PLANS]
-    return [leanest] if leanest is not None else []
+    kept.sort(key=_cheapest)
+    budgeted = budget_plans(estimate, budget, splits, compiled) if compiled is not None else []
+    fitting_budgeted = [p for p in budgeted if p.estimated_bytes <= budget][:MAX_BUDGET_PLANS]
+    unfit += [p for p in budgeted if p.estimated_bytes > budget]
+    if kept or fitting_budgeted:
+        return sorted(fitting_budgeted + kept[: MAX_PLANS - len(fitting_budgeted)], key=_cheapest)
+    return [min(unfit, key=lambda p: p.estimated_bytes)] if unfit else []
+
+
+def _cheapest(plan: Plan) -> tuple[float, int, bool, int]:
+    return plan.recompute_s, plan.split, plan.compress, len(plan.blocks)
+
+
+def budget_plans(
+    estimate: MemoryEstimate, budget: int, splits: tuple[int, ...], compiled: CompiledGraph
+) -> list[Plan]:
+    """Compiled plans, one per split that needs a budget below the best's: the largest
+    fraction on the ``BUDGET_STEP`` grid at which persistent bytes plus that fraction of the
+    graph's activations should fit (0 where nothing does: the leanest). Their recompute is
+    the whole forward times the fraction not kept, an upper bound (the partitioner recomputes
+    the cheapest operations first)."""
+    persistent = estimate.persistent_bytes
+    forward_s = sum(_cost(b) for b in estimate.blocks)
+    found = []
+    for split in splits:
+        kept = compiled.scale * estimate.activation_bytes(estimate.batch_size / split)
+        if kept <= 0:
+            continue
+        fraction = min(max((budget - persistent) / kept, 0.0), 1.0)
+        on_grid = round(math.floor(fraction / BUDGET_STEP + 1e-9) * BUDGET_STEP, 1)
+        if on_grid >= compiled.budget:
+            continue  # the split alone should do (an eager knobs' plan)
+        found.append(
+            Plan(
+                blocks=(),
+                split=split,
+                compress=False,
+                estimated_bytes=persistent + math.ceil(on_grid * kept),
+                recompute_s=(1 - on_grid) * forward_s,
+                memory_budget=on_grid,
+            )
+        )
+    return found
 
 
 def _choices(
@@ -172,12 +241,17 @@ def plan_config(best: TurboConfig, plan: Plan, all_blocks: int) -> TurboConfig:
         changes["accumulation__micro_batches"] = plan.split
     if plan.compress:
         changes["activation_compression__dtype"] = "bf16"
+    if plan.memory_budget is not None:
+        changes["compile__activation_memory_budget"] = plan.memory_budget
     return best.replace(**changes)
 
 
 def plan_name(plan: Plan, all_blocks: int, batch_size: int) -> str:
-    """A short, unique name: what the plan checkpoints, splits and compresses."""
+    """A short, unique name: what the plan checkpoints, splits and compresses, or its
+    compiled graph's budget."""
     parts = []
+    if plan.memory_budget is not None:
+        parts.append(f"compile memory budget {plan.memory_budget:.1f}")
     if plan.blocks and len(plan.blocks) == all_blocks:
         parts.append(f"ckpt all {all_blocks} blocks")
     elif plan.block_type is not None:
@@ -218,8 +292,10 @@ def memory_plan_stage(ctx: StageContext) -> list[Candidate] | str:
         if same_batch
         else (current,)
     )
-    # Compression's hooks cannot see what a compiled graph saves (activation_compression.py).
+    # Compression's hooks cannot see what a compiled graph saves (activation_compression.py);
+    # the compiler's own budget can.
     compression = ctx.best.compile.mode == "off"
+    compiled = None if compression else _compiled_graph(ctx, estimate, current, same_batch)
     count = sum(b.checkpointable for b in estimate.blocks)
     return [
         Candidate(
@@ -230,5 +306,26 @@ def memory_plan_stage(ctx: StageContext) -> list[Candidate] | str:
                 f"{plan.recompute_s * 1e3:.0f} ms of forward per step"
             ),
         )
-        for plan in plans(estimate, budget, offset=offset, splits=splits, compression=compression)
+        for plan in plans(
+            estimate,
+            budget,
+            offset=offset,
+            splits=splits,
+            compression=compression,
+            compiled=compiled,
+        )
     ]
+
+
+def _compiled_graph(
+    ctx: StageContext, estimate: MemoryEstimate, split: int, same_batch: bool
+) -> CompiledGraph:
+    """The compiled best's budget, and its activations at budget 1 over the estimate's, from
+    its measured footprint where that was of the estimate's batch."""
+    budget = ctx.best.compile.activation_memory_budget
+    graph = CompiledGraph(1.0 if budget is None else budget)
+    eager = estimate.activation_bytes(estimate.batch_size / split)
+    if ctx.best_memory_bytes is None or not same_batch or graph.budget == 0 or eager == 0:
+        return graph
+    saved = max(ctx.best_memory_bytes - estimate.persistent_bytes, 0)
+    return dataclasses.replace(graph, scale=saved / (graph.budget * eager))
