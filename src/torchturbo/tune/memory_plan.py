@@ -41,7 +41,7 @@ import math
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
-from torchturbo.config import TurboConfig
+from torchturbo.config import CheckpointConfig, TurboConfig
 from torchturbo.measure.footprint import BlockMemory, MemoryEstimate
 from torchturbo.techniques.proposal import Candidate, StageContext, memory_not_needed
 from torchturbo.tune.knapsack import cheapest_cover
@@ -275,7 +275,7 @@ def memory_plan_stage(ctx: StageContext) -> list[Candidate] | str:
         "checkpointing, micro-batching and compression would only cost time",
     )
     if not_needed:
-        return not_needed
+        return _compiled_replans(ctx) or not_needed
     estimate, budget = ctx.memory, ctx.memory_budget
     assert budget is not None  # memory_not_needed said there is one
     if estimate is None:
@@ -329,3 +329,57 @@ def _compiled_graph(
         return graph
     saved = max(ctx.best_memory_bytes - estimate.persistent_bytes, 0)
     return dataclasses.replace(graph, scale=saved / (graph.budget * eager))
+
+
+def _compiled_replans(ctx: StageContext) -> list[Candidate]:
+    """A compiled best that fits the budget thanks to a plan (the planner runs first, on the
+    eager best; compile is judged on top of the plan): the same compile without the plan's
+    checkpointing, compression and micro-batches, under compile's own activation budget, may
+    fit faster, the partitioner choosing what to recompute inside the graph. Speed candidates:
+    adopted only when faster than the best and within the budget, as measured. The graph's
+    activations are taken as the eager estimate's (compile keeps no more, so the fraction errs
+    small), at the fewest pieces that should fit and the next split (``budget_plans``)."""
+    best, estimate, budget = ctx.best, ctx.memory, ctx.memory_budget
+    compression = best.section("activation_compression")
+    planned = (
+        best.checkpointing.mode != "off"
+        or best.accumulation.micro_batches > 1
+        or compression.dtype != "off"
+    )
+    if (
+        estimate is None
+        or budget is None
+        or best.compile.mode == "off"
+        or best.compile.activation_memory_budget is not None
+        or not planned
+        or ctx.batch_size not in (None, estimate.batch_size)
+    ):
+        return []
+    bare = best.replace(
+        checkpointing=CheckpointConfig(),
+        accumulation__micro_batches=1,
+        activation_compression=type(compression)(),
+    )
+    splits = tuple(s for s in SPLITS if estimate.batch_size % s == 0)
+    # A graph bound above 1 skips no fraction: 1.0 is plain compile at that split.
+    found = budget_plans(estimate, budget, splits, CompiledGraph(budget=math.inf))
+    fitting = [p for p in found if p.estimated_bytes <= budget][:MAX_BUDGET_PLANS]
+    candidates = []
+    for plan in fitting:
+        fraction = (
+            None if plan.memory_budget is None or plan.memory_budget >= 1 else plan.memory_budget
+        )
+        config = bare.replace(
+            accumulation__micro_batches=plan.split, compile__activation_memory_budget=fraction
+        )
+        parts = [f"memory budget {fraction:.1f}"] if fraction is not None else []
+        if plan.split > 1:
+            parts.append(f"micro-batch {estimate.batch_size // plan.split} x{plan.split}")
+        name = "compiled, without the plan: " + (" + ".join(parts) or "no recompute, one piece")
+        evidence = (
+            f"estimated {plan.estimated_bytes / 2**20:.1f} MiB with compile keeping "
+            f"{1.0 if fraction is None else fraction:.0%} of the eager activations"
+        )
+        if config != best:
+            candidates.append(Candidate(name, config, evidence=evidence))
+    return candidates
