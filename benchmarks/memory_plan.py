@@ -14,11 +14,13 @@ learnable data:
    are timed interleaved (``measure.timing.measure_interleaved``) with the adopted one, in two
    passes: the first ranks them all, the second times the adopted point against the first's
    three fastest again with three times the repeats (the fastest of many noisy figures reads
-   high), and the adopted/fastest ratio is the second pass's. A grid point that fits with a
-   superset of another fitting point's knobs is left out of the timing: more recompute, more
-   casts or smaller micro-batches on top of a config that already fits (the timed set is every
-   minimal fitting point, so the fastest fitting point is among them unless an extra knob
-   speeds a step up).
+   high); when the second pass's fastest is not the adopted point, the two are compared in 20
+   paired rounds (the tuner's ``compare``: adjacent blocks that take turns, so that drifting
+   load hits both alike), and adopted/fastest is that ratio, with its interval. A grid point
+   that fits with a superset of another fitting point's knobs is left out of the timing: more
+   recompute, more casts or smaller micro-batches on top of a config that already fits (the
+   timed set is every minimal fitting point, so the fastest fitting point is among them unless
+   an extra knob speeds a step up).
 
 Prints a table and writes JSON:
 
@@ -44,10 +46,12 @@ from torch import nn
 
 from torchturbo.config import TurboConfig
 from torchturbo.measure.memory_estimate import estimate_recipe_memory
-from torchturbo.measure.timing import measure_interleaved
+from torchturbo.measure.timing import measure_interleaved, time_once
 from torchturbo.measure.trial import Trial, fixed_batches
 from torchturbo.recipe import Recipe
 from torchturbo.techniques.checkpointing import find_blocks, select_blocks
+from torchturbo.tune.compare import compare
+from torchturbo.tune.outcome import Comparison
 from torchturbo.tune.search import TuneOptions, tune
 from torchturbo.tune.stages import STAGES
 from torchturbo.tune.state import NUM_BATCHES
@@ -56,6 +60,8 @@ MIB = 2**20
 FRACTIONS = (2, 3, 5)
 #: Points of the grid's first pass timed again beside the adopted one.
 LEADERS = 3
+#: Paired rounds of the adopted point against the second pass's fastest.
+PAIRED_ROUNDS = 20
 
 
 class SqueezeExcite(nn.Module):
@@ -382,6 +388,33 @@ def _timed(
             trial.close()
 
 
+def _paired(
+    recipe: Recipe, chosen: Point, fastest: Point, batches: list[Any], blocks: list[str]
+) -> Comparison:
+    """The adopted point against pass 2's fastest in paired rounds (adjacent blocks that take
+    turns, so that load which drifts hits both alike): the tuner's own comparison, run for
+    ``PAIRED_ROUNDS`` rounds whatever it shows."""
+    trials = [_trial(recipe, p, batches, blocks) for p in (fastest, chosen)]
+    try:
+        for trial in trials:
+            for _ in range(2):
+                trial.step()
+            trial.step_seconds = min(time_once(trial.step, "cpu") for _ in range(2))
+        return compare(
+            trials[0],
+            trials[1],
+            against=fastest.name(),
+            device=torch.device("cpu"),
+            max_rounds=PAIRED_ROUNDS,
+            min_rounds=PAIRED_ROUNDS,
+            may_continue=lambda _seconds: True,
+            decided=lambda _ratios: False,
+        ).comparison
+    finally:
+        for trial in trials:
+            trial.close()
+
+
 def run_model(name: str, time_budget_s: float, repeats: int) -> dict[str, Any]:
     recipe = RECIPES[name]()
     batches = fixed_batches(recipe, NUM_BATCHES)
@@ -460,6 +493,7 @@ def run_model(name: str, time_budget_s: float, repeats: int) -> dict[str, Any]:
         leaders = sorted(first, key=lambda p: -first[p][0])[: LEADERS + 1]
         second = _timed(recipe, [chosen, *leaders], batches, blocks, 3 * repeats)
         fastest = max(second, key=lambda p: second[p][0])
+        paired = None if fastest == chosen else _paired(recipe, chosen, fastest, batches, blocks)
         chosen_bytes = adopted.memory_bytes
         entry.update(
             adopted=adopted.name,
@@ -468,7 +502,11 @@ def run_model(name: str, time_budget_s: float, repeats: int) -> dict[str, Any]:
             adopted_fits=chosen_bytes is not None and chosen_bytes <= budget,
             fastest_point=fastest.name(),
             fastest_bytes=footprints[fastest],
-            adopted_over_fastest=second[chosen][0] / second[fastest][0],
+            adopted_over_fastest=1.0 if paired is None else paired.speed.ratio,
+            adopted_over_fastest_interval=None
+            if paired is None
+            else (paired.speed.low, paired.speed.high),
+            interleaved_adopted_over_fastest=second[chosen][0] / second[fastest][0],
             timed={p.name(): {"samples_per_s": v[0], "spread": v[1]} for p, v in first.items()},
             retimed={p.name(): {"samples_per_s": v[0], "spread": v[1]} for p, v in second.items()},
         )
