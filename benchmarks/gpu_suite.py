@@ -56,7 +56,12 @@ from torchturbo.techniques.float8 import convertible_linears
 from torchturbo.tune.search import TuneOptions, tune
 from torchturbo.workloads import get_workload
 
-QUICK_OVERRIDES = {"batch_size": 4, "num_samples": 32}
+#: The dry run's workloads: every code path once, at the smallest inputs each one takes.
+QUICK_SIZES = {
+    "vision": {"image_size": 16},
+    "segmentation": {"image_size": 16},
+    "text": {"d_model": 64},
+}
 HERE = Path(__file__).parent
 #: Workloads in the order they are measured: vision carries the headline (fast >= 3x on a GPU).
 WORKLOADS = ("vision", "text", "segmentation")
@@ -156,6 +161,13 @@ def triton_op(run: Run) -> dict[str, Any]:
     return checks
 
 
+def suite_workload(name: str, quick: bool) -> Any:
+    """The built-in workload ``name``: its default size, or the dry run's tiny one."""
+    if not quick:
+        return get_workload(name)
+    return get_workload(name, batch_size=4, num_samples=32, **QUICK_SIZES[name])
+
+
 def suite_variants(recipe: Any, device: str, quick: bool) -> dict[str, TurboConfig]:
     """The techniques benchmark's variants, plus the fused optimizer step and, where the model
     has Linear layers float8 can convert, float8 on top of bf16."""
@@ -177,7 +189,7 @@ def workloads(run: Run) -> dict[str, Any]:
         if run.left() < 45 and not run.quick:
             measured[name] = {"skipped": f"{run.left():.0f} s left of the budget"}
             continue
-        recipe = get_workload(name, **(QUICK_OVERRIDES if run.quick else {}))
+        recipe = suite_workload(name, run.quick)
         rows = compare_configs(
             recipe,
             suite_variants(recipe, run.device, run.quick),
@@ -196,7 +208,7 @@ def tune_section(workload: str) -> Callable[[Run], dict[str, Any]]:
         options = TuneOptions(
             time_budget_s=QUICK_TUNE_S if run.quick else TUNE_S, device=run.device
         )
-        recipe = get_workload(workload, **(QUICK_OVERRIDES if run.quick else {}))
+        recipe = suite_workload(workload, run.quick)
         tuned = tune(recipe, options)[1].to_dict()
         return {
             "confirmed_ratio": tuned["confirmed_ratio"],

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import signal
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -12,6 +15,41 @@ from torch import nn
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+#: The stop signals ``train`` handles, as a process started in a terminal finds them.
+TERMINAL_STOP_SIGNALS = {
+    signal.SIGINT: signal.default_int_handler,
+    signal.SIGTERM: signal.SIG_DFL,
+    signal.SIGUSR1: signal.SIG_DFL,
+    signal.SIGUSR2: signal.SIG_DFL,
+}
+
+
+@contextlib.contextmanager
+def terminal_stop_signals() -> Iterator[None]:
+    """Within the block the stop signals are as in a terminal; after it, as they were found.
+
+    A suite started in the background by a non-interactive shell (a CI script, ``make test &``)
+    inherits SIGINT ignored; Python and ``train`` rightly leave an ignored signal ignored, so a
+    test's Ctrl-C would do nothing and the TrainInterrupted its pytest.raises awaits would end
+    the whole session later. Fails when the block leaves a handler of its own: restore it.
+    """
+    found = {
+        signum: signal.signal(signum, handler) for signum, handler in TERMINAL_STOP_SIGNALS.items()
+    }
+    try:
+        yield
+    finally:
+        left = {signum: signal.signal(signum, found[signum]) for signum in TERMINAL_STOP_SIGNALS}
+    changed = [signal.Signals(s).name for s, h in left.items() if h != TERMINAL_STOP_SIGNALS[s]]
+    assert not changed, f"the test left its own handler for {', '.join(changed)}: restore it"
+
+
+@pytest.fixture(autouse=True)
+def _stop_signals_as_in_a_terminal() -> Iterator[None]:
+    with terminal_stop_signals():
+        yield
 
 
 class MLP(nn.Module):

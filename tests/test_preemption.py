@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import terminal_stop_signals
 
 from torchturbo.reliability.preemption import (
     EXIT_STOPPED,
@@ -236,6 +237,22 @@ def test_an_ignored_or_custom_handler_is_left_alone():
     finally:
         signal.signal(signal.SIGTERM, previous[0])
         signal.signal(signal.SIGUSR1, previous[1])
+
+
+def test_each_test_starts_with_the_stop_signals_of_a_terminal_and_must_give_them_back():
+    # conftest's autouse guard: a suite started in the background inherits SIGINT ignored.
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with terminal_stop_signals():
+            assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN  # given back
+        leak = pytest.raises(AssertionError, match="handler for SIGUSR1: restore it")
+        with leak, terminal_stop_signals():
+            signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # left behind
+        assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL  # restored all the same
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def test_in_one_process_agreeing_reads_the_flag():

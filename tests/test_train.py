@@ -79,16 +79,6 @@ def assert_bit_equal(a, b) -> None:
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2])
 def test_a_stop_signal_finishes_the_step_saves_it_and_resuming_ends_bit_equal(tmp_path, signum):
-    # train installs its handler only over the default disposition; in the whole suite an earlier
-    # test left another SIGUSR1 handler (not found yet), so this test starts from the default.
-    left = signal.signal(signum, signal.SIG_DFL)
-    try:
-        _stop_signal_run(tmp_path, signum)
-    finally:
-        signal.signal(signum, left)
-
-
-def _stop_signal_run(tmp_path, signum) -> None:
     recipe = load_recipe(TINY)
     full = train(recipe, CONFIG, steps=10, checkpoint_dir=tmp_path / "full")
     handler = signal.getsignal(signum)
