@@ -1,8 +1,8 @@
 """The memory planner: the configurations that should fit ``--memory-budget``, cheapest first.
 
 Over the budget, the tuner does not try a menu and stop at the first that fits: this stage
-proposes plans, the tuner measures every one (footprint and speed against the same current best,
-``search``) and keeps the fastest that fits. A plan combines
+proposes plans, the tuner measures every one (footprint and speed against the same current best)
+and races those that fit head to head for the fastest (``fastest_fit``). A plan combines
 
 * micro-batching (each batch in 1, 2, 4 or 8 pieces, accumulated exactly: the global batch is
   kept),
