@@ -53,8 +53,9 @@ def add_parser(commands: Any) -> None:
         help=(
             "total memory a step may use, e.g. 20GiB, 512MiB (default: no budget). Over it, "
             "the tuner plans: blocks to checkpoint, micro-batches that keep the global batch, "
-            "bf16 activations; it measures every plan that should fit and races them head to "
-            "head for the fastest (docs/memory_planning.md)"
+            "bf16 activations (compile's own activation budget once compile is adopted); it "
+            "measures every plan that should fit and races them head to head for the fastest "
+            "(docs/memory_planning.md)"
         ),
     )
     tune.add_argument(
