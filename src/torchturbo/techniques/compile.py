@@ -76,8 +76,8 @@ class BudgetedInductor:
     Backends compare equal when mode, dynamic and budget do: dynamo then reuses a graph only
     for the same budget. On disk, AOT autograd's cache key holds the functorch config (every
     release since the cache came, 2.4): another budget misses, the same one loads.
-    TODO: torch.autograd.graph.region_activation_memory_budget (a prototype in torch 2.13)
-    sets it from inside the traced code; use it once it is stable and torch >= it.
+    torch 2.13's ``torch.autograd.graph.region_activation_memory_budget`` sets the value from
+    inside traced code, but it is a prototype and newer than the torch 2.6 supported here.
     """
 
     def __init__(self, mode: str | None, dynamic: bool | None, budget: float) -> None:
