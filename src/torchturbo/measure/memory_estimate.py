@@ -16,8 +16,8 @@ footprint includes.
 
 Each block also gets its forward time on the real batch, with grad enabled as in the backward's
 recomputation (which records the block's graph again): the cost of recomputing it under
-checkpointing, which the memory planner weighs against the bytes it frees. No library does this split (``accelerate estimate-memory`` counts weights only), hence the
-hand-written counter.
+checkpointing, which the memory planner weighs against the bytes it frees. No library does this
+split (``accelerate estimate-memory`` counts weights only), hence the hand-written counter.
 """
 
 from __future__ import annotations
