@@ -231,13 +231,18 @@ def test_tune_with_a_budget_adopts_the_fastest_plan_that_fits_and_reports_every_
     # Two thirds of the activations: several plans fit.
     budget = estimate.persistent_bytes + 2 * estimate.activation_bytes() // 3
     options = dataclasses.replace(QUICK, memory_budget=budget, max_rounds=4)
-    _, result = tune(recipe, options, stages={"memory": STAGES["memory"]})
+    config, result = tune(recipe, options, stages={"memory": STAGES["memory"]})
     rows = [o for o in result.candidates if o.stage == "memory"]
     measured = [o for o in rows if o.comparison is not None]
     assert len(measured) >= 2, [o.name for o in rows]
     assert all(o.memory_bytes is not None for o in measured)
     adopted = [o for o in rows if o.verdict == "adopted"]
     assert len(adopted) == 1 and adopted[0].memory_bytes <= budget
+    # The written config is the plan, however slow: the baseline does not fit (a confirmation
+    # against it used to revert to it). Its headline figure is the plan's own measurement.
+    assert config == TurboConfig.from_dict(adopted[0].config)
+    assert result.adopted == (adopted[0].name,) and result.confirmation.state == "fits"
+    assert result.confirmation.comparison == adopted[0].comparison
     fitting = {o.name for o in measured if o.memory_bytes <= budget}
     beaten = [o for o in measured if o.verdict == "rejected" and o.memory_bytes <= budget]
     for row in beaten:

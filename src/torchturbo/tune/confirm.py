@@ -24,6 +24,7 @@ from torchturbo.tune.budget import CONFIRM_ROUNDS
 from torchturbo.tune.compare import Measured, compare, compare_chain
 from torchturbo.tune.decide import MIN_ROUNDS, describe
 from torchturbo.tune.outcome import Comparison, Confirmation
+from torchturbo.tune.stages import MEMORY_STAGES
 from torchturbo.tune.state import NUM_BATCHES, REPORT_S, WARM_STEPS, Incumbent, Run
 
 BASELINE = "fp32 eager"
@@ -37,12 +38,17 @@ def confirm(run: Run, baseline: Incumbent, best: Incumbent) -> tuple[Confirmatio
     is its ratio, and its last row over its first is the confirmed ratio."""
     if best is baseline or not run.adoptions:
         return Confirmation(state="not needed", comparison=None), baseline
+    floor = _fitting_floor(run, baseline)
+    if floor is best:
+        return _fits(floor, ()), floor
     steps = _chain_steps(run, baseline)
     searched = math.prod(
         a.outcome.comparison.speed.ratio
         for a in run.adoptions
         if a.outcome is not None and a.outcome.comparison is not None
     )
+    # Over the memory budget the baseline is no option: a slower config that fits is the point.
+    expected = searched if floor is not None else max(searched, 1.0)
     chained = compare_chain(
         [trial for _, _, trial in steps],
         [name for name, _, _ in steps],
@@ -52,9 +58,7 @@ def confirm(run: Run, baseline: Incumbent, best: Incumbent) -> tuple[Confirmatio
         settle_rounds=CONFIRM_ROUNDS,
         # Rounds go on until the search is confirmed or contradicted (or time and rounds run
         # out): "not faster, but not contradicting either" is not an answer worth stopping at.
-        decided=lambda speed: (
-            speed.decision == "faster" or speed.plausible_high < max(searched, 1.0)
-        ),
+        decided=lambda speed: speed.decision == "faster" or speed.plausible_high < expected,
         clock=run.clock,
     )
     measured = chained.overall
@@ -66,7 +70,7 @@ def confirm(run: Run, baseline: Incumbent, best: Incumbent) -> tuple[Confirmatio
     speed = measured.comparison.speed
     if speed.decision == "faster":
         return Confirmation(state="confirmed", comparison=measured.comparison, rows=rows), best
-    if speed.plausible_high >= max(searched, 1.0):
+    if speed.plausible_high >= expected:
         note = (
             f"the search measured {searched:.2f}x; the confirmation does not contradict it but "
             f"could not decide it in {speed.rounds} rounds on this machine: rerun when it is "
@@ -76,7 +80,34 @@ def confirm(run: Run, baseline: Incumbent, best: Incumbent) -> tuple[Confirmatio
             Confirmation(state="consistent", comparison=measured.comparison, note=note, rows=rows),
             best,
         )
+    if floor is not None:
+        later = [a.name for a in run.adoptions[run.adoptions.index(floor) + 1 :]]
+        return _fits(floor, tuple(later), describe(speed)), floor
     return _drop(run, baseline, measured)
+
+
+def _fitting_floor(run: Run, baseline: Incumbent) -> Incumbent | None:
+    """The last adoption that made the step fit ``--memory-budget``, when the baseline does
+    not fit it: the written config must keep it (None when there is no budget to fit)."""
+    budget = run.options.memory_budget
+    if budget is None or baseline.memory_bytes is None or baseline.memory_bytes <= budget:
+        return None
+    fitting = [
+        a for a in run.adoptions if a.outcome is not None and a.outcome.stage in MEMORY_STAGES
+    ]
+    return fitting[-1] if fitting else None
+
+
+def _fits(floor: Incumbent, dropped: tuple[str, ...], measured: str = "") -> Confirmation:
+    """The fitting adoption kept, with its own measurement against the baseline."""
+    note = f"{BASELINE} does not fit the memory budget, so {floor.name} is kept"
+    if dropped:
+        note = (
+            f"the chosen config measured {measured} against {BASELINE}, below what the search "
+            f"measured: {', '.join(dropped)} dropped; {note}"
+        )
+    comparison = floor.outcome.comparison if floor.outcome is not None else None
+    return Confirmation(state="fits", comparison=comparison, dropped=dropped, note=note)
 
 
 def _chain_steps(run: Run, baseline: Incumbent) -> list[tuple[str, str, Trial]]:

@@ -196,7 +196,7 @@ def outcome_from_dict(row: dict[str, Any]) -> Outcome:
     )
 
 
-ConfirmationState = Literal["not needed", "confirmed", "consistent", "dropped", "reverted"]
+ConfirmationState = Literal["not needed", "confirmed", "consistent", "dropped", "reverted", "fits"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -209,6 +209,9 @@ class Confirmation:
     the search measured: kept, and the report says it is unconfirmed. ``dropped``: it was not, the
     adoptions in ``dropped`` failed when re-measured alone against the baseline and were removed,
     and the rest was confirmed. ``reverted``: nothing could be confirmed, the baseline is kept.
+    ``fits``: the baseline does not fit the memory budget, so the adoption that made the step fit
+    is kept whatever its speed (``comparison`` is its own measurement against the baseline);
+    adoptions after it that the confirmation contradicted are in ``dropped``.
     """
 
     state: ConfirmationState

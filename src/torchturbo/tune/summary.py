@@ -38,6 +38,11 @@ def headline(results: dict) -> str:
             line += f", after dropping {', '.join(confirmation.get('dropped') or [])}"
     elif state == "reverted":
         line = f"Nothing confirmed: keep {BASELINE_LABEL} ({confirmation.get('note') or ''})"
+    elif state == "fits":
+        line = (
+            f"Fits the memory budget at {fmt_interval(confirmation)} the {unit} of "
+            f"{BASELINE_LABEL}, which does not fit ({confirmation.get('note') or ''})"
+        )
     else:
         measured = [c for c in _candidates(results) if c.get("ratio") is not None]
         line = (
@@ -112,6 +117,8 @@ def _unmeasured(results: dict) -> str:
 
 def confirmation_line(results: dict) -> str:
     c = results.get("confirmation")
+    if isinstance(c, dict) and c.get("state") == "fits":
+        return f"No confirmation against the baseline needed: {c.get('note')}."
     if not isinstance(c, dict) or c.get("state") in (None, "not needed"):
         return (
             "No confirmation run: nothing was adopted, so the chosen config is the baseline "
