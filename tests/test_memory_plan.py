@@ -243,6 +243,10 @@ def test_tune_with_a_budget_adopts_the_fastest_plan_that_fits_and_reports_every_
     assert config == TurboConfig.from_dict(adopted[0].config)
     assert result.adopted == (adopted[0].name,) and result.confirmation.state == "fits"
     assert result.confirmation.comparison == adopted[0].comparison
+    assert [row["name"] for row in result.confirmation.rows] == [
+        "baseline (fp32 eager)",
+        f"+ {adopted[0].name}",
+    ]
     fitting = {o.name for o in measured if o.memory_bytes <= budget}
     beaten = [o for o in measured if o.verdict == "rejected" and o.memory_bytes <= budget]
     for row in beaten:

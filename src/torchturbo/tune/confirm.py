@@ -106,8 +106,13 @@ def _fits(floor: Incumbent, dropped: tuple[str, ...], measured: str = "") -> Con
             f"the chosen config measured {measured} against {BASELINE}, below what the search "
             f"measured: {', '.join(dropped)} dropped; {note}"
         )
-    comparison = floor.outcome.comparison if floor.outcome is not None else None
-    return Confirmation(state="fits", comparison=comparison, dropped=dropped, note=note)
+    outcome = floor.outcome
+    if outcome is None or outcome.comparison is None:
+        return Confirmation(state="fits", comparison=None, dropped=dropped, note=note)
+    rows = _pair_rows(floor.name, outcome.comparison, outcome.stage)
+    return Confirmation(
+        state="fits", comparison=outcome.comparison, dropped=dropped, note=note, rows=rows
+    )
 
 
 def _chain_steps(run: Run, baseline: Incumbent) -> list[tuple[str, str, Trial]]:
@@ -134,16 +139,16 @@ def _row(name: str, stage: str, trial: Trial, comparison: Comparison | None) -> 
     return row
 
 
-def _pair_rows(name: str, measured: Measured) -> tuple[dict[str, Any], ...]:
-    """The incremental table of a pairwise confirmation: the baseline, then the kept config."""
-    c = measured.comparison
+def _pair_rows(name: str, c: Comparison, stage: str = "") -> tuple[dict[str, Any], ...]:
+    """The incremental table of one comparison with the baseline: the baseline, then the kept
+    config (a pairwise confirmation's, or a fitting plan's own measurement)."""
     first = {
         "name": f"baseline ({BASELINE})",
         "stage": "",
         "step_ms": c.reference_step_ms,
         "throughput": c.reference_throughput,
     }
-    return first, {"name": f"+ {name}", "stage": "", **c.to_dict()}
+    return first, {"name": f"+ {name}", "stage": stage, **c.to_dict()}
 
 
 def _against_baseline(run: Run, baseline: Incumbent, trial: Trial) -> Measured:
@@ -233,7 +238,7 @@ def _drop(run: Run, baseline: Incumbent, failed: Measured) -> tuple[Confirmation
         comparison=measured.comparison,
         dropped=dropped,
         note=note,
-        rows=_pair_rows(kept.name, measured),
+        rows=_pair_rows(kept.name, measured.comparison),
     ), kept
 
 
