@@ -143,7 +143,8 @@ def _pair_rows(name: str, c: Comparison, stage: str = "") -> tuple[dict[str, Any
     """The incremental table of one comparison with the baseline: the baseline, then the kept
     config (a pairwise confirmation's, or a fitting plan's own measurement)."""
     first = {
-        "name": f"baseline ({BASELINE})",
+        # A fitting plan measured on top of an earlier adoption names that one.
+        "name": f"baseline ({BASELINE})" if c.against == BASELINE else c.against,
         "stage": "",
         "step_ms": c.reference_step_ms,
         "throughput": c.reference_throughput,
