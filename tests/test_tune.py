@@ -12,9 +12,9 @@ import torch
 from conftest import ConvNet, classification_loss, cpu_stage_context
 
 from torchturbo.config import TurboConfig
-from torchturbo.measure.trial import Trial, fixed_batches, start_trial
 from torchturbo.recipe import Recipe
-from torchturbo.techniques.proposal import Candidate
+from torchturbo.techniques.framework.proposal import Candidate
+from torchturbo.trials.trial import Trial, fixed_batches, start_trial
 from torchturbo.tune import candidate as candidate_module
 from torchturbo.tune import search
 from torchturbo.tune.budget import COMPILE_BASE_S
