@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 from torch import nn
+from torch.utils.data import DataLoader
 
 #: Lengths above this many samples are matched on a seeded sample of them: the plan's count is a
 #: ratio of sums, and planning every length of a huge dataset a dozen times would take minutes.
@@ -87,6 +88,29 @@ class BatchPlan:
     def dynamic(self) -> bool:
         """Whether the plan chooses the batches itself (a batch sampler of its own)."""
         return self.sampler is not None
+
+    def loader(
+        self,
+        dataset: Any,
+        *,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+        persistent_workers: bool = False,
+        prefetch_factor: int | None = None,
+        worker_init_fn: Callable[[int], None] | None = None,
+    ) -> DataLoader:
+        """A DataLoader over ``dataset`` with this plan's sampler and collate and a trainer's
+        worker settings (those that need workers only with workers, as torch requires)."""
+        return DataLoader(
+            dataset,
+            batch_sampler=self.sampler,
+            collate_fn=self.collate,
+            num_workers=num_workers,
+            pin_memory=pin_memory,
+            persistent_workers=persistent_workers and num_workers > 0,
+            prefetch_factor=prefetch_factor if num_workers > 0 else None,
+            worker_init_fn=worker_init_fn,
+        )
 
     def first_batches(self, dataset: Any, count: int) -> list[Any]:
         """The first ``count`` collated batches of the plan's first epoch, as a loader over
@@ -179,6 +203,36 @@ def matched_budget(
         else:
             low = middle
     return high
+
+
+def token_budget(
+    max_tokens: int | None,
+    source: BatchSource,
+    sampler: Callable[[Sequence[int], int], Any],
+    *,
+    field: str,
+    smallest: int,
+    unit: str,
+) -> tuple[int, str]:
+    """A plan's token budget and how it was chosen, in words: ``[data] max_tokens`` when set,
+    else :func:`matched_budget` over the batches ``sampler(lengths, budget)`` draws in an
+    epoch (a batch sampler with ``global_batches()``)."""
+    if max_tokens is not None:
+        return max_tokens, f"[data] max_tokens = {max_tokens}"
+    lengths = source.require_lengths(field)
+    if source.batch_size is None:
+        raise ValueError(
+            f"[data] {field} = true without max_tokens needs the batch size, to keep the real "
+            "tokens of its batches per step"
+        )
+    budget = matched_budget(
+        lengths,
+        source.batch_size,
+        lambda sample, budget: len(sampler(sample, budget).global_batches()),
+        smallest=smallest,
+        seed=source.seed,
+    )
+    return budget, f"{budget} {unit}: the real tokens of batches of {source.batch_size} rows"
 
 
 def _sampled(lengths: Sequence[int], seed: int) -> list[int]:

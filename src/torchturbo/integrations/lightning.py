@@ -166,15 +166,12 @@ class TurboLightningCallback(pl.Callback):
             model=lambda: pl_module,
         )
         plan = registry.batch_plan(self.config, source)
-        workers = loader.num_workers
-        return DataLoader(
+        return plan.loader(
             loader.dataset,
-            batch_sampler=plan.sampler,
-            collate_fn=plan.collate,
-            num_workers=workers,
+            num_workers=loader.num_workers,
             pin_memory=loader.pin_memory,
-            persistent_workers=loader.persistent_workers and workers > 0,
-            prefetch_factor=loader.prefetch_factor if workers > 0 else None,
+            persistent_workers=loader.persistent_workers,
+            prefetch_factor=loader.prefetch_factor,
             worker_init_fn=loader.worker_init_fn,
         )
 

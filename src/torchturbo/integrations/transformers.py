@@ -355,15 +355,12 @@ class TurboTrainer(Trainer):
             model=lambda: model,
         )
         plan = registry.batch_plan(self.turbo_config, source)
-        workers = args.dataloader_num_workers
-        return DataLoader(
+        return plan.loader(
             dataset,
-            batch_sampler=plan.sampler,
-            collate_fn=plan.collate,
-            num_workers=workers,
+            num_workers=args.dataloader_num_workers,
             pin_memory=args.dataloader_pin_memory,
-            persistent_workers=args.dataloader_persistent_workers and workers > 0,
-            prefetch_factor=args.dataloader_prefetch_factor if workers > 0 else None,
+            persistent_workers=args.dataloader_persistent_workers,
+            prefetch_factor=args.dataloader_prefetch_factor,
         )
 
 

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from torchturbo.config import DataConfig, TurboConfig
-from torchturbo.data.batch_plan import BatchPlan, BatchSource, matched_budget
+from torchturbo.data.batch_plan import BatchPlan, BatchSource, token_budget
 from torchturbo.data.bucketing import BucketBatchSampler
 from torchturbo.data.collate import pad_collate
 from torchturbo.techniques.framework import levers
@@ -50,23 +50,15 @@ def _batches(config: TurboConfig, source: BatchSource) -> BatchPlan:
             rank=rank,
         )
 
-    if data.max_tokens is not None:
-        budget, note = data.max_tokens, f"[data] max_tokens = {data.max_tokens}"
-    else:
-        if source.batch_size is None:
-            raise ValueError(
-                "[data] bucketing = true without max_tokens needs the batch size, to keep the "
-                "real tokens of its batches per step"
-            )
-        multiple = data.pad_to_multiple
-        budget = matched_budget(
-            lengths,
-            source.batch_size,
-            lambda sample, budget: len(sampler(sample, budget).global_batches()),
-            smallest=-(-max(lengths) // multiple) * multiple,
-            seed=source.seed,
-        )
-        note = f"{budget} padded tokens: the real tokens of batches of {source.batch_size} rows"
+    multiple = data.pad_to_multiple
+    budget, note = token_budget(
+        data.max_tokens,
+        source,
+        sampler,
+        field="bucketing",
+        smallest=-(-max(lengths) // multiple) * multiple,
+        unit="padded tokens",
+    )
     collate = source.collate or functools.partial(
         pad_collate, pad_to_multiple=data.pad_to_multiple, pad_values=source.pad_values
     )

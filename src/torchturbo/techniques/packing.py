@@ -23,7 +23,7 @@ from torchturbo.data.batch_plan import (
     BatchSource,
     collated_fields,
     keep_fields,
-    matched_budget,
+    token_budget,
 )
 from torchturbo.data.length import length_or_none
 from torchturbo.data.packing import PackingBatchSampler, packed_collate, takes_boundaries
@@ -80,23 +80,14 @@ def _batches(config: TurboConfig, source: BatchSource) -> BatchPlan:
             lengths, max_tokens=budget, seed=source.seed, num_replicas=replicas, rank=rank
         )
 
-    tokens = config.data.max_tokens
-    if tokens is not None:
-        note = f"[data] max_tokens = {tokens}"
-    else:
-        if source.batch_size is None:
-            raise ValueError(
-                "[data] packing = true without max_tokens needs the batch size, to keep the real "
-                "tokens of its batches per step"
-            )
-        tokens = matched_budget(
-            lengths,
-            source.batch_size,
-            lambda sample, budget: len(sampler(sample, budget).global_batches()),
-            smallest=max(lengths),
-            seed=source.seed,
-        )
-        note = f"{tokens} tokens per row: the real tokens of batches of {source.batch_size} rows"
+    tokens, note = token_budget(
+        config.data.max_tokens,
+        source,
+        sampler,
+        field="packing",
+        smallest=max(lengths),
+        unit="tokens per row",
+    )
     # HF's varlen flash-attention path reads these fields; other models get only what they read.
     flash = str(getattr(getattr(model, "config", None), "_attn_implementation", "")).startswith(
         "flash"
