@@ -297,6 +297,7 @@ def _facts(recipe: Recipe, trial: Any, device: torch.device, phases: PhaseRecord
         forward,
         comm_share=share,
         optimizer_share=optimizer,
+        step_s=step,
     )
     return agree(facts)
 
