@@ -41,7 +41,8 @@ class BatchSource:
     whole batches are shared out (1 and 0 where the host shards batches itself, as accelerate
     does). ``collate`` is the host's collate (None: ``pad_collate``). ``model`` returns the
     model the batches feed (built on first call where the host has none yet): packing reads its
-    forward's arguments and checks that it keeps documents apart.
+    forward's arguments and checks that it keeps documents apart. ``lengths_from`` says how this
+    host is given lengths, for the error when it has none.
     """
 
     dataset: Any
@@ -53,14 +54,12 @@ class BatchSource:
     collate: Callable[[list[Any]], Any] | None = None
     pad_values: Mapping[str, int] | None = None
     model: Callable[[], nn.Module] | None = None
+    lengths_from: str = "give the recipe lengths=[...] (one per sample)"
 
     def require_lengths(self, field: str) -> Sequence[int]:
         """The per-sample lengths, or a clear error naming the ``[data]`` field that needs them."""
         if self.lengths is None:
-            raise ValueError(
-                f"[data] {field} = true needs per-sample lengths: give the recipe lengths=[...] "
-                "(Turbo.setup(..., lengths=...)), or a dataset with 'input_ids' or a length column"
-            )
+            raise ValueError(f"[data] {field} = true needs per-sample lengths: {self.lengths_from}")
         return self.lengths
 
 

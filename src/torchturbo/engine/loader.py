@@ -67,6 +67,7 @@ def training_loader(
         collate=collate_fn,
         pad_values=pad_values,
         model=lambda: model,
+        lengths_from="pass setup(..., lengths=[...]) (one per sample)",
     )
     plan = registry.batch_plan(config, source)
     if plan.dynamic:

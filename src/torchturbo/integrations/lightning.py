@@ -164,6 +164,7 @@ class TurboLightningCallback(pl.Callback):
             rank=trainer.global_rank,
             collate=loader.collate_fn,
             model=lambda: pl_module,
+            lengths_from="give the DataLoader's dataset 'input_ids' or a 'length' column",
         )
         plan = registry.batch_plan(self.config, source)
         return plan.loader(

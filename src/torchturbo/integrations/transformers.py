@@ -353,6 +353,9 @@ class TurboTrainer(Trainer):
             seed=seed,
             collate=model_input_collate(self.data_collator, model, args),
             model=lambda: model,
+            lengths_from=(
+                f"give the train dataset 'input_ids' or a {args.length_column_name!r} column"
+            ),
         )
         plan = registry.batch_plan(self.turbo_config, source)
         return plan.loader(
