@@ -236,7 +236,9 @@ def job_trainer(setup: str, way: str, steps: int, out: Path, config: Path | None
     if way.startswith("bf16"):
         extra["bf16"] = True
     flatten = way == "flattening"
-    made = Trainer(args=arguments(out, steps, **extra), data_collator=collator(setup, flatten), **common)
+    made = Trainer(
+        args=arguments(out, steps, **extra), data_collator=collator(setup, flatten), **common
+    )
     return made, meter
 
 
