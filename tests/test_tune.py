@@ -6,6 +6,7 @@ import dataclasses
 import functools
 import json
 import time
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -23,9 +24,10 @@ from torchturbo.tune.budget import COMPILE_BASE_S
 from torchturbo.tune.compare import batch_cycle, compare, steps_per_round
 from torchturbo.tune.decide import MIN_ROUNDS, Verdict
 from torchturbo.tune.outcome import STATES
-from torchturbo.tune.previous import Previous
+from torchturbo.tune.previous import Previous, is_reusable
 from torchturbo.tune.search import TuneInterrupted, TuneOptions, select_stages, tune
 from torchturbo.tune.stages import STAGES, bucket_stage, comm_hook_stage
+from torchturbo.tune.state import MIN_BATCHES, NUM_BATCHES, batch_count
 
 
 def tiny_recipe(**overrides) -> Recipe:
@@ -587,3 +589,74 @@ def test_ddp_stages_need_torchrun_and_try_only_bucket_sizes_that_change_the_buck
     wide = tiny_recipe(model=lambda: torch.nn.Linear(2048, 2048))  # 16 MiB of gradients
     caps = [c.config.distributed.bucket_cap_mb for c in bucket_stage(_context(wide))]
     assert caps == [5.0]  # 100 MiB would hold them in one bucket, as 25 MiB does
+
+
+def test_a_comparison_the_budget_stops_is_undecided_and_says_what_it_would_need(monkeypatch):
+    """Steps of 0.25 s +-40% (a noisy machine) and a budget of a few rounds: the clip candidate
+    (no faster, no slower) cannot be decided; it is undecided, with its estimate, not rejected,
+    and the next run measures it again."""
+    import random
+
+    noise = random.Random(0)
+    clock = _stepping_clock(monkeypatch, lambda trial: 0.25 * (0.6 + 0.8 * noise.random()))
+    options = dataclasses.replace(QUICK, time_budget_s=14.0, max_rounds=30)
+
+    def clip(ctx):
+        return [Candidate("clip", ctx.best.replace(clipping__max_norm=10.0), 1.5)]
+
+    _, result = tune(tiny_recipe(), options, stages={"clip": clip}, clock=clock)
+    row = _rows(result)["clip"]
+    assert row.verdict == "undecided", row.reason
+    assert row.comparison is not None and row.comparison.speed.decision == "undecided"
+    assert "the budget stopped it: about " in row.reason and "s more)" in row.reason
+    assert not is_reusable(row.verdict, row.stage)
+    from torchturbo.tune.summary import headline
+
+    assert "undecided, not rejected: clip (" in headline(result.to_dict())
+
+
+def test_before_the_search_the_run_says_which_budget_would_measure_the_large_gains(monkeypatch):
+    clock = _stepping_clock(monkeypatch, lambda trial: 0.25)
+    options = dataclasses.replace(QUICK, time_budget_s=6.0)
+
+    def large(ctx):
+        return [Candidate("large", ctx.best.replace(clipping__max_norm=10.0), 2.0)]
+
+    said = []
+    _, result = tune(
+        tiny_recipe(),
+        options,
+        stages={"large": large},
+        clock=clock,
+        on_progress=lambda stage, what, left: said.append((stage, what)),
+    )
+    assert result.budget_note.startswith("the 6 s budget may not measure every candidate")
+    assert "large (~2.00x)" in result.budget_note and "--time-budget 1m" in result.budget_note
+    assert ("budget", result.budget_note) in said  # on the progress line, before the search
+    from torchturbo.tune.summary import headline
+
+    assert "said before the search: the 6 s budget" in headline(result.to_dict())
+    roomy = dataclasses.replace(options, time_budget_s=600.0)
+    _, enough = tune(tiny_recipe(), roomy, stages={"large": large}, clock=clock)
+    assert enough.budget_note == ""
+
+
+def test_a_compile_that_cannot_pay_back_on_the_job_is_not_measured():
+    """A 5-step job saves at most a few seconds even at 1.5x faster steps: compiling (15 s or
+    more) is not worth the budget to measure, and the row says why."""
+    options = dataclasses.replace(QUICK, planned_steps=5)
+    _, result = tune(tiny_recipe(), options, stages=_only("compile"))
+    row = _rows(result)["compile:default"]
+    assert row.verdict == "not measured" and row.comparison is None
+    assert row.reason.startswith("cannot pay back on this job: even 1.5x faster steps")
+    long_job = dataclasses.replace(options, planned_steps=10**9)
+    assert not candidate_module._cannot_pay_back(
+        types.SimpleNamespace(options=long_job, horizon=types.SimpleNamespace(steps=10**9)),
+        candidate_module.Estimate(min_s=1.0, typical_s=1.0, compile_s=30.0),
+        types.SimpleNamespace(trial=types.SimpleNamespace(step_seconds=0.01)),
+    )
+
+
+def test_slow_steps_hold_fewer_batches_so_a_pass_over_them_stays_short():
+    assert batch_count(0.05) == NUM_BATCHES and batch_count(0.5) == NUM_BATCHES
+    assert batch_count(0.8) == 5 and batch_count(2.0) == MIN_BATCHES == 4
