@@ -18,6 +18,10 @@ trained (labels that are not -100, shifted as the causal LM's loss shifts them):
    default budget (``--tune-budget``, 5 min), in a fresh process, then the job it wrote
    (``turbo.toml`` and its compile cache) trained the documented way.
 
+``--trainer lightning`` trains the decoder through Lightning instead: its defaults (a shuffled
+DataLoader of 8 rows, fp32), ``recipe_from_lightning(module, datamodule, trainer=...)`` tuned the
+same way, and the tuned job with ``trainer_kwargs`` and ``TurboLightningCallback``.
+
 It prints, per setup, every job's train seconds, real tokens and real tokens per second, then
 the tuned job against the grid's best and against the trainer's best own way, and the tuner's
 measured step (its results.json) against the tuned job's median later step: what the tuner
@@ -42,6 +46,7 @@ from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models from configs only: never reach the Hub
 
+import lightning.pytorch as pl
 import torch
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
@@ -61,6 +66,11 @@ from transformers import (
 from transformers.utils import logging as hf_logging
 
 from torchturbo.config import TurboConfig
+from torchturbo.integrations.lightning import (
+    TurboLightningCallback,
+    recipe_from_lightning,
+    trainer_kwargs,
+)
 from torchturbo.integrations.transformers import (
     TurboTrainer,
     recipe_from_trainer,
@@ -75,7 +85,7 @@ from torchturbo.recipe import Recipe
 VOCAB = 32_000
 BATCH_SIZE = 8
 DOCUMENTS = 800
-SETUPS = ("decoder", "encoder")
+SETUPS = ("decoder", "encoder", "lightning")
 CLASSES = 16
 
 
@@ -187,6 +197,81 @@ def recipe(setup: str = "decoder", steps: int = 100) -> Recipe:
     return recipe_from_trainer(trainer(setup, steps, out / "recipe"), name=f"scale-{setup}")
 
 
+def lightning_recipe() -> Recipe:
+    """``tune`` on the decoder as a Lightning user trains it (``--trainer lightning``)."""
+    steps = int(os.environ.get("TUNER_SCALE_STEPS", "100"))
+    return recipe_from_lightning(
+        LanguageModule(), Documents(), trainer=lightning_trainer(steps, []), planned_steps=None
+    )
+
+
+class LanguageModule(pl.LightningModule):
+    """The decoder in a LightningModule: its loss is the training step's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = model("decoder")
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.model(**batch).loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+class Documents(pl.LightningDataModule):
+    """The documents in a shuffled DataLoader of 8 rows, padded by the LM collator."""
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        return torch.utils.data.DataLoader(
+            documents("decoder"),
+            batch_size=BATCH_SIZE,
+            shuffle=True,
+            generator=torch.Generator().manual_seed(0),
+            collate_fn=collator("decoder"),
+        )
+
+
+def lightning_trainer(steps: int, callbacks: list[pl.Callback], **kwargs: Any) -> pl.Trainer:
+    settings: dict[str, Any] = {
+        "accelerator": "cpu",
+        "devices": 1,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+    }
+    return pl.Trainer(max_steps=steps, callbacks=callbacks, **(settings | kwargs))
+
+
+class LightningMeter(pl.Callback):
+    """Train begin, every step's end and the real tokens of every batch, for Lightning."""
+
+    def __init__(self, net: torch.nn.Module) -> None:
+        self.meter = Meter(net, causal=True)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.meter.begin = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        sync(trainer.strategy.root_device)
+        self.meter.ends.append(time.perf_counter())
+
+
+def lightning_job(steps: int, config: Path | None) -> Meter:
+    """The decoder's Lightning job: its defaults, or the tuned config the documented way."""
+    module = LanguageModule()
+    clock = LightningMeter(module.model)
+    callbacks: list[pl.Callback] = [clock]
+    kwargs: dict[str, Any] = {}
+    if config is not None:
+        turbo = TurboConfig.load(config)
+        kwargs = trainer_kwargs(turbo).kwargs
+        callbacks.append(TurboLightningCallback(turbo))
+    lightning_trainer(steps, callbacks, **kwargs).fit(module, datamodule=Documents())
+    return clock.meter
+
+
 def encoder_recipe() -> Recipe:
     return recipe("encoder", int(os.environ.get("TUNER_SCALE_STEPS", "100")))
 
@@ -244,8 +329,11 @@ def job_trainer(setup: str, way: str, steps: int, out: Path, config: Path | None
 
 def child(args: argparse.Namespace) -> None:
     """One job in this fresh process; prints its figures as one JSON line."""
-    made, meter = job_trainer(args.setup, args.child, args.steps, args.out, args.config)
-    made.train()
+    if args.setup == "lightning":
+        meter = lightning_job(args.steps, args.config)
+    else:
+        made, meter = job_trainer(args.setup, args.child, args.steps, args.out, args.config)
+        made.train()
     steps = [b - a for a, b in itertools.pairwise([meter.begin, *meter.ends])]
     train_s = meter.ends[-1] - meter.begin
     print(
@@ -343,11 +431,13 @@ def tuned_step_ms(results: dict[str, Any]) -> float | None:
 def measure_setup(setup: str, args: argparse.Namespace) -> dict[str, Any]:
     native_bf16 = emulated("cpu", "bf16") is None
     peers, left_out = peer_ways(setup, native_bf16)
+    if setup == "lightning":
+        peers, left_out = ["defaults"], {}
     jobs: dict[str, dict[str, Any]] = {}
     for way in peers:
         jobs[way] = run_job(setup, way, args.steps, args.out, None)
         print(f"{setup} {way}: {jobs[way]}", flush=True)
-    grid = {} if args.skip_grid else grid_configs(setup, native_bf16)
+    grid = {} if args.skip_grid or setup == "lightning" else grid_configs(setup, native_bf16)
     for name, config in grid.items():
         path = args.out / f"{setup}-grid-{name}.toml"
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -408,7 +498,13 @@ def report(setup: str, row: dict[str, Any]) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--setups", nargs="+", choices=SETUPS, default=list(SETUPS))
+    parser.add_argument(
+        "--setups",
+        nargs="+",
+        choices=SETUPS,
+        default=list(SETUPS),
+        help="decoder and encoder through the HF Trainer, the decoder through Lightning",
+    )
     parser.add_argument("--steps", type=int, default=100, help="the Trainer's max_steps (100)")
     parser.add_argument("--tune-budget", default="5m", help="tune's --time-budget (its default)")
     parser.add_argument("--skip-grid", action="store_true", help="only the peers and the tuner")
