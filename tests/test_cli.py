@@ -63,14 +63,9 @@ def test_tune_writes_a_loadable_config_and_a_self_contained_report(tmp_path, cap
 def test_ctrl_c_in_tune_keeps_the_measurements_and_the_same_command_goes_on(
     tmp_path, capsys, monkeypatch
 ):
-    from torchturbo.techniques.framework.proposal import Candidate
-    from torchturbo.tune import search
+    from test_tune import CLIPPING
 
-    def clipping(ctx):
-        return [
-            Candidate(f"clip {n}", ctx.best.replace(clipping__max_norm=float(n)), 2 - n / 100)
-            for n in (10, 20)
-        ]
+    from torchturbo.tune import search
 
     asked = []
 
@@ -84,7 +79,7 @@ def test_ctrl_c_in_tune_keeps_the_measurements_and_the_same_command_goes_on(
         return "".join(text.split())
 
     real = search.tune
-    interrupting = {"clipping": clipping, "interrupt": ctrl_c_once_a_candidate_is_decided}
+    interrupting = {**CLIPPING, "interrupt": ctrl_c_once_a_candidate_is_decided}
     monkeypatch.setattr(search, "tune", functools.partial(real, stages=interrupting))
     out = tmp_path / "report"
     argv = ["tune", TINY, "--device", "cpu", "--time-budget", "40s", "--out", str(out)]
@@ -94,7 +89,7 @@ def test_ctrl_c_in_tune_keeps_the_measurements_and_the_same_command_goes_on(
     assert squeezed(f"interrupted: 1 measured candidate(s) kept in {kept}") in squeezed(printed.out)
     assert printed.err.strip() == "interrupted" and not (out / "results.json").exists()
 
-    monkeypatch.setattr(search, "tune", functools.partial(real, stages={"clipping": clipping}))
+    monkeypatch.setattr(search, "tune", functools.partial(real, stages=CLIPPING))
     assert main(argv) == 0
     printed = capsys.readouterr()
     assert squeezed(f"reused 1 measured candidates from {kept}") in squeezed(printed.out)

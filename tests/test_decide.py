@@ -17,10 +17,12 @@ from torchturbo.tune.decide import (
     Parity,
     RatioEstimate,
     break_even_steps,
+    describe,
     estimate,
     job_times,
     judge,
     loss_parity,
+    rounds_to_decide,
     t_quantile,
 )
 from torchturbo.tune.state import MAX_ROUNDS
@@ -155,11 +157,35 @@ def test_a_clear_speedup_is_adopted_with_its_interval_in_the_reason():
     assert verdict.adopt and verdict.reason.startswith("1.50x (")
 
 
-def test_an_undecided_ratio_is_not_adopted_and_says_why():
-    verdict = _judge(speed=estimate([1.3, 0.8, 1.6, 0.9], final=True))
-    assert not verdict.adopt and "does not clear" in verdict.reason
+def test_an_undecided_ratio_is_undecided_not_rejected():
+    """A comparison the rule did not decide is neither adopted nor rejected: the verdict says
+    undecided, with its estimate, and only a decision says "not faster"."""
+    verdict = _judge(speed=estimate([1.3, 0.8, 1.6, 0.9]))
+    assert not verdict.adopt and not verdict.decided
+    assert verdict.reason.startswith("undecided: 1.11x after 4 rounds")
     slower = _judge(speed=estimate([0.5, 0.52, 0.49]))
-    assert not slower.adopt and "is slower" in slower.reason
+    assert not slower.adopt and slower.decided and "is slower (at most" in slower.reason
+    flat = _judge(speed=estimate([1.0, 1.01, 0.99, 1.0, 1.0]))
+    assert flat.decided and "gains less than 5% (at most 1.0" in flat.reason
+
+
+def test_an_interval_of_two_rounds_or_of_no_width_worth_quoting_is_not_shown():
+    """0.00-465163462x after 2 rounds was once shown as a measurement."""
+    assert describe(estimate([0.9, 0.92])) == "0.91x after 2 rounds, too few to bound it"
+    wild = describe(estimate([0.02, 4.0, 0.5]))
+    assert wild.endswith("3 rounds, its interval too wide to quote")
+    assert describe(estimate([1.5, 1.52, 1.49, 1.51])).startswith("1.50x (1.4")
+
+
+def test_rounds_to_decide_follows_the_spread_and_the_margin():
+    """A clear gain measured noisily needs more rounds than the same gain measured quietly, and
+    always one more round than it had."""
+    noisy, quiet = [1.3, 1.0, 1.5, 1.1], [1.3, 1.28, 1.31]
+    assert rounds_to_decide(estimate(noisy), noisy) > rounds_to_decide(estimate(quiet), quiet)
+    band = [1.03, 1.04, 1.035]
+    assert rounds_to_decide(estimate(band), band) >= 4
+    slow = [0.7, 1.1, 0.8]
+    assert rounds_to_decide(estimate(slow), slow) >= 4
 
 
 def test_parity_failure_is_rejected_with_the_numbers():

@@ -16,6 +16,7 @@ from torchturbo.doctor import diagnose
 from torchturbo.recipe import load_recipe
 from torchturbo.trials.variants import compare_configs
 from torchturbo.tune.search import TuneOptions, tune
+from torchturbo.tune.state import MIN_BATCHES
 
 RECIPE = str(Path(__file__).parent / "recipes" / "hf_encoder.py") + ":recipe"
 
@@ -36,8 +37,9 @@ def test_the_tuner_measures_and_adopts_length_buckets_on_a_transformers_encoder(
     buckets = next(o for o in result.candidates if o.name == "length buckets")
     assert buckets.expected_gain > 1.5  # ~66% padding in random batches, ~3% in buckets
     assert buckets.verdict == "adopted", buckets.reason
-    # Every round took each of the 8 bucketed (and 8 random) batches once: the same work.
-    assert buckets.comparison.steps_per_round % 8 == 0
+    # Every round took each of the bucketed (and random) batches once, the same work: a pass
+    # over 8 batches, or over 4-7 where the first step was slow (tune.state.batch_count).
+    assert buckets.comparison.steps_per_round >= MIN_BATCHES
     assert config.data.bucketing
     assert result.confirmation.state in ("confirmed", "consistent")
     assert result.elapsed_s <= 1.1 * options.time_budget_s

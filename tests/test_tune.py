@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import time
+import types
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -21,9 +24,10 @@ from torchturbo.tune.budget import COMPILE_BASE_S
 from torchturbo.tune.compare import batch_cycle, compare, steps_per_round
 from torchturbo.tune.decide import MIN_ROUNDS, Verdict
 from torchturbo.tune.outcome import STATES
-from torchturbo.tune.previous import Previous
+from torchturbo.tune.previous import Previous, is_reusable
 from torchturbo.tune.search import TuneInterrupted, TuneOptions, select_stages, tune
 from torchturbo.tune.stages import STAGES, bucket_stage, comm_hook_stage
+from torchturbo.tune.state import MIN_BATCHES, NUM_BATCHES, batch_count
 
 
 def tiny_recipe(**overrides) -> Recipe:
@@ -53,7 +57,7 @@ def _rows(result):
     return {o.name: o for o in result.candidates}
 
 
-def test_every_candidate_ends_adopted_rejected_not_measured_or_not_applicable():
+def test_every_candidate_ends_adopted_rejected_undecided_not_measured_or_not_applicable():
     config, result = tune(tiny_recipe(), QUICK, stages=_only("precision", "memory_format"))
     rows = _rows(result)
     assert {"bf16", "fp16+scaler", "tf32", "channels_last", "loader settings"} <= set(rows)
@@ -61,7 +65,7 @@ def test_every_candidate_ends_adopted_rejected_not_measured_or_not_applicable():
         assert outcome.verdict in STATES[1:] and outcome.reason
         measured = outcome.comparison is not None
         assert measured == (
-            outcome.verdict in ("adopted", "rejected")
+            outcome.verdict in ("adopted", "rejected", "undecided")
             and "error" not in outcome.reason
             and "not measured further" not in outcome.reason
         )
@@ -93,7 +97,7 @@ def test_a_candidate_that_raises_is_rejected_and_the_run_goes_on():
     rows = _rows(result)
     assert rows["explodes"].verdict == "rejected"
     assert "RuntimeError: this op has no bf16 kernel" in rows["explodes"].reason
-    assert rows["bf16"].verdict in {"adopted", "rejected"} and rows["bf16"].comparison
+    assert rows["bf16"].verdict in {"adopted", "rejected", "undecided"} and rows["bf16"].comparison
 
 
 def test_a_candidate_that_breaks_loss_parity_is_rejected():
@@ -120,21 +124,64 @@ def test_candidates_are_measured_in_order_of_expected_gain_per_second(monkeypatc
 
     monkeypatch.setattr("torchturbo.tune.search.try_candidate", recording)
 
-    def stage(ctx):
-        return [
-            Candidate("small", ctx.best.replace(clipping__max_norm=10.0), 1.05),
-            Candidate("large", ctx.best.replace(clipping__max_norm=20.0), 3.0),
-            Candidate("middle", ctx.best.replace(clipping__max_norm=30.0), 1.5),
-        ]
+    def lever(name, norm, gain):  # three levers, one candidate each
+        return lambda ctx: [Candidate(name, ctx.best.replace(clipping__max_norm=norm), gain)]
 
-    _, result = tune(tiny_recipe(), QUICK, stages={"injected": stage})
-    assert order == ["large", "middle", "small"]
-    # The report still lists them by stage, and each says what it was expected to bring.
-    assert {o.name: o.expected_gain for o in result.candidates if o.stage == "injected"} == {
+    stages = {
+        "small": lever("small", 10.0, 1.05),
+        "large": lever("large", 20.0, 3.0),
+        "middle": lever("middle", 30.0, 1.5),
+    }
+    _, result = tune(tiny_recipe(), QUICK, stages=stages)
+    assert order[0] == "large"  # then the others, in the order the adoptions leave them
+    # The report lists each with what it was expected to bring.
+    assert {o.name: o.expected_gain for o in result.candidates if o.name in stages} == {
         "small": 1.05,
         "large": 3.0,
         "middle": 1.5,
     }
+
+
+def test_the_alternatives_of_one_lever_are_measured_against_one_best_and_raced(monkeypatch):
+    """Two candidates of one stage (bf16 or fp16, say) are each measured against the same best,
+    and when both would be adopted, raced head to head: the winner is adopted, the loser's row
+    shows the race that beat it."""
+    from torchturbo.tune import fastest_fit
+
+    measured_against = []
+    real = fastest_fit.try_candidate
+
+    def recording(run, stage, candidate, best, fit_memory):
+        measured_against.append((candidate.name, best.name))
+        return real(run, stage, candidate, best, fit_memory)
+
+    monkeypatch.setattr(fastest_fit, "try_candidate", recording)
+    monkeypatch.setattr(candidate_module, "judge", lambda **_: Verdict(adopt=True, reason="ok"))
+    raced = []
+    real_race = fastest_fit._race
+
+    def race(run, leader, challenger, best, fit_memory):
+        raced.append((leader[0].name, challenger[0].name))
+        return real_race(run, leader, challenger, best, fit_memory)
+
+    monkeypatch.setattr(fastest_fit, "_race", race)
+
+    def stage(ctx):
+        if ctx.best.clipping.max_norm is not None:
+            return "a norm is chosen"
+        return [  # priors far apart: the measuring order is the priors' order
+            Candidate("clip 10", ctx.best.replace(clipping__max_norm=10.0), 3.0),
+            Candidate("clip 20", ctx.best.replace(clipping__max_norm=20.0), 1.2),
+        ]
+
+    _, result = tune(tiny_recipe(), QUICK, stages={"clipping": stage})
+    assert measured_against == [("clip 10", "fp32 eager"), ("clip 20", "fp32 eager")]
+    assert raced == [("clip 10", "clip 20")]
+    rows = _rows(result)
+    verdicts = sorted(rows[name].verdict for name in ("clip 10", "clip 20"))
+    assert verdicts == ["adopted", "rejected"]
+    loser = next(rows[n] for n in ("clip 10", "clip 20") if rows[n].verdict == "rejected")
+    assert "head to head" in loser.reason or "intervals apart" in loser.reason
 
 
 def test_later_candidates_train_on_the_batches_an_earlier_one_adopted(monkeypatch):
@@ -185,17 +232,35 @@ def token_recipe() -> Recipe:
     )
 
 
-def clipping_stage(ctx):
-    """Two candidates every machine can run (unlike bf16, not applicable where it is emulated)."""
-    return [
-        Candidate("clip 10", ctx.best.replace(clipping__max_norm=10.0), 1.5),
-        Candidate("clip 20", ctx.best.replace(clipping__max_norm=20.0), 1.4),
-    ]
+def _slowed(loss_fn: Any, model: Any, batch: Any) -> Any:
+    """Four more forwards a step: about half the speed however busy the machine, so the
+    candidate is decided slower in a few rounds."""
+    with torch.no_grad():
+        for _ in range(4):
+            loss_fn(model, batch)
+    return loss_fn(model, batch)
+
+
+def _clip(norm: float, gain: float) -> Any:
+    def stage(ctx):
+        name = f"clip {norm:g}"
+        config = ctx.best.replace(clipping__max_norm=norm)
+        slowed = dataclasses.replace(
+            ctx.recipe, loss_fn=functools.partial(_slowed, ctx.recipe.loss_fn)
+        )
+        return [Candidate(name, config, gain, recipe=slowed)]
+
+    return stage
+
+
+#: Two levers every machine can run (unlike bf16, not applicable where it is emulated), one
+#: candidate each, decided in a few rounds: slower, so rejected (the reuse tests need decisions).
+CLIPPING = {"clip10": _clip(10.0, 1.5), "clip20": _clip(20.0, 1.4)}
 
 
 def test_a_candidate_that_does_not_fit_the_budget_is_not_measured_and_says_what_it_needs():
     options = dataclasses.replace(QUICK, time_budget_s=0.001)
-    _, result = tune(tiny_recipe(), options, stages={"clipping": clipping_stage})
+    _, result = tune(tiny_recipe(), options, stages=CLIPPING)
     clip = _rows(result)["clip 10"]
     assert clip.verdict == "not measured" and clip.comparison is None
     assert clip.reason.startswith("budget: needs ~") and clip.estimate_s > 0
@@ -212,7 +277,7 @@ def test_the_budget_the_headline_asks_for_is_more_than_the_one_given():
     skipped candidates come on top of the whole budget, not of the time the run took."""
     from torchturbo.tune.summary import headline
 
-    _, result = tune(tiny_recipe(), QUICK, stages={"clipping": clipping_stage})
+    _, result = tune(tiny_recipe(), QUICK, stages=CLIPPING)
     results = result.to_dict()
     results["candidates"][-1] |= {"verdict": "not measured"}
     results |= {"time_budget_s": 180.0, "elapsed_s": 170.4, "unmeasured_s": 6.4}
@@ -293,11 +358,10 @@ def test_only_and_skip_choose_stages_and_unknown_names_list_the_stages():
 def test_tuning_again_reuses_what_was_measured_and_measures_the_rest():
     recipe = tiny_recipe()
 
-    first_stages = {"first": clipping_stage}
-    _, first = tune(recipe, QUICK, stages=first_stages)
+    _, first = tune(recipe, QUICK, stages=CLIPPING)
     decided = {o.name for o in first.candidates if o.verdict in ("adopted", "rejected")}
     assert decided == {"clip 10", "clip 20"}
-    both = {"first": clipping_stage, **_only("memory_format")}
+    both = {**CLIPPING, **_only("memory_format")}
     _, second = tune(recipe, QUICK, stages=both, previous=first.to_dict())
     rows = _rows(second)
     for name in decided:
@@ -317,7 +381,7 @@ def test_ctrl_c_keeps_what_was_measured_and_the_next_run_measures_only_the_rest(
             raise KeyboardInterrupt
         return []
 
-    stages = {"first": clipping_stage, "interrupt": ctrl_c_after_the_first_candidate}
+    stages = {**CLIPPING, "interrupt": ctrl_c_after_the_first_candidate}
     with pytest.raises(TuneInterrupted) as caught:
         tune(tiny_recipe(), QUICK, stages=stages)
     assert caught.value.measured == 1
@@ -330,13 +394,13 @@ def test_ctrl_c_keeps_what_was_measured_and_the_next_run_measures_only_the_rest(
     with monkeypatch.context() as patched:
         patched.setattr(search, "loader_stage", ctrl_c)
         with pytest.raises(TuneInterrupted) as caught:
-            tune(tiny_recipe(), QUICK, stages={"first": clipping_stage}, previous=partial)
+            tune(tiny_recipe(), QUICK, stages=CLIPPING, previous=partial)
     assert caught.value.measured == 1
     partial = json.loads(json.dumps(caught.value.partial))
     _, again = tune(
         tiny_recipe(),
         QUICK,
-        stages={"first": clipping_stage},
+        stages=CLIPPING,
         previous=partial,
         previous_source="interrupted.json",
     )
@@ -347,7 +411,7 @@ def test_ctrl_c_keeps_what_was_measured_and_the_next_run_measures_only_the_rest(
 
 
 def test_ctrl_c_while_a_reused_config_is_rebuilt_keeps_its_adoptions(monkeypatch):
-    _, first = tune(tiny_recipe(), QUICK, stages={"clipping": clipping_stage})
+    _, first = tune(tiny_recipe(), QUICK, stages=CLIPPING)
     results = first.to_dict()
     rows = [r for r in results["candidates"] if r["verdict"] in ("adopted", "rejected")]
     rows[0]["verdict"], results["adopted"] = "adopted", [rows[0]["name"]]
@@ -361,7 +425,7 @@ def test_ctrl_c_while_a_reused_config_is_rebuilt_keeps_its_adoptions(monkeypatch
 
     monkeypatch.setattr(search, "start_trial", rebuild_interrupted)
     with pytest.raises(TuneInterrupted) as caught:
-        tune(tiny_recipe(), QUICK, stages={"clipping": clipping_stage}, previous=results)
+        tune(tiny_recipe(), QUICK, stages=CLIPPING, previous=results)
     assert caught.value.partial["adopted"] == [rows[0]["name"]]
     assert caught.value.measured == len(rows)
 
@@ -379,7 +443,7 @@ def test_the_first_previous_run_made_for_this_one_is_reused():
 def test_a_previous_run_is_rebuilt_from_its_last_adoption_not_its_last_row():
     """Rows are in stage order, adoptions in the order they happened: the chosen config is the
     config of the last adoption, which contains the ones before it."""
-    _, first = tune(tiny_recipe(), QUICK, stages={"clipping": clipping_stage})
+    _, first = tune(tiny_recipe(), QUICK, stages=CLIPPING)
     results = first.to_dict()
     rows = [r for r in results["candidates"] if r["verdict"] in ("adopted", "rejected")]
     assert len(rows) >= 2
@@ -494,9 +558,12 @@ def test_a_decided_comparison_settles_on_more_rounds_only_while_the_budget_allow
 
 def test_variable_length_batches_are_compared_in_whole_cycles():
     fixed, varying = tiny_recipe(), tiny_recipe(lengths=[3, 5] * 32)
-    assert batch_cycle(fixed, 8, 8) == 1
-    assert batch_cycle(varying, 8, 8) == 8
-    assert batch_cycle(varying, 8, 6) == 24
+    eight, other_eight, six = [0] * 8, [1] * 8, [0] * 6
+    assert batch_cycle(fixed, eight, other_eight) == 1
+    assert batch_cycle(varying, eight, other_eight) == 8
+    assert batch_cycle(varying, eight, six) == 24
+    # On the same batches both sides step the same batch every round: one step is a round.
+    assert batch_cycle(varying, eight, eight) == 1
     assert steps_per_round(0.5) == 1 and steps_per_round(0.5, 8) == 8
     assert steps_per_round(0.001) == 8 and steps_per_round(0.001, 8) == 8
     assert steps_per_round(0.02, 3) == 3  # 0.05 s needs 3 steps: one whole cycle of 3
@@ -522,3 +589,74 @@ def test_ddp_stages_need_torchrun_and_try_only_bucket_sizes_that_change_the_buck
     wide = tiny_recipe(model=lambda: torch.nn.Linear(2048, 2048))  # 16 MiB of gradients
     caps = [c.config.distributed.bucket_cap_mb for c in bucket_stage(_context(wide))]
     assert caps == [5.0]  # 100 MiB would hold them in one bucket, as 25 MiB does
+
+
+def test_a_comparison_the_budget_stops_is_undecided_and_says_what_it_would_need(monkeypatch):
+    """Steps of 0.25 s +-40% (a noisy machine) and a budget of a few rounds: the clip candidate
+    (no faster, no slower) cannot be decided; it is undecided, with its estimate, not rejected,
+    and the next run measures it again."""
+    import random
+
+    noise = random.Random(0)
+    clock = _stepping_clock(monkeypatch, lambda trial: 0.25 * (0.6 + 0.8 * noise.random()))
+    options = dataclasses.replace(QUICK, time_budget_s=14.0, max_rounds=30)
+
+    def clip(ctx):
+        return [Candidate("clip", ctx.best.replace(clipping__max_norm=10.0), 1.5)]
+
+    _, result = tune(tiny_recipe(), options, stages={"clip": clip}, clock=clock)
+    row = _rows(result)["clip"]
+    assert row.verdict == "undecided", row.reason
+    assert row.comparison is not None and row.comparison.speed.decision == "undecided"
+    assert "the budget stopped it: about " in row.reason and "s more)" in row.reason
+    assert not is_reusable(row.verdict, row.stage)
+    from torchturbo.tune.summary import headline
+
+    assert "undecided, not rejected: clip (" in headline(result.to_dict())
+
+
+def test_before_the_search_the_run_says_which_budget_would_measure_the_large_gains(monkeypatch):
+    clock = _stepping_clock(monkeypatch, lambda trial: 0.25)
+    options = dataclasses.replace(QUICK, time_budget_s=6.0)
+
+    def large(ctx):
+        return [Candidate("large", ctx.best.replace(clipping__max_norm=10.0), 2.0)]
+
+    said = []
+    _, result = tune(
+        tiny_recipe(),
+        options,
+        stages={"large": large},
+        clock=clock,
+        on_progress=lambda stage, what, left: said.append((stage, what)),
+    )
+    assert result.budget_note.startswith("the 6 s budget may not measure every candidate")
+    assert "large (~2.00x)" in result.budget_note and "--time-budget 1m" in result.budget_note
+    assert ("budget", result.budget_note) in said  # on the progress line, before the search
+    from torchturbo.tune.summary import headline
+
+    assert "said before the search: the 6 s budget" in headline(result.to_dict())
+    roomy = dataclasses.replace(options, time_budget_s=600.0)
+    _, enough = tune(tiny_recipe(), roomy, stages={"large": large}, clock=clock)
+    assert enough.budget_note == ""
+
+
+def test_a_compile_that_cannot_pay_back_on_the_job_is_not_measured():
+    """A 5-step job saves at most a few seconds even at 1.5x faster steps: compiling (15 s or
+    more) is not worth the budget to measure, and the row says why."""
+    options = dataclasses.replace(QUICK, planned_steps=5)
+    _, result = tune(tiny_recipe(), options, stages=_only("compile"))
+    row = _rows(result)["compile:default"]
+    assert row.verdict == "not measured" and row.comparison is None
+    assert row.reason.startswith("cannot pay back on this job: even 1.5x faster steps")
+    long_job = dataclasses.replace(options, planned_steps=10**9)
+    assert not candidate_module._cannot_pay_back(
+        types.SimpleNamespace(options=long_job, horizon=types.SimpleNamespace(steps=10**9)),
+        candidate_module.Estimate(min_s=1.0, typical_s=1.0, compile_s=30.0),
+        types.SimpleNamespace(trial=types.SimpleNamespace(step_seconds=0.01)),
+    )
+
+
+def test_slow_steps_hold_fewer_batches_so_a_pass_over_them_stays_short():
+    assert batch_count(0.05) == NUM_BATCHES and batch_count(0.5) == NUM_BATCHES
+    assert batch_count(0.8) == 5 and batch_count(2.0) == MIN_BATCHES == 4

@@ -107,7 +107,7 @@ TECHNIQUE = Technique(
     doc="docs/techniques/dynamic_batching.md",
     requested=lambda config: config.data.bucketing,
     batches=_batches,
-    stage=Stage("dynamic_batching", 70, dynamic_batching_stage),
+    stage=Stage("dynamic_batching", 70, dynamic_batching_stage, lever="batching"),
     levers=(Lever("length buckets", levers.length_buckets),),
     translations={"transformers": _hf_arguments, "lightning": _lightning_arguments},
 )

@@ -160,6 +160,6 @@ TECHNIQUE = Technique(
     doc="docs/techniques/packing.md",
     requested=lambda config: config.data.packing,
     batches=_batches,
-    stage=Stage("packing", 71, packing_stage),
+    stage=Stage("packing", 71, packing_stage, lever="batching"),
     translations={"transformers": _hf_arguments, "lightning": _lightning_arguments},
 )

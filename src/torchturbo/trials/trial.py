@@ -272,6 +272,13 @@ class TrialBatches:
             self._drawn[key] = planned_batches(self.recipe, config, self.count)
         return self._drawn[key]
 
+    def shorten(self, count: int) -> None:
+        """Keep ``count`` batches per plan from now on: the lists already drawn are cut in
+        place, so the trials holding them cycle through the same fewer batches."""
+        self.count = min(self.count, count)
+        for batches in self._drawn.values():
+            del batches[self.count :]
+
 
 def recipe_source(recipe: Recipe) -> BatchSource:
     """The recipe's data as a batch plan's source: this rank's share of whole batches, the

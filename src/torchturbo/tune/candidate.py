@@ -16,19 +16,26 @@ from dataclasses import dataclass
 
 import torch
 
+from torchturbo.config import TurboConfig
 from torchturbo.distributed.consensus import agree, any_rank
 from torchturbo.measure.timing import time_once
+from torchturbo.techniques import registry
 from torchturbo.techniques.compile import compiled_graphs
 from torchturbo.techniques.framework.facts import shape_key
 from torchturbo.techniques.framework.proposal import Candidate
 from torchturbo.trials.trial import Trial, start_trial
 from torchturbo.tune import batching
 from torchturbo.tune.budget import candidate_seconds, compile_seconds, confirm_seconds
-from torchturbo.tune.compare import Measured, batch_cycle, compare, steps_per_round
-from torchturbo.tune.decide import MIN_ROUNDS, job_times, judge, loss_parity
-from torchturbo.tune.outcome import Outcome, State
+from torchturbo.tune.compare import Measured, compare, steps_per_round
+from torchturbo.tune.decide import (
+    MIN_ROUNDS,
+    job_times,
+    judge,
+    loss_parity,
+    rounds_to_decide,
+)
+from torchturbo.tune.outcome import Comparison, Outcome, State
 from torchturbo.tune.state import (
-    NUM_BATCHES,
     PARITY_STEPS,
     REPORT_S,
     WARM_STEPS,
@@ -36,6 +43,9 @@ from torchturbo.tune.state import (
     Run,
 )
 
+#: The most a compile is assumed to speed a step up when deciding whether it is worth measuring
+#: at all: on the built-in workloads and Hugging Face models it measured 0.9-1.3x on a CPU.
+OPTIMISTIC_COMPILE_GAIN = 1.5
 #: A compile from inductor's warm cache against a cold one, rounded up from the 0.08-0.13x
 #: measured (docs/techniques/compile.md): what re-timing a compiled candidate's first steps costs.
 WARM_CACHE_SHARE = 0.25
@@ -61,14 +71,15 @@ def estimate(run: Run, candidate: Candidate, best: Incumbent) -> Estimate:
         mine.mode != "off" and mine.activation_memory_budget != theirs.activation_memory_budget
     )
     compile_s = compile_seconds(run.facts) if compiles else 0.0
-    per_round = steps_per_round(min(step, best_step), run_cycle(run))
+    per_round = steps_per_round(min(step, best_step), run_cycle(run, candidate.config, best.config))
     fixed = run.build_s + compile_s + (1 + WARM_STEPS) * step + step  # + the memory probe
     if compiles:
-        fixed += (NUM_BATCHES - 1) * step  # one pass over every batch shape: recompiles
+        batches = run.batches.count
+        fixed += (batches - 1) * step  # one pass over every batch shape: recompiles
         if run.options.compile_cache_dir:
             # The warm-cache first steps timed again (_warm_cache_one_time): measured at
             # 0.08-0.13x of a cold compile on a 2-core CPU (benchmarks/compile_cache.py).
-            fixed += WARM_CACHE_SHARE * compile_s + NUM_BATCHES * step
+            fixed += WARM_CACHE_SHARE * compile_s + batches * step
     return Estimate(
         min_s=candidate_seconds(fixed, per_round, MIN_ROUNDS, best_step, step),
         typical_s=candidate_seconds(fixed, per_round, MIN_ROUNDS + 2, best_step, step),
@@ -76,17 +87,40 @@ def estimate(run: Run, candidate: Candidate, best: Incumbent) -> Estimate:
     )
 
 
+def _cannot_pay_back(run: Run, cost: Estimate, best: Incumbent) -> str:
+    """Why a compile cannot pay back on this job even at ``OPTIMISTIC_COMPILE_GAIN`` (so it is
+    not worth the budget to measure); "" when it might. The one-time cost is the one the job
+    pays: a warm-cache compile when tuning leaves its cache beside turbo.toml."""
+    if not cost.compile_s:
+        return ""
+    one_time = cost.compile_s * (WARM_CACHE_SHARE if run.options.compile_cache_dir else 1.0)
+    step = best.trial.step_seconds or run.baseline_step_s
+    saving = run.horizon.steps * step * (1 - 1 / OPTIMISTIC_COMPILE_GAIN)
+    if saving >= one_time:
+        return ""
+    return (
+        f"cannot pay back on this job: even {OPTIMISTIC_COMPILE_GAIN:g}x faster steps would save "
+        f"~{saving:.0f} s of the {run.horizon.steps:,}-step job, and compiling costs "
+        f"~{one_time:.0f} s"
+    )
+
+
 def reserve(run: Run, best_step_s: float) -> float:
-    """Seconds held back for the confirmation (were the best to change) and the report."""
-    cycle = run_cycle(run)
+    """Seconds held back for the confirmation (were the best to change) and the report: its
+    rounds are whole cycles of batches when the best may train other batches than fp32 eager."""
+    cycle = 1 if run.recipe.lengths is None else run.batches.count
     return REPORT_S + confirm_seconds(
         run.baseline_step_s, best_step_s, lambda step_s: steps_per_round(step_s, cycle)
     )
 
 
-def run_cycle(run: Run) -> int:
-    """The batch cycle of this run's comparisons: each trial holds ``NUM_BATCHES`` batches."""
-    return batch_cycle(run.recipe, NUM_BATCHES)
+def run_cycle(run: Run, config: TurboConfig, other: TurboConfig) -> int:
+    """The batch cycle of a comparison of ``config`` with ``other``: one step when they plan the
+    same batches, else a pass over each trial's ``run.batches.count`` batches
+    (``compare.batch_cycle``)."""
+    if run.recipe.lengths is None or registry.batch_key(config) == registry.batch_key(other):
+        return 1
+    return run.batches.count
 
 
 def _expected_step(run: Run, candidate: Candidate, best: Incumbent) -> float:
@@ -121,6 +155,12 @@ def try_candidate(
     ``fit_memory``: the best does not fit the memory budget, so fitting is this candidate's gain
     and it need not be faster."""
     cost = agree(estimate(run, candidate, best))  # a local clock and load: rank 0's figures
+    # Fitting a memory budget is a gain of its own: only speed candidates must pay back.
+    hopeless = "" if fit_memory else agree(_cannot_pay_back(run, cost, best))
+    if hopeless:
+        return not_measured(
+            stage, candidate, hopeless, verdict="not measured", estimate_s=cost.min_s
+        ), None
     free = agree(run.budget.left() - reserve(run, _expected_step(run, candidate, best)))
     if free < cost.min_s:
         reason = f"budget: needs ~{cost.min_s:.0f} s, {max(free, 0.0):.0f} s left"
@@ -129,6 +169,7 @@ def try_candidate(
         ), None
     label = candidate.name + (f": compiling, ~{cost.compile_s:.0f} s" if cost.compile_s else "")
     run.say(stage, label, run.budget.left())
+    began = run.clock()
     trial = None
     error: Exception | None = None
     try:
@@ -189,6 +230,8 @@ def try_candidate(
     outcome = dataclasses.replace(
         outcome,
         estimate_s=cost.min_s,
+        spent_s=agree(run.clock() - began),
+        count_per_step=trial.mean_count(),
         comm_bytes_per_step=(trial.comm_per_step() or (None,))[0],
         compiled_graphs=agree(graphs),
         cold_one_time_s=agree(cold_one_time),
@@ -199,6 +242,18 @@ def try_candidate(
     return outcome, Incumbent(
         candidate.name, candidate.config, trial, memory_bytes, candidate, outcome, one_time
     )
+
+
+def _what_it_needs(comparison: Comparison, cut_short: bool) -> str:
+    """Why an undecided comparison stopped, and the rounds and seconds it would need."""
+    speed = comparison.speed
+    stopped = "the budget stopped it" if cut_short else "the rounds ran out"
+    needed = rounds_to_decide(speed, comparison.ratios)
+    if needed is None:
+        return f"; {stopped} on a threshold of the rule"
+    per_round_s = comparison.steps_per_round * (comparison.step_ms + comparison.reference_step_ms)
+    more_s = (needed - speed.rounds) * per_round_s / 1e3
+    return f"; {stopped}: about {needed} rounds would decide it (~{more_s:.0f} s more)"
 
 
 def _warm_cache_one_time(run: Run, trial: Trial, shapes: int, best: Incumbent) -> float:
@@ -254,13 +309,14 @@ def _judged(
         must_be_faster=not fit_memory,
     )
     reason = verdict.reason
-    if measured.cut_short and not verdict.adopt:
-        reason += f"; the budget stopped it after {comparison.speed.rounds} rounds"
+    if not verdict.decided:
+        reason += _what_it_needs(comparison, measured.cut_short)
+    state: State = "adopted" if verdict.adopt else "rejected" if verdict.decided else "undecided"
     return Outcome(
         stage=stage,
         name=candidate.name,
         config=candidate.config.to_dict(),
-        verdict="adopted" if verdict.adopt else "rejected",
+        verdict=state,
         reason=reason,
         comparison=comparison,
         memory_bytes=memory_bytes,

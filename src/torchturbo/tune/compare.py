@@ -15,6 +15,7 @@ import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -43,18 +44,21 @@ def steps_per_round(step_s: float, cycle: int = 1) -> int:
     return cycle * math.ceil(steps / cycle)
 
 
-def batch_cycle(recipe: Recipe, *batch_counts: int) -> int:
-    """Steps after which trials holding ``batch_counts`` batches have each taken every one of
-    them once, when the recipe's samples vary in length; 1 otherwise.
+def batch_cycle(recipe: Recipe, *batch_lists: Sequence[Any]) -> int:
+    """Steps after which trials holding ``batch_lists`` have each taken every one of their
+    batches once, when they train different variable-length batches; 1 otherwise.
 
     Variable-length batches differ in cost and in count (padded lengths, or length buckets
     holding many short samples or few long ones): a round of one batch per side would compare
     whichever two batches came up, and the ratio would swing from round to round far beyond
-    the real difference. Rounds of whole cycles compare the same work every round.
+    the real difference. Rounds of whole cycles compare the same work every round. Trials on
+    the same batches step the same batch on both sides in every round (``Trial.align_with``), so
+    a round's ratio already cancels its batch's cost: one step per side is a round, which at
+    seconds per step is what keeps a decision to about a minute.
     """
-    if recipe.lengths is None:
+    if recipe.lengths is None or all(b is batch_lists[0] for b in batch_lists):
         return 1
-    return math.lcm(*batch_counts)
+    return math.lcm(*(len(b) for b in batch_lists))
 
 
 @dataclass(frozen=True)
@@ -95,7 +99,7 @@ def compare(
     also reads the same rounds as the reference against the candidate."""
     step_s = min(s for s in (reference.step_seconds, candidate.step_seconds, math.inf) if s)
     if cycle is None:
-        cycle = batch_cycle(reference.recipe, len(reference.batches), len(candidate.batches))
+        cycle = batch_cycle(reference.recipe, reference.batches, candidate.batches)
     # Step times are this rank's: under torchrun every rank must run rank 0's count of steps,
     # or their DDP collectives stop pairing up (a busy machine made the ranks' counts differ).
     per_round, per_block = agree((steps_per_round(step_s, cycle), steps_per_round(step_s)))
@@ -105,8 +109,7 @@ def compare(
     def stop(rounds: list[Round]) -> bool:
         nonlocal cut_short
         ratios = [r.ratio for r in rounds]
-        # Two rounds both this much slower decide it: a third would only cost their time.
-        hopeless = len(ratios) >= 2 and max(ratios) < 1 / HOPELESS_SLOWDOWN
+        hopeless = _hopeless(ratios)
         done = hopeless or (decided or _undecided_no_more)(ratios)
         # The slowest of the last rounds, with a margin: a busy machine's rounds vary, and a
         # round that overruns cannot be stopped half-way.
@@ -152,6 +155,12 @@ def head_to_head_decided(ratios: Sequence[float]) -> bool:
     return ahead.decision == behind.decision == "not faster"
 
 
+def _hopeless(ratios: Sequence[float]) -> bool:
+    """Two rounds both ``HOPELESS_SLOWDOWN`` times slower decide it: a third would only cost
+    their time."""
+    return len(ratios) >= 2 and max(ratios) < 1 / HOPELESS_SLOWDOWN
+
+
 def _undecided_no_more(ratios: Sequence[float]) -> bool:
     return estimate(ratios).decision != "undecided"
 
@@ -166,9 +175,11 @@ def _flip(round_: Round) -> Round:
 
 
 def _rounds_comparison(rounds: Sequence[Round], against: str, per_round: int) -> Comparison:
+    ratios = [r.ratio for r in rounds]
     return Comparison(
         against=against,
-        speed=estimate([r.ratio for r in rounds], final=True),
+        # Undecided stays undecided (the verdict says so); only a hopeless one is "not faster".
+        speed=estimate(ratios, final=_hopeless(ratios)),
         steps_per_round=per_round,
         step_ms=geometric_mean(r.candidate_s for r in rounds) * 1e3,
         reference_step_ms=geometric_mean(r.reference_s for r in rounds) * 1e3,
@@ -217,7 +228,7 @@ def compare_chain(
     estimate's decision is not "undecided") says when the last against the first needs no more
     rounds."""
     step_s = min(s for s in (*(t.step_seconds for t in trials), math.inf) if s)
-    cycle = batch_cycle(trials[0].recipe, *(len(t.batches) for t in trials))
+    cycle = batch_cycle(trials[0].recipe, *(t.batches for t in trials))
     per_round, per_block = agree((steps_per_round(step_s, cycle), steps_per_round(step_s)))
     for trial in trials[:-1]:
         trial.align_with(trials[-1])

@@ -8,7 +8,9 @@ it is clear that any gain is below ``WORTH_MEASURING``):
 
 * **faster** when the lower bound at ``FASTER_CONFIDENCE`` clears ``MIN_GAIN``;
 * **not faster** when the upper bound at ``FUTILITY_CONFIDENCE`` is below ``WORTH_MEASURING``;
-* otherwise **undecided**, and at the last round undecided means not shown faster.
+* otherwise **undecided**. A comparison that ends undecided (the budget, or the last round) is
+  reported as undecided, with its estimate and the rounds it would need (:func:`rounds_to_decide`),
+  never as rejected: "not faster" is said only when the measurement excludes a gain worth having.
 
 The interval's width is what the report calls the noise. Checking after every round inflates the
 false-adoption rate of a single test; 99.9% per look, the 2% margin and a floor on the spread
@@ -91,7 +93,8 @@ class RatioEstimate:
 def estimate(ratios: Sequence[float], *, final: bool = False) -> RatioEstimate:
     """The geometric mean of ``ratios`` with its interval and decision (module docstring).
 
-    ``final`` marks the last round: undecided then reads as "not faster" (not shown faster).
+    ``final``: undecided reads as "not faster" (a comparison stopped because it was hopeless,
+    or a confirmation, which only asks whether the gain held).
     """
     if not ratios or any(not (r > 0 and math.isfinite(r)) for r in ratios):
         raise ValueError(f"estimate(ratios={list(ratios)!r}) needs positive, finite ratios")
@@ -116,6 +119,28 @@ def estimate(ratios: Sequence[float], *, final: bool = False) -> RatioEstimate:
         decision=decision,
         plausible_high=_exp(futile_high),
     )
+
+
+def rounds_to_decide(speed: RatioEstimate, ratios: Sequence[float]) -> int | None:
+    """About how many rounds in all would decide an undecided comparison, were the ratio and
+    its spread to stay as measured: the fewer of those that let the interval clear ``MIN_GAIN``
+    (a gain) and those that bring it below ``WORTH_MEASURING`` (none worth having). None for a
+    ratio exactly on a threshold."""
+    if len(ratios) < 2:
+        return MIN_ROUNDS
+    logs = [math.log(r) for r in ratios]
+    centre = statistics.fmean(logs)
+    spread = max(statistics.stdev(logs), MIN_SPREAD) * _correlation_factor(logs, centre)
+    needs = []
+    for margin, confidence in (
+        (centre - math.log1p(MIN_GAIN), FASTER_CONFIDENCE),
+        (math.log1p(WORTH_MEASURING) - centre, FUTILITY_CONFIDENCE),
+    ):
+        if margin > 0:
+            needs.append(math.ceil((t_quantile(confidence, 30) * spread / margin) ** 2))
+    if not needs:
+        return None
+    return max(MIN_ROUNDS, min(needs), speed.rounds + 1)
 
 
 def _correlation_factor(logs: Sequence[float], centre: float) -> float:
@@ -206,11 +231,24 @@ def job_times(
 class Verdict:
     adopt: bool
     reason: str
+    #: False when the measurement did not decide: the candidate is undecided, not rejected.
+    decided: bool = True
+
+
+#: An interval spanning more than this factor (two orders of magnitude) bounds nothing worth
+#: printing.
+WIDEST_SHOWN = 100.0
 
 
 def describe(speed: RatioEstimate) -> str:
-    """``1.31x (1.12-1.52x, 5 rounds)``: the ratio with its decision interval."""
+    """``1.31x (1.12-1.52x, 5 rounds)``: the ratio with its decision interval. An interval of
+    fewer than ``MIN_ROUNDS`` rounds, or one spanning more than ``WIDEST_SHOWN``, is not shown as
+    a measurement (``0.91x after 2 rounds, too few to bound it``)."""
     rounds = f"{speed.rounds} round{'s' if speed.rounds != 1 else ''}"
+    if speed.rounds < MIN_ROUNDS:
+        return f"{speed.ratio:.2f}x after {rounds}, too few to bound it"
+    if not speed.low > 0 or speed.high / speed.low > WIDEST_SHOWN:
+        return f"{speed.ratio:.2f}x after {rounds}, its interval too wide to quote"
     return f"{speed.ratio:.2f}x ({speed.low:.2f}-{speed.high:.2f}x, {rounds})"
 
 
@@ -247,6 +285,8 @@ def judge(
             f"fits the memory budget at {describe(speed)} the speed, loss within "
             f"{100 * parity.relative_diff:.1f}% of fp32",
         )
+    if speed.decision == "undecided":
+        return Verdict(False, f"undecided: {describe(speed)}", decided=False)
     if speed.decision != "faster":
         return Verdict(False, f"not faster: {describe(speed)} {_why_not(speed)}")
     if not job.faster:
@@ -270,8 +310,8 @@ def _steps(break_even: float) -> str:
 
 
 def _why_not(speed: RatioEstimate) -> str:
-    if speed.high < 1:
-        return "is slower"
-    if speed.high < 1 + WORTH_MEASURING:
-        return f"gains less than {WORTH_MEASURING:.0%}"
-    return f"does not clear 1+{MIN_GAIN:.0%} at {FASTER_CONFIDENCE:.1%} confidence"
+    """What a "not faster" decision excluded: a gain at all, or one worth having."""
+    bound = f"at most {speed.plausible_high:.2f}x at {FUTILITY_CONFIDENCE:.0%} confidence"
+    if speed.plausible_high < 1:
+        return f"is slower ({bound})"
+    return f"gains less than {WORTH_MEASURING:.0%} ({bound})"

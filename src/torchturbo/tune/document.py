@@ -37,7 +37,7 @@ from torchturbo.tune.tables import (
 )
 
 #: Verdicts that colour their row in HTML (CSS classes: spaces become dashes).
-_VERDICTS = ("adopted", "rejected", "not measured", "not applicable")
+_VERDICTS = ("adopted", "rejected", "undecided", "not measured", "not applicable")
 
 
 @dataclass(frozen=True)
@@ -98,8 +98,10 @@ def build_blocks(
         _Heading("Every candidate"),
         _Para(
             "In the article's stage order (they were measured in order of expected gain per "
-            "second). Adopted, rejected with the rule and its numbers, not measured (the budget, "
-            "with the time it needed) or not applicable (the fact that says so)."
+            "second). Adopted, rejected with the rule and its numbers, undecided (measured, but "
+            "stopped before the rule decided: its estimate and the rounds it would need), not "
+            "measured (the budget, with the time it needed) or not applicable (the fact that says "
+            "so)."
         ),
         _Grid(header_row(CANDIDATE_HEADERS, results), candidate_rows(results), verdict_column=2),
         _Heading("Input pipeline"),
@@ -266,6 +268,7 @@ th { background: #f5f5f5; }
 td.prose { min-width: 16em; }
 tr.adopted td { background: #e8f5e9; }
 tr.rejected td { background: #ffebee; }
+tr.undecided td { background: #fff8e1; }
 tr.not-measured td, tr.not-applicable td { color: #424242; }
 tr.not-measured td:first-child, tr.not-applicable td:first-child {
   box-shadow: inset 3px 0 #bdbdbd; }

@@ -1,12 +1,17 @@
-"""Over the memory budget: the fastest candidate that fits, found by racing them head to head.
+"""The fastest of alternatives, found by racing them head to head: the plans that fit a memory
+budget (``fastest_fit``), and the alternatives of one lever (bf16 or fp16, length buckets or
+packing, the fused or the foreach optimizer step: ``fastest_alternative``).
 
-Every memory candidate (the planner's plans, the chunked loss) is first measured against the same
-best, for its footprint, its loss and its speed. Those that fit are then raced: each against the
-fastest so far, in paired rounds of their own, until one is faster beyond the noise or each is
-within ``WORTH_MEASURING`` of the other (``compare.head_to_head_decided``), and the winner goes
-on. Comparing their ratios against the best instead compared two short measurements, each
-against a third config, taken minutes apart: plans a few percent apart were ordered by noise
-(a quiet 2-core run adopted a plan 0.72x as fast as the fastest that fit, docs/memory.md).
+Every alternative is first measured against the same best, for its footprint, its loss and its
+speed. Those that qualify (fit the budget; or are faster, keep the loss and pay back) are then
+raced: each against the fastest so far, in paired rounds of their own, until one is faster
+beyond the noise or each is within ``WORTH_MEASURING`` of the other
+(``compare.head_to_head_decided``), and the winner is adopted. Comparing their ratios against
+the best instead compared two short measurements, each against a third config, taken minutes
+apart: plans a few percent apart were ordered by noise (a quiet 2-core run adopted a plan 0.72x
+as fast as the fastest that fit, docs/memory.md); and measuring one alternative only against the
+other once that one was adopted judged the second against the first after the fact (a tuned job
+kept fp16 where bf16 ran 1.28x faster).
 
 Two candidates whose intervals against the best do not overlap are not raced: the order is
 already known. A beaten candidate's row shows the race that beat it (its ratio against the
@@ -32,20 +37,40 @@ Entry = tuple[Outcome, Incumbent]
 def fastest_fit(
     run: Run, proposals: list[tuple[str, Candidate]], best: Incumbent, tried: set[str]
 ) -> Incumbent:
-    """Measure every proposal against ``best``, race those that fit, adopt the winner (or keep
-    ``best`` when none fits). Every row goes to ``run.outcomes``; at most three trials (the
-    best, the leader, the challenger) are alive at once."""
+    """Over the memory budget: measure every proposal against ``best``, race those that fit,
+    adopt the winner (or keep ``best`` when none fits)."""
+    return _fastest(run, proposals, best, tried, fit_memory=True)
+
+
+def fastest_alternative(
+    run: Run, proposals: list[tuple[str, Candidate]], best: Incumbent, tried: set[str]
+) -> Incumbent:
+    """The alternatives of one lever: measure each against ``best``, race those that would be
+    adopted, adopt the winner (or keep ``best`` when none would)."""
+    return _fastest(run, proposals, best, tried, fit_memory=False)
+
+
+def _fastest(
+    run: Run,
+    proposals: list[tuple[str, Candidate]],
+    best: Incumbent,
+    tried: set[str],
+    *,
+    fit_memory: bool,
+) -> Incumbent:
+    """Every row goes to ``run.outcomes``; at most three trials (the best, the leader, the
+    challenger) are alive at once."""
     leader: Entry | None = None
     for stage, candidate in proposals:
         tried.add(candidate.name)
-        outcome, incumbent = try_candidate(run, stage, candidate, best, True)
+        outcome, incumbent = try_candidate(run, stage, candidate, best, fit_memory)
         if incumbent is None:
             run.outcomes.append(outcome)
             continue
         if leader is None:
             leader = (outcome, incumbent)
             continue
-        leader, beaten = _race(run, leader, (outcome, incumbent), best.name)
+        leader, beaten = _race(run, leader, (outcome, incumbent), best.name, fit_memory)
         beaten[1].trial.close()
         run.outcomes.append(beaten[0])
     if leader is None:
@@ -55,8 +80,11 @@ def fastest_fit(
     return leader[1]
 
 
-def _race(run: Run, leader: Entry, challenger: Entry, best: str) -> tuple[Entry, Entry]:
+def _race(
+    run: Run, leader: Entry, challenger: Entry, best: str, fit_memory: bool
+) -> tuple[Entry, Entry]:
     """(winner, beaten): the beaten one's outcome rejected, with the figures that decided it."""
+    qualifies = "fits, but " if fit_memory else "faster than the best, but "
     lead, rival = leader[0].comparison, challenger[0].comparison
     assert lead is not None and rival is not None  # both were measured against the best
     if rival.speed.high < lead.speed.low or rival.speed.low > lead.speed.high:
@@ -64,13 +92,14 @@ def _race(run: Run, leader: Entry, challenger: Entry, best: str) -> tuple[Entry,
         winner, beaten = (challenger, leader) if ahead else (leader, challenger)
         faster, slower = (rival, lead) if ahead else (lead, rival)
         reason = (
-            f"fits, but {winner[0].name} is faster: {describe(faster.speed)} against "
+            f"{qualifies}{winner[0].name} is faster: {describe(faster.speed)} against "
             f"{describe(slower.speed)}, both against {best}, intervals apart"
         )
         return winner, (_rejected(run, beaten[0], reason), beaten[1])
     step_s = min(leader[1].trial.step_seconds or 0.0, challenger[1].trial.step_seconds or 0.0)
     held_back = reserve(run, step_s)
-    run.say("memory", f"race: {challenger[0].name} against {leader[0].name}", run.budget.left())
+    stage = challenger[0].stage
+    run.say(stage, f"race: {challenger[0].name} against {leader[0].name}", run.budget.left())
     measured = compare(
         leader[1].trial,
         challenger[1].trial,
@@ -95,8 +124,8 @@ def _race(run: Run, leader: Entry, challenger: Entry, best: str) -> tuple[Entry,
     else:
         verdict = "is ahead, not beyond the noise"
     reason = (
-        f"fits, but {winner[0].name} {verdict}: this measured {describe(race.speed)} against it "
-        "head to head"
+        f"{qualifies}{winner[0].name} {verdict}: this measured {describe(race.speed)} against "
+        "it head to head"
     )
     if measured.cut_short:
         reason += ", the budget stopped the race"

@@ -12,6 +12,7 @@ import math
 from typing import Any
 
 from torchturbo.output.tables import format_bytes
+from torchturbo.tune.decide import MIN_ROUNDS, WIDEST_SHOWN
 
 BASELINE_LABEL = "fp32 eager"
 
@@ -65,12 +66,16 @@ def fmt_x(value: Any) -> str:
 
 
 def fmt_interval(row: dict) -> str:
-    """``1.31x (1.12-1.52)``: a measured ratio with its decision interval, or n/a."""
+    """``1.31x (1.12-1.52)``: a measured ratio with its decision interval, or n/a; an interval
+    of too few rounds, or too wide to bound anything, is left out (``decide.describe``)."""
     ratio, low, high = num(row.get("ratio")), num(row.get("ratio_low")), num(row.get("ratio_high"))
     if ratio is None:
         return "n/a"
+    rounds = num(row.get("rounds"))
     if low is None or high is None:
         return f"{ratio:.2f}x"
+    if (rounds is not None and rounds < MIN_ROUNDS) or not low > 0 or high / low > WIDEST_SHOWN:
+        return f"{ratio:.2f}x (unbounded)"
     return f"{ratio:.2f}x ({low:.2f}-{high:.2f})"
 
 

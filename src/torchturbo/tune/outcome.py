@@ -1,7 +1,8 @@
 """The tuner's results as frozen records, built in one place and turned into JSON at the end.
 
 An :class:`Outcome` is one candidate's fate, decided once: adopted, rejected (the rule and its
-numbers), not measured (the budget, with the estimate it needed) or not applicable (the fact).
+numbers), undecided (measured, but stopped before the rule decided: its estimate and what it
+would need), not measured (the budget, with the estimate it needed) or not applicable (the fact).
 A measured candidate carries the one :class:`Comparison` that decided it, so every table of the
 report shows the same ratio and interval for the same config. :class:`TuneResult` is the run.
 
@@ -19,8 +20,15 @@ from typing import Any, Literal
 from torchturbo.tune.decide import Parity, RatioEstimate, job_times
 
 #: "reference" is the baseline's row: what every other config is measured against.
-State = Literal["reference", "adopted", "rejected", "not measured", "not applicable"]
-STATES: tuple[str, ...] = ("reference", "adopted", "rejected", "not measured", "not applicable")
+State = Literal["reference", "adopted", "rejected", "undecided", "not measured", "not applicable"]
+STATES: tuple[str, ...] = (
+    "reference",
+    "adopted",
+    "rejected",
+    "undecided",
+    "not measured",
+    "not applicable",
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,6 +99,11 @@ class Outcome:
     #: estimated to cost; None where there was none.
     expected_gain: float | None = None
     estimate_s: float | None = None
+    #: Seconds its measurement took (the cost of the decision), and the samples or tokens
+    #: (``Recipe.count_unit``) its steps held on average: with dynamic batching, the real tokens
+    #: per step the job will train.
+    spent_s: float | None = None
+    count_per_step: float | None = None
     #: Taken from a previous run's results.json in the same --out instead of measured again.
     reused: bool = False
 
@@ -118,6 +131,8 @@ class Outcome:
             "loss_curve": list(self.loss_curve),
             "expected_gain": self.expected_gain,
             "estimate_s": self.estimate_s,
+            "spent_s": self.spent_s,
+            "count_per_step": self.count_per_step,
             "reused": self.reused,
         }
         if self.comparison is not None:
@@ -188,8 +203,14 @@ def outcome_from_dict(row: dict[str, Any]) -> Outcome:
         loss_curve=tuple(row.get("loss_curve") or ()),
         expected_gain=row.get("expected_gain"),
         estimate_s=row.get("estimate_s"),
+        spent_s=row.get("spent_s"),
+        count_per_step=row.get("count_per_step"),
         reused=True,
     )
+
+
+def _times(steps: int, per_step: float | None) -> float | None:
+    return None if per_step is None else steps * per_step
 
 
 ConfirmationState = Literal["not needed", "confirmed", "consistent", "dropped", "reverted", "fits"]
@@ -278,6 +299,13 @@ class TuneResult:
     #: The baseline step's memory estimate made before it ran, with the footprint then measured
     #: and its relative error (``search._estimate_record``).
     memory_estimate: dict[str, Any] = field(default_factory=dict)
+    #: Said before the search when the budget could not measure every candidate expected to
+    #: gain much, with the budget that would ("" when it could).
+    budget_note: str = ""
+    #: Samples or tokens (``unit``) per step of fp32 eager and of the chosen config: with dynamic
+    #: batching the chosen config's are the real tokens its steps hold on average.
+    baseline_count_per_step: float | None = None
+    best_count_per_step: float | None = None
 
     def job(self) -> dict[str, Any]:
         """The planned job timed with fp32 eager and with the chosen config: one-time costs plus
@@ -300,6 +328,12 @@ class TuneResult:
             "best_s": job.candidate_s,
             "baseline_one_time_s": self.baseline_one_time_s,
             "best_one_time_s": self.best_one_time_s if c is not None else self.baseline_one_time_s,
+            # What the job trains: its steps hold these on average, each way.
+            "baseline_count": _times(self.planned_steps, self.baseline_count_per_step),
+            "best_count": _times(
+                self.planned_steps,
+                self.best_count_per_step if c is not None else self.baseline_count_per_step,
+            ),
         }
 
     def to_dict(self) -> dict[str, Any]:
@@ -345,4 +379,5 @@ class TuneResult:
             "system": self.system,
             "fingerprint": self.fingerprint,
             "memory_estimate": self.memory_estimate,
+            "budget_note": self.budget_note,
         }

@@ -49,7 +49,8 @@ def fingerprint(
 
 
 def is_reusable(verdict: str, stage: str) -> bool:
-    """A candidate decided by measurement; the loader is measured afresh every run."""
+    """A candidate decided by measurement (an undecided one is measured again); the loader is
+    measured afresh every run."""
     return verdict in ("adopted", "rejected") and stage != "data_loader"
 
 

@@ -57,13 +57,13 @@ from torchturbo.tune import batching
 from torchturbo.tune.batch_probe import apply_plan, find_batch
 from torchturbo.tune.batch_size import BatchPlan
 from torchturbo.tune.budget import Budget
-from torchturbo.tune.candidate import estimate, try_candidate
+from torchturbo.tune.candidate import estimate, reserve, try_candidate
 from torchturbo.tune.confirm import confirm
-from torchturbo.tune.fastest_fit import fastest_fit
+from torchturbo.tune.fastest_fit import fastest_alternative, fastest_fit
 from torchturbo.tune.loader_stage import loader_stage
 from torchturbo.tune.outcome import Confirmation, Outcome, TuneResult
 from torchturbo.tune.previous import Previous, fingerprint, is_reusable
-from torchturbo.tune.stages import MEMORY_STAGES, STAGES
+from torchturbo.tune.stages import LEVERS, MEMORY_STAGES, STAGES
 from torchturbo.tune.state import (
     NUM_BATCHES,
     PARITY_STEPS,
@@ -73,12 +73,15 @@ from torchturbo.tune.state import (
     Run,
     Stage,
     TuneOptions,
+    batch_count,
 )
 
 __all__ = ["TuneInterrupted", "TuneOptions", "select_stages", "tune"]
 
 #: The stage that measures the loader rather than proposing trial candidates.
 LOADER_STAGE = "data_loader"
+#: A candidate expected to gain this much is one the budget should measure (or say it cannot).
+LARGE_GAIN = 1.10
 
 
 class TuneInterrupted(KeyboardInterrupt):
@@ -171,6 +174,8 @@ def _tune(
     begin = clock()
     trial, first = start_trial(recipe, base_config, batches, clock)
     build_s = max(0.0, clock() - begin - first)
+    # Seconds per step: fewer batches per trial, so that a pass over them stays short.
+    trial_batches.shorten(agree(batch_count(first)))
     baseline = Incumbent("fp32 eager", base_config, trial, None)
     best = baseline
     adoptions: list[Incumbent] = []
@@ -292,6 +297,7 @@ def _facts(recipe: Recipe, trial: Any, device: torch.device, phases: PhaseRecord
         forward,
         comm_share=share,
         optimizer_share=optimizer,
+        step_s=step,
     )
     return agree(facts)
 
@@ -344,7 +350,13 @@ def _search(
 ) -> Incumbent:
     """Measure candidates, the highest expected gain per second first, until none is left."""
     tried = {o.name for o in run.outcomes}
+    planned = False
     while proposals := _proposals(run, stages, best, tried):
+        if not planned:  # before the first measurement, say what the budget leaves out
+            planned = True
+            run.budget_note = _budget_note(run, proposals, best)
+            if run.budget_note:
+                run.say("budget", run.budget_note, run.budget.left())
         over = _over_memory_budget(run, best)
         ranks = [_rank(run, *proposal, best, over) for proposal in proposals]
         # Estimates read this rank's clock and load: the pick is rank 0's on every rank.
@@ -352,6 +364,16 @@ def _search(
         if over and stage in MEMORY_STAGES:
             fits = [(s, c) for s, c in proposals if s in MEMORY_STAGES]
             best = fastest_fit(run, fits, best, tried)
+            continue
+        # The lever's alternatives (bf16 or fp16, buckets or packing), best prior first, are
+        # measured against the same best and raced, not each judged after the other's adoption.
+        by_rank = agree(sorted(range(len(proposals)), key=lambda i: -ranks[i]))
+        pulls = LEVERS.get(stage, stage)
+        lever = [
+            proposals[i] for i in by_rank if LEVERS.get(proposals[i][0], proposals[i][0]) == pulls
+        ]
+        if len(lever) > 1:
+            best = fastest_alternative(run, lever, best, tried)
             continue
         tried.add(candidate.name)
         outcome, incumbent = try_candidate(
@@ -366,11 +388,35 @@ def _search(
     return best
 
 
+def _budget_note(run: Run, proposals: list[tuple[str, Candidate]], best: Incumbent) -> str:
+    """Before the search: when what is left of the budget cannot measure every candidate
+    expected to gain ``LARGE_GAIN`` or more, which of them it may leave out and the budget that
+    would measure them all (from the candidates' cost estimates, ``candidate.estimate``)."""
+    large = [c for _, c in proposals if (c.expected_gain or 0.0) >= LARGE_GAIN]
+    needed = sum(estimate(run, c, best).typical_s for c in large)
+    needed += reserve(run, best.trial.step_seconds or run.baseline_step_s)
+    left = run.budget.left()
+    if not large or needed <= left:
+        return ""
+    names = ", ".join(f"{c.name} (~{c.expected_gain:.2f}x)" for c in large)
+    minutes = math.ceil((run.budget.elapsed() + needed) / 60)
+    return agree(
+        f"the {_duration(run.options.time_budget_s)} budget may not measure every candidate "
+        f"expected to gain {LARGE_GAIN - 1:.0%} or more: {names} need ~{needed:.0f} s, "
+        f"{max(left, 0.0):.0f} s are left; --time-budget {minutes}m would measure them all"
+    )
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds / 60:g} min" if seconds >= 60 and seconds % 60 == 0 else f"{seconds:g} s"
+
+
 def _proposals(
     run: Run, stages: Mapping[str, Stage], best: Incumbent, tried: set[str]
 ) -> list[tuple[str, Candidate]]:
     """Every untried candidate of every stage, built on the current best; a stage or candidate
-    that cannot apply is recorded once, as not applicable, with the fact that says so."""
+    that cannot apply is recorded once (in ``tried``), as not applicable, with the fact that
+    says so."""
     context = _context(run, best)
     proposals = []
     for stage_name, stage in stages.items():
@@ -500,6 +546,9 @@ def _result(
         },
         system=summary(),
         fingerprint=current,
+        budget_note=run.budget_note,
+        baseline_count_per_step=baseline.trial.mean_count(),
+        best_count_per_step=best.trial.mean_count(),
     )
 
 

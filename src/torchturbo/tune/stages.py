@@ -112,3 +112,5 @@ STAGES: dict[str, Callable[[StageContext], list[Candidate] | str]] = {
 }
 #: The stages whose candidates fit a memory budget (``Stage.fits_memory``).
 MEMORY_STAGES = frozenset(stage.name for stage in _ALL if stage.fits_memory)
+#: Stage name -> the lever it pulls: stages of one lever propose alternatives (``Stage.lever``).
+LEVERS = {stage.name: stage.lever or stage.name for stage in _ALL}

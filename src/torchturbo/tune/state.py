@@ -25,8 +25,13 @@ Stage = Callable[[StageContext], "list[Candidate] | str"]
 #: Steps whose losses are compared for parity: enough to see a broken technique, few enough
 #: that fp32/bf16 rounding has not yet compounded into divergent trajectories.
 PARITY_STEPS = 6
-#: Distinct batches every trial cycles through.
+#: Distinct batches every trial cycles through, at the most and the fewest. Trials on other
+#: batches than the best are compared in rounds of a whole pass over them: at seconds per step
+#: fewer batches keep such a decision to about a minute (``batch_count``).
 NUM_BATCHES = 8
+MIN_BATCHES = 4
+#: A pass over a trial's batches should take about this long at the baseline's step.
+CYCLE_S = 4.0
 #: Untimed steps after a trial's first one, before its paired rounds: the first step carries
 #: the one-time costs, and allocator and cache warm-up settle in the next.
 WARM_STEPS = 1
@@ -36,6 +41,13 @@ WARM_STEPS = 1
 MAX_ROUNDS = 30
 #: Seconds held back for writing the report (JSON, three PNG plots, markdown, HTML).
 REPORT_S = 5.0
+
+
+def batch_count(step_s: float) -> int:
+    """Batches per trial for a baseline step of ``step_s`` seconds (see ``CYCLE_S``)."""
+    if step_s <= 0:
+        return NUM_BATCHES
+    return max(MIN_BATCHES, min(NUM_BATCHES, math.ceil(CYCLE_S / step_s)))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -110,6 +122,8 @@ class Run:
     adoptions: list[Incumbent] = field(default_factory=list)
     #: The baseline step's memory estimate, made before it ran (None where it failed).
     memory: MemoryEstimate | None = None
+    #: Said before the search when the budget cannot measure every large expected gain.
+    budget_note: str = ""
 
     @property
     def horizon(self) -> Horizon:

@@ -51,7 +51,14 @@ def headline(results: dict) -> str:
             if measured
             else f"Nothing was measured: keep {BASELINE_LABEL}"
         )
-    return _job(results) + line + _not_paying(results) + _unmeasured(results)
+    return (
+        _job(results)
+        + line
+        + _not_paying(results)
+        + _undecided(results)
+        + _unmeasured(results)
+        + _budget_note(results)
+    )
 
 
 def _job(results: dict) -> str:
@@ -67,7 +74,20 @@ def _job(results: dict) -> str:
     times = f"{BASELINE_LABEL} ~{_seconds(job.get('baseline_s'))}"
     if num(job.get("best_s")) is not None and job.get("best_s") != job.get("baseline_s"):
         times += f", tuned ~{_seconds(job.get('best_s'))}"
+    times += _trained(results, job)
     return f"{steps} ({source}): {times}. " if source else f"{steps}: {times}. "
+
+
+def _trained(results: dict, job: dict) -> str:
+    """' (each ~66,751 tokens)': what the job trains each way, the same data by the batch
+    plan's rule (within a few percent: an epoch's batches are whole samples)."""
+    unit = str(results.get("unit") or "").removesuffix("/s")
+    baseline, best = num(job.get("baseline_count")), num(job.get("best_count"))
+    if baseline is None or not unit:
+        return ""
+    if best is None or abs(best / baseline - 1) < 0.005:
+        return f" (each ~{fmt_int(baseline)} {unit})"
+    return f" ({fmt_int(baseline)} and {fmt_int(best)} {unit})"
 
 
 def _seconds(value: object) -> str:
@@ -93,6 +113,22 @@ def _not_paying(results: dict) -> str:
         when = "never pays back" if back is None else f"pays back after {fmt_int(back)} steps"
         parts.append(f"{c.get('name')} not adopted: {one_time} one-time{warm}, {when}")
     return "; " + "; ".join(parts) if parts else ""
+
+
+def _undecided(results: dict) -> str:
+    """'; undecided: bf16 (0.91x after 2 rounds; about 9 rounds would decide it)'."""
+    parts = []
+    for c in _candidates(results):
+        if c.get("verdict") != "undecided":
+            continue
+        reason = str(c.get("reason") or "").removeprefix("undecided: ")
+        parts.append(f"{c.get('name')} ({reason})")
+    return "; undecided, not rejected: " + "; ".join(parts) if parts else ""
+
+
+def _budget_note(results: dict) -> str:
+    note = str(results.get("budget_note") or "")
+    return f"; said before the search: {note}" if note else ""
 
 
 def _candidates(results: dict) -> list[dict]:

@@ -6,6 +6,9 @@
 * the padding of random batches and of length-bucketed ones, from the recipe's lengths;
 * the share of the forward's FLOPs in 2-D convolutions (``FlopCounterMode``), and whether batch
   shapes vary (compile then recompiles);
+* the share of a step's time in dense maths: the step's matmul, attention and convolution FLOPs
+  at the fp32 matrix-product rate measured here, over the step's measured time (what a faster
+  precision can speed up; the rest, elementwise ops, norms, the optimizer, it cannot);
 * for a model with a linear LM head (``get_output_embeddings``), the bytes of its float32
   logits in one forward and the bytes that forward holds for backward (``measure.memory``).
 
@@ -26,6 +29,7 @@ from torchturbo.base.nhwc import has_2d_convolutions
 from torchturbo.data.bucketing import padding_fractions
 from torchturbo.measure.memory import activation_bytes
 from torchturbo.measure.native import emulated, gemm_speedup
+from torchturbo.measure.peak import measured_peak_flops
 from torchturbo.recipe import Recipe
 
 #: The low precisions compared with fp32.
@@ -59,6 +63,9 @@ class Facts:
     logits_bytes: int | None = None
     #: Bytes that forward holds for backward (parameters excluded); None without an LM head.
     activation_bytes: int | None = None
+    #: Share of a training step's time in dense maths (see the module docstring); None when the
+    #: step time was not given.
+    dense_share: float | None = None
 
 
 def gemm_speedups(device: torch.device) -> dict[str, float]:
@@ -72,14 +79,33 @@ def emulated_precisions(device: torch.device) -> dict[str, str]:
     return {name: why for name in _LOW_PRECISIONS if (why := emulated(device, name))}
 
 
-def conv_flop_share(forward: Callable[[], Any]) -> float:
-    """Share of the FLOPs of ``forward()``, run without gradients, in convolutions."""
+def forward_flops(forward: Callable[[], Any]) -> dict[str, int]:
+    """FLOPs of ``forward()``, run without gradients, by aten op (``FlopCounterMode`` counts
+    the dense ones: matmuls, attention, convolutions)."""
     with torch.no_grad(), FlopCounterMode(display=False) as counter:
         forward()
-    by_op = counter.get_flop_counts().get("Global", {})
+    return {str(op): count for op, count in counter.get_flop_counts().get("Global", {}).items()}
+
+
+def conv_flop_share(by_op: dict[str, int]) -> float:
+    """Share of a forward's FLOPs (``forward_flops``) in convolutions."""
     total = sum(by_op.values())
-    conv = sum(count for op, count in by_op.items() if "convolution" in str(op))
+    conv = sum(count for op, count in by_op.items() if "convolution" in op)
     return conv / total if total else 0.0
+
+
+#: A training step's FLOPs over its forward's: backward computes two products per forward one.
+STEP_FLOPS_PER_FORWARD = 3
+#: At most this share of a step is taken as dense maths: some time always goes elsewhere.
+MAX_DENSE_SHARE = 0.95
+
+
+def dense_time_share(forward_flops: int, step_s: float, device: torch.device) -> float:
+    """The step's dense FLOPs at this device's measured fp32 matrix-product rate, over the
+    step's time: the part a faster precision can speed up (``levers.precision``)."""
+    rate = measured_peak_flops(device, torch.float32)
+    dense_s = STEP_FLOPS_PER_FORWARD * forward_flops / rate if rate > 0 else 0.0
+    return min(MAX_DENSE_SHARE, dense_s / step_s) if step_s > 0 else MAX_DENSE_SHARE
 
 
 def leaf_module_count(model: nn.Module) -> int:
@@ -122,26 +148,30 @@ def gather(
     *,
     comm_share: float | None = None,
     optimizer_share: float | None = None,
+    step_s: float | None = None,
 ) -> Facts:
     """The facts for ``recipe``: ``model`` is a built model on ``device``, ``batches`` the
     batches it trains on, ``forward()`` one forward of it on the first batch (FLOPs are counted
-    on it, without gradients)."""
+    on it, without gradients), ``step_s`` the seconds of a training step on that batch."""
     padding = None
     if recipe.lengths is not None:
         padding = padding_fractions(recipe.lengths, recipe.batch_size, recipe.seed)
     convolutions = has_2d_convolutions(model)
     logits, held = lm_head_census(model, forward)
+    by_op = forward_flops(forward)
+    dense = None if step_s is None else dense_time_share(sum(by_op.values()), step_s, device)
     return Facts(
         device=str(device),
         gemm_speedup=gemm_speedups(device),
         emulated=emulated_precisions(device),
         padding=padding,
         has_convolutions=convolutions,
-        conv_share=conv_flop_share(forward) if convolutions else 0.0,
+        conv_share=conv_flop_share(by_op) if convolutions else 0.0,
         leaf_modules=leaf_module_count(model),
         shapes_vary=len({shape_key(batch) for batch in batches}) > 1,
         comm_share=comm_share,
         optimizer_share=optimizer_share,
         logits_bytes=logits,
         activation_bytes=held,
+        dense_share=dense,
     )

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from torchturbo.techniques.framework.facts import Facts
 
 #: Share of a training step spent in dense maths (matmuls, convolutions) that a faster precision
-#: speeds up; the rest (elementwise ops, norms, the optimizer) is assumed unchanged. A prior from
-#: the built-in workloads' profiles (55-75% on CPU), not a measurement of the user's model.
+#: speeds up, where it was not measured (``Facts.dense_share``); the rest (elementwise ops,
+#: norms, the optimizer) is assumed unchanged. From the built-in workloads' profiles (55-75% on
+#: CPU).
 DENSE_SHARE = 0.6
 #: Expected compile gains, from the built-in workloads on CPU (1.1-1.3x): less where shapes vary,
 #: since every new shape recompiles or runs a dynamic-shape graph.
@@ -55,9 +56,12 @@ def precision(facts: Facts, dtype: str) -> Expectation:
     speedup = facts.gemm_speedup.get(dtype)
     if speedup is None:
         return Expectation(None, f"{dtype} matrix products were not measured on {facts.device}")
-    gain = 1 / ((1 - DENSE_SHARE) + DENSE_SHARE / max(speedup, 1e-9))
+    dense = DENSE_SHARE if facts.dense_share is None else facts.dense_share
+    gain = 1 / ((1 - dense) + dense / max(speedup, 1e-9))
+    share = "" if facts.dense_share is None else f", and dense maths is ~{dense:.0%} of a step"
     return Expectation(
-        gain, f"a {dtype} matrix product runs at {speedup:.2f}x the fp32 rate on {facts.device}"
+        gain,
+        f"a {dtype} matrix product runs at {speedup:.2f}x the fp32 rate on {facts.device}{share}",
     )
 
 

@@ -64,6 +64,10 @@ class Stage:
     #: Its candidates make the best fit a memory budget: while the best is over the budget,
     #: they are measured first and judged by fitting at the least cost, not by speed.
     fits_memory: bool = False
+    #: The lever it pulls ("" = its own name). Candidates of one lever are alternatives (bf16 or
+    #: fp16; length buckets or packing, two stages of the lever "batching"): the tuner measures
+    #: them all against the same best and races those that would be adopted head to head.
+    lever: str = ""
 
 
 @dataclass(frozen=True)

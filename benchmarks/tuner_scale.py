@@ -1,0 +1,541 @@
+"""The tuner at the scale people train: whole Trainer jobs of a 45M-parameter decoder (and an
+encoder) with a 32k vocabulary, each from a fresh process, against the tuner's pick.
+
+For each setup, a Hugging Face ``Trainer`` job of ``--steps`` optimizer steps (batch 8, its own
+``max_steps``) on 800 documents of long-tailed length (16-512 tokens), timed from the start of
+``train()`` to its last step (first steps and any compile included), counting the real tokens it
+trained (labels that are not -100, shifted as the causal LM's loss shifts them):
+
+1. **the trainer's own ways**: ``defaults`` (fp32, random batches), ``group_by_length``, and
+   where this CPU runs bf16 natively ``bf16+group_by_length`` (elsewhere it is listed, not run:
+   an emulated bf16 step takes tens of times longer), and for the decoder the padding-free
+   ``DataCollatorWithFlattening``;
+2. **the grid**: every combination of precision (fp32, and bf16 where native) x batching (random
+   rows, length buckets, packing for the decoder) x ``torch.compile`` (off, on) x the chunked
+   loss (decoder: off, on), each through ``TurboTrainer`` and ``training_arguments`` as
+   docs/integrations.md says;
+3. **the tuner**: ``torchturbo tune`` on ``recipe_from_trainer`` of the defaults' Trainer, at its
+   default budget (``--tune-budget``, 5 min), in a fresh process, then the job it wrote
+   (``turbo.toml`` and its compile cache) trained the documented way.
+
+``--trainer lightning`` trains the decoder through Lightning instead: its defaults (a shuffled
+DataLoader of 8 rows, fp32), ``recipe_from_lightning(module, datamodule, trainer=...)`` tuned the
+same way, and the tuned job with ``trainer_kwargs`` and ``TurboLightningCallback``.
+
+It prints, per setup, every job's train seconds, real tokens and real tokens per second, then
+the tuned job against the grid's best and against the trainer's best own way, and the tuner's
+measured step (its results.json) against the tuned job's median later step: what the tuner
+measured should be what the job runs.
+
+    python benchmarks/tuner_scale.py --json benchmarks/results/tuner_scale.json
+    python benchmarks/tuner_scale.py --setups decoder --steps 20 --skip-grid   # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models from configs only: never reach the Hub
+
+import lightning.pytorch as pl
+import torch
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from transformers import (
+    BertConfig,
+    BertForTokenClassification,
+    DataCollatorForLanguageModeling,
+    DataCollatorForTokenClassification,
+    DataCollatorWithFlattening,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+)
+from transformers.utils import logging as hf_logging
+
+from torchturbo.config import TurboConfig
+from torchturbo.integrations.lightning import (
+    TurboLightningCallback,
+    recipe_from_lightning,
+    trainer_kwargs,
+)
+from torchturbo.integrations.transformers import (
+    TurboTrainer,
+    recipe_from_trainer,
+    training_arguments,
+)
+from torchturbo.measure.machine import summary
+from torchturbo.measure.native import emulated
+from torchturbo.measure.timing import sync
+from torchturbo.output.results_file import write_results
+from torchturbo.recipe import Recipe
+
+VOCAB = 32_000
+BATCH_SIZE = 8
+DOCUMENTS = 800
+SETUPS = ("decoder", "encoder", "lightning")
+CLASSES = 16
+
+
+def documents(setup: str, count: int = DOCUMENTS, seed: int = 0) -> list[dict[str, Any]]:
+    """Lognormal lengths (median 64, clamped to 16-512) of token ids a model can learn: half the
+    tokens follow from the one before by a fixed rule, the rest are drawn Zipf-like; the
+    encoder's labels are a function of each token and the one before it."""
+    generator = torch.Generator().manual_seed(seed)
+    lengths = (64 * torch.empty(count).normal_(0, 0.9, generator=generator).exp()).round()
+    lengths = lengths.clamp(16, 512).long().tolist()
+    frequency = 1.0 / (torch.arange(VOCAB - 1, dtype=torch.float64) + 20)
+    samples = []
+    for length in lengths:
+        drawn = torch.multinomial(frequency, length, replacement=True, generator=generator) + 1
+        follows = torch.rand(length, generator=generator) < 0.5
+        ids = drawn.clone()
+        for i in range(1, length):
+            if follows[i]:
+                ids[i] = (ids[i - 1] * 7 + 11) % (VOCAB - 1) + 1
+        sample: dict[str, Any] = {"input_ids": ids.tolist()}
+        if setup == "encoder":
+            previous = torch.roll(ids, 1)
+            previous[0] = 0
+            sample["labels"] = ((ids + previous % 3) % CLASSES).tolist()
+        samples.append(sample)
+    return samples
+
+
+def tokenizer() -> PreTrainedTokenizerFast:
+    """A word-level tokenizer over the ids, built in code: the collators pad with it."""
+    vocab = {"[PAD]": 0, **{f"t{i}": i for i in range(1, VOCAB)}}
+    return PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="t1")),
+        pad_token="[PAD]",
+        unk_token="t1",
+    )
+
+
+def model(setup: str) -> torch.nn.Module:
+    """The decoder: a LlamaForCausalLM of 45M parameters (4 layers, hidden 512, SDPA); the
+    encoder: a BERT token tagger of 36M (6 layers, hidden 512)."""
+    torch.manual_seed(0)
+    if setup == "decoder":
+        return LlamaForCausalLM(
+            LlamaConfig(
+                vocab_size=VOCAB,
+                hidden_size=512,
+                intermediate_size=1376,
+                num_hidden_layers=4,
+                num_attention_heads=8,
+                num_key_value_heads=8,
+                max_position_embeddings=1024,
+                attn_implementation="sdpa",
+                use_cache=False,
+            )
+        )
+    return BertForTokenClassification(
+        BertConfig(
+            vocab_size=VOCAB,
+            hidden_size=512,
+            num_hidden_layers=6,
+            num_attention_heads=8,
+            intermediate_size=2048,
+            max_position_embeddings=512,
+            num_labels=CLASSES,
+        )
+    )
+
+
+def arguments(out: Path, steps: int, **extra: Any) -> TrainingArguments:
+    return TrainingArguments(
+        **{
+            "output_dir": str(out),
+            "per_device_train_batch_size": BATCH_SIZE,
+            "learning_rate": 1e-3,
+            "max_steps": steps,
+            "seed": 0,
+            "save_strategy": "no",
+            "logging_strategy": "no",
+            "report_to": "none",
+            "disable_tqdm": True,
+            "use_cpu": True,
+            **extra,
+        }
+    )
+
+
+def collator(setup: str, flatten: bool = False) -> Any:
+    if setup == "encoder":
+        return DataCollatorForTokenClassification(tokenizer())
+    if flatten:
+        return DataCollatorWithFlattening()
+    return DataCollatorForLanguageModeling(tokenizer(), mlm=False)
+
+
+def trainer(setup: str, steps: int, out: Path) -> Trainer:
+    """The user's Trainer, its defaults: what ``recipe`` tunes."""
+    return Trainer(
+        model=model(setup),
+        args=arguments(out, steps),
+        train_dataset=documents(setup),
+        data_collator=collator(setup),
+    )
+
+
+def recipe(setup: str = "decoder", steps: int = 100) -> Recipe:
+    """``torchturbo tune benchmarks/tuner_scale.py:recipe`` tunes the decoder's Trainer."""
+    out = Path(os.environ.get("TUNER_SCALE_OUT", "tuner-scale-out"))
+    return recipe_from_trainer(trainer(setup, steps, out / "recipe"), name=f"scale-{setup}")
+
+
+def lightning_recipe() -> Recipe:
+    """``tune`` on the decoder as a Lightning user trains it (``--trainer lightning``)."""
+    steps = int(os.environ.get("TUNER_SCALE_STEPS", "100"))
+    return recipe_from_lightning(
+        LanguageModule(), Documents(), trainer=lightning_trainer(steps, []), planned_steps=None
+    )
+
+
+class LanguageModule(pl.LightningModule):
+    """The decoder in a LightningModule: its loss is the training step's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = model("decoder")
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.model(**batch).loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+class Documents(pl.LightningDataModule):
+    """The documents in a shuffled DataLoader of 8 rows, padded by the LM collator."""
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        return torch.utils.data.DataLoader(
+            documents("decoder"),
+            batch_size=BATCH_SIZE,
+            shuffle=True,
+            generator=torch.Generator().manual_seed(0),
+            collate_fn=collator("decoder"),
+        )
+
+
+def lightning_trainer(steps: int, callbacks: list[pl.Callback], **kwargs: Any) -> pl.Trainer:
+    settings: dict[str, Any] = {
+        "accelerator": "cpu",
+        "devices": 1,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+    }
+    return pl.Trainer(max_steps=steps, callbacks=callbacks, **(settings | kwargs))
+
+
+class LightningMeter(pl.Callback):
+    """Train begin, every step's end and the real tokens of every batch, for Lightning."""
+
+    def __init__(self, net: torch.nn.Module) -> None:
+        self.meter = Meter(net, causal=True)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.meter.begin = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        sync(trainer.strategy.root_device)
+        self.meter.ends.append(time.perf_counter())
+
+
+def lightning_job(steps: int, config: Path | None) -> Meter:
+    """The decoder's Lightning job: its defaults, or the tuned config the documented way."""
+    module = LanguageModule()
+    clock = LightningMeter(module.model)
+    callbacks: list[pl.Callback] = [clock]
+    kwargs: dict[str, Any] = {}
+    if config is not None:
+        turbo = TurboConfig.load(config)
+        kwargs = trainer_kwargs(turbo).kwargs
+        callbacks.append(TurboLightningCallback(turbo))
+    lightning_trainer(steps, callbacks, **kwargs).fit(module, datamodule=Documents())
+    return clock.meter
+
+
+def encoder_recipe() -> Recipe:
+    return recipe("encoder", int(os.environ.get("TUNER_SCALE_STEPS", "100")))
+
+
+def decoder_recipe() -> Recipe:
+    return recipe("decoder", int(os.environ.get("TUNER_SCALE_STEPS", "100")))
+
+
+class Meter(TrainerCallback):
+    """Train begin and every step's end (the device synchronized), and the real tokens of every
+    batch the model was given (labels not -100; a causal LM's shifted as its loss shifts them)."""
+
+    def __init__(self, net: torch.nn.Module, causal: bool) -> None:
+        self.begin = 0.0
+        self.ends: list[float] = []
+        self.tokens = 0
+        self.causal = causal
+        net.register_forward_pre_hook(self._count, with_kwargs=True)
+
+    def _count(self, module: Any, args: Any, kwargs: Any) -> None:
+        labels = kwargs.get("labels")
+        if isinstance(labels, torch.Tensor) and torch.is_grad_enabled():
+            labels = labels[..., 1:] if self.causal else labels
+            self.tokens += int((labels != -100).sum())
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.begin = time.perf_counter()
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        sync(args.device)
+        self.ends.append(time.perf_counter())
+
+
+def job_trainer(setup: str, way: str, steps: int, out: Path, config: Path | None) -> Any:
+    """The Trainer of one way: a peer's own arguments, or TurboTrainer on a turbo.toml."""
+    net = model(setup)
+    meter = Meter(net, causal=setup == "decoder")
+    common = {"model": net, "train_dataset": documents(setup), "callbacks": [meter]}
+    if config is not None:
+        turbo = TurboConfig.load(config)
+        args = arguments(out, steps, **training_arguments(turbo).kwargs)
+        made = TurboTrainer(args=args, turbo_config=turbo, data_collator=collator(setup), **common)
+        return made, meter
+    extra: dict[str, Any] = {}
+    if "group_by_length" in way:
+        extra["train_sampling_strategy"] = "group_by_length"
+    if way.startswith("bf16"):
+        extra["bf16"] = True
+    flatten = way == "flattening"
+    made = Trainer(
+        args=arguments(out, steps, **extra), data_collator=collator(setup, flatten), **common
+    )
+    return made, meter
+
+
+def child(args: argparse.Namespace) -> None:
+    """One job in this fresh process; prints its figures as one JSON line."""
+    if args.setup == "lightning":
+        meter = lightning_job(args.steps, args.config)
+    else:
+        made, meter = job_trainer(args.setup, args.child, args.steps, args.out, args.config)
+        made.train()
+    steps = [b - a for a, b in itertools.pairwise([meter.begin, *meter.ends])]
+    train_s = meter.ends[-1] - meter.begin
+    print(
+        "JOB "
+        + json.dumps(
+            {
+                "train_s": train_s,
+                "steps": len(steps),
+                "first_step_s": steps[0],
+                "later_step_s": statistics.median(steps[1:]) if len(steps) > 1 else None,
+                "tokens": meter.tokens,
+                "tokens_per_s": meter.tokens / train_s,
+            }
+        )
+    )
+
+
+def run_job(setup: str, way: str, steps: int, out: Path, config: Path | None) -> dict[str, Any]:
+    """``way``'s job in a fresh process (its own compile cache folder, cold)."""
+    folder = out / f"{setup}-{way}"
+    command = [sys.executable, __file__, "--child", way, "--setup", setup]
+    command += ["--steps", str(steps), "--out", str(folder)]
+    if config is not None:
+        command += ["--config", str(config)]
+    env = os.environ | {"TORCHINDUCTOR_CACHE_DIR": str(folder / "inductor-cache")}
+    begin = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True, check=False, env=env)
+    line = next((x for x in done.stdout.splitlines() if x.startswith("JOB ")), None)
+    if done.returncode or line is None:
+        error = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "no output"
+        return {"error": error}
+    return json.loads(line.removeprefix("JOB ")) | {"process_s": time.perf_counter() - begin}
+
+
+def grid_configs(setup: str, native_bf16: bool) -> dict[str, TurboConfig]:
+    """Every precision x batching x compile x chunked-loss combination of the setup."""
+    base = TurboConfig(device="cpu")
+    precisions = ["fp32", "bf16"] if native_bf16 else ["fp32"]
+    batchings = {"rows": {}, "buckets": {"data__bucketing": True}}
+    if setup == "decoder":
+        batchings["packing"] = {"data__packing": True}
+    compiles = {"eager": {}, "compile": {"compile__mode": "default"}}
+    losses = {"": {}}
+    if setup == "decoder":
+        losses["chunked"] = {"chunked_loss__enabled": True}
+    grid = {}
+    for precision, (batching, b), (compiling, c), (loss, chunk) in itertools.product(
+        precisions, batchings.items(), compiles.items(), losses.items()
+    ):
+        name = "+".join(x for x in (precision, batching, compiling, loss) if x)
+        grid[name] = base.replace(precision__dtype=precision, **b, **c, **chunk)
+    return grid
+
+
+def peer_ways(setup: str, native_bf16: bool) -> tuple[list[str], dict[str, str]]:
+    """The trainer's own ways that run here, and those left out with the reason."""
+    ways = ["defaults", "group_by_length"]
+    left_out = {}
+    if native_bf16:
+        ways.append("bf16+group_by_length")
+    else:
+        left_out["bf16+group_by_length"] = f"not run: {emulated('cpu', 'bf16')}"
+    if setup == "decoder":
+        ways.append("flattening")
+    return ways, left_out
+
+
+def tune_setup(setup: str, steps: int, budget: str, out: Path) -> tuple[Path, dict[str, Any]]:
+    """``torchturbo tune`` in a fresh process, as a user runs it, on the recipe of the setup's
+    default Trainer (``max_steps`` is the job's length)."""
+    folder = out / f"{setup}-tune"
+    target = f"{__file__}:{setup}_recipe"
+    command = [sys.executable, "-m", "torchturbo", "tune", target, "--device", "cpu"]
+    command += ["--time-budget", budget, "--out", str(folder)]
+    env = os.environ | {"TUNER_SCALE_OUT": str(out), "TUNER_SCALE_STEPS": str(steps)}
+    begin = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True, check=False, env=env)
+    elapsed = time.perf_counter() - begin
+    if done.returncode:
+        raise RuntimeError(f"tune failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
+    results = json.loads((folder / "results.json").read_text())
+    return folder / "turbo.toml", results | {"tune_process_s": elapsed, "tune_stdout": done.stdout}
+
+
+def tuned_step_ms(results: dict[str, Any]) -> float | None:
+    """The chosen config's step as the tuner measured it: its confirmation's rounds, else the
+    row that adopted it."""
+    confirmation = results.get("confirmation") or {}
+    if confirmation.get("step_ms") is not None:
+        return float(confirmation["step_ms"])
+    rows = [r for r in results.get("candidates", []) if r.get("verdict") == "adopted"]
+    return float(rows[-1]["step_ms"]) if rows and rows[-1].get("step_ms") else None
+
+
+def measure_setup(setup: str, args: argparse.Namespace) -> dict[str, Any]:
+    native_bf16 = emulated("cpu", "bf16") is None
+    peers, left_out = peer_ways(setup, native_bf16)
+    if setup == "lightning":
+        peers, left_out = ["defaults"], {}
+    jobs: dict[str, dict[str, Any]] = {}
+    for way in peers:
+        jobs[way] = run_job(setup, way, args.steps, args.out, None)
+        print(f"{setup} {way}: {jobs[way]}", flush=True)
+    grid = {} if args.skip_grid or setup == "lightning" else grid_configs(setup, native_bf16)
+    for name, config in grid.items():
+        path = args.out / f"{setup}-grid-{name}.toml"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        config.save(path)
+        jobs[f"grid {name}"] = run_job(setup, f"grid-{name}", args.steps, args.out, path)
+        print(f"{setup} grid {name}: {jobs[f'grid {name}']}", flush=True)
+    toml, results = tune_setup(setup, args.steps, args.tune_budget, args.out)
+    jobs["torchturbo"] = run_job(setup, "torchturbo", args.steps, args.out, toml)
+    print(f"{setup} torchturbo ({', '.join(results['adopted'])}): {jobs['torchturbo']}")
+    return {
+        "jobs": jobs,
+        "left_out": left_out,
+        "tuned": results["adopted"],
+        "tune_elapsed_s": results["elapsed_s"],
+        "tune_process_s": results["tune_process_s"],
+        "tune_headline": next(
+            (x for x in results["tune_stdout"].splitlines() if "steps (" in x), ""
+        ),
+        "tuned_step_ms": tuned_step_ms(results),
+        "candidates": [
+            {k: c.get(k) for k in ("name", "verdict", "reason", "ratio", "rounds", "spent_s")}
+            for c in results["candidates"]
+        ],
+    }
+
+
+def report(setup: str, row: dict[str, Any]) -> dict[str, Any]:
+    """Print the setup's table and its ratios; return the ratios."""
+    jobs = row["jobs"]
+    print(f"\n{setup}: whole jobs of {BATCH_SIZE}-row batches, fresh processes")
+    print(f"{'way':<36} {'train s':>8} {'tokens':>8} {'tokens/s':>9}")
+    for way, job in jobs.items():
+        if "error" in job:
+            print(f"{way:<36} error: {job['error']}")
+            continue
+        print(f"{way:<36} {job['train_s']:8.1f} {job['tokens']:8,} {job['tokens_per_s']:9.1f}")
+    for way, why in row["left_out"].items():
+        print(f"{way:<36} {why}")
+    rate = {w: j["tokens_per_s"] for w, j in jobs.items() if "tokens_per_s" in j}
+    ours = rate.get("torchturbo")
+    grid = {w: r for w, r in rate.items() if w.startswith("grid ")}
+    peers = {w: r for w, r in rate.items() if w != "torchturbo" and not w.startswith("grid ")}
+    ratios: dict[str, Any] = {}
+    if ours is not None and grid:
+        best = max(grid, key=grid.__getitem__)
+        ratios["vs_grid_best"] = ours / grid[best]
+        ratios["grid_best"] = best
+    if ours is not None and peers:
+        best = max(peers, key=peers.__getitem__)
+        ratios["vs_best_peer"] = ours / peers[best]
+        ratios["best_peer"] = best
+    later = (jobs.get("torchturbo") or {}).get("later_step_s")
+    if row.get("tuned_step_ms") and later:
+        ratios["job_step_over_tuned_step"] = later * 1e3 / row["tuned_step_ms"]
+    print(f"tuned ({', '.join(row['tuned']) or 'nothing'}): {ratios}")
+    return ratios
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--setups",
+        nargs="+",
+        choices=SETUPS,
+        default=list(SETUPS),
+        help="decoder and encoder through the HF Trainer, the decoder through Lightning",
+    )
+    parser.add_argument("--steps", type=int, default=100, help="the Trainer's max_steps (100)")
+    parser.add_argument("--tune-budget", default="5m", help="tune's --time-budget (its default)")
+    parser.add_argument("--skip-grid", action="store_true", help="only the peers and the tuner")
+    parser.add_argument("--out", type=Path, default=Path("tuner-scale-out"))
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--setup", default="decoder", help=argparse.SUPPRESS)
+    parser.add_argument("--config", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.steps < 2:
+        parser.error("--steps must be >= 2 (a first step and a later one)")
+    hf_logging.set_verbosity_error()
+    if args.child:
+        child(args)
+        return
+    payload: dict[str, Any] = {
+        "machine": summary(),
+        "torch": torch.__version__,
+        "steps": args.steps,
+        "tune_budget": args.tune_budget,
+        "load_average_before": os.getloadavg(),
+        "setups": {},
+    }
+    for setup in args.setups:
+        row = measure_setup(setup, args)
+        row["ratios"] = report(setup, row)
+        payload["setups"][setup] = row
+    payload["load_average_after"] = os.getloadavg()
+    if args.json:
+        write_results(args.json, payload)
+
+
+if __name__ == "__main__":
+    main()
