@@ -114,6 +114,18 @@ def _keeps_only_its_inputs(run: Run) -> bool:
     return saved <= sum(t.numel() * t.element_size() for t in inputs)
 
 
+def _blocks_compiled(run: Run) -> bool:
+    """Whether every decoder layer, and not the model around them, runs compiled, and dynamo
+    built graphs for them."""
+    layers = list(run.model.model.layers)
+    return (
+        _applied(run, "regional_compile")
+        and all(layer._compiled_call_impl is not None for layer in layers)
+        and run.model._compiled_call_impl is None
+        and (compiled_graphs() or 0) > 0
+    )
+
+
 def _compile_cache() -> dict[str, Any]:
     folder = tempfile.mkdtemp(prefix="torchturbo-cache-")
     return {"compile__mode": "default", "compile__cache_dir": folder}
@@ -152,6 +164,16 @@ SETTINGS: dict[str, Setting] = {
         on={"compile__mode": "default"},
         tolerance=1e-4,  # inductor fuses and reorders float32 sums
         took_effect=lambda run: _applied(run, "compile") and (compiled_graphs() or 0) > 0,
+        slow=True,
+    ),
+    "regional_compile": Setting(
+        on={"compile__mode": "default", "compile__scope": "blocks"},
+        tolerance=1e-4,  # compile's: inductor fuses and reorders float32 sums
+        took_effect=_blocks_compiled,
+        stacks="it compiles the repeated blocks of the causal LM (the other settings train a "
+        "ConvNet, which repeats none): its composition with checkpointing, the chunked loss "
+        "and FSDP is tested in tests/test_regional_compile.py",
+        lm=True,
         slow=True,
     ),
     "compile_cache": Setting(

@@ -23,6 +23,7 @@ Precision = Literal["fp32", "tf32", "bf16", "fp16"]
 CompileMode = Literal[
     "off", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"
 ]
+CompileScope = Literal["model", "blocks"]
 CheckpointMode = Literal["off", "full", "selective"]
 DistStrategy = Literal["ddp", "fsdp"]
 CommHookName = Literal["none", "fp16", "bf16", "powersgd", "powersgd_fp16", "powersgd_bf16"]
@@ -103,6 +104,12 @@ class CompileConfig:
     fullgraph: bool = False
     #: Dynamic shapes: None lets torch decide (it marks dims dynamic after a recompile).
     dynamic: bool | None = None
+    #: What is compiled. model: the whole model, one graph. blocks: regional compilation, each
+    #: repeated block (a child of an nn.ModuleList of two or more modules of one class)
+    #: compiled in place, the code compiled for the first reused by the others, and the rest
+    #: of the model eager: the cold compile is about one block's, not every block's
+    #: (techniques/regional_compile.py).
+    scope: CompileScope = "model"
     #: Inductor's cache folder (compiled graphs and kernels), relative to the turbo.toml that
     #: names it; "" leaves torch's default. ``tune`` compiles into one beside turbo.toml, so
     #: that the first step of ``train`` loads what tuning compiled instead of compiling again.
@@ -120,6 +127,11 @@ class CompileConfig:
         validate_section(self, self._combinations)
 
     def _combinations(self) -> list[str]:
+        if self.scope != "model" and self.mode == "off":
+            return [
+                f"[compile] scope = {self.scope!r} with mode = 'off' is invalid: nothing is "
+                "compiled; set mode = 'default' or remove scope"
+            ]
         if self.activation_memory_budget is not None and self.mode == "off":
             return [
                 f"[compile] activation_memory_budget = {self.activation_memory_budget} with "

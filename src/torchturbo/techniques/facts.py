@@ -27,6 +27,7 @@ from torchturbo.measure.memory import activation_bytes
 from torchturbo.measure.native import emulated, gemm_speedup
 from torchturbo.recipe import Recipe
 from torchturbo.techniques.nhwc import has_2d_convolutions
+from torchturbo.techniques.repeated_blocks import traced_leaf_modules
 
 #: The low precisions compared with fp32.
 _LOW_PRECISIONS = ("bf16", "fp16", "tf32")
@@ -59,6 +60,9 @@ class Facts:
     logits_bytes: int | None = None
     #: Bytes that forward holds for backward (parameters excluded); None without an LM head.
     activation_bytes: int | None = None
+    #: Leaf modules regional compilation traces (one block of each repeated kind,
+    #: ``repeated_blocks``); None when the model repeats no block.
+    block_leaf_modules: int | None = None
 
 
 def gemm_speedups(device: torch.device) -> dict[str, float]:
@@ -144,4 +148,5 @@ def gather(
         optimizer_share=optimizer_share,
         logits_bytes=logits,
         activation_bytes=held,
+        block_leaf_modules=traced_leaf_modules(model),
     )

@@ -77,6 +77,22 @@ def compile_(facts: Facts) -> Expectation:
     return Expectation(COMPILE_GAIN, "fuses elementwise ops and removes Python overhead")
 
 
+def regional_compile(facts: Facts) -> Expectation:
+    """Compiling each repeated block once: compile's gain where the blocks are the work."""
+    if facts.block_leaf_modules is None:
+        return Expectation(
+            None,
+            "the model repeats no block (no nn.ModuleList of two or more modules of one "
+            "class): there is nothing to compile once and reuse",
+        )
+    whole = compile_(facts)
+    return Expectation(
+        whole.gain,
+        f"one block of each kind traced ({facts.block_leaf_modules} of {facts.leaf_modules} "
+        f"leaf modules), the other blocks reuse its code; {whole.evidence}",
+    )
+
+
 def length_buckets(facts: Facts) -> Expectation:
     if facts.padding is None:
         return Expectation(None, "the recipe gives no per-sample lengths")

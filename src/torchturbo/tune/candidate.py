@@ -54,13 +54,19 @@ class Estimate:
 def estimate(run: Run, candidate: Candidate, best: Incumbent) -> Estimate:
     best_step = best.trial.step_seconds or run.baseline_step_s
     step = _expected_step(run, candidate, best)
-    # Another mode, or another activation budget (another partition of the graph), compiles
-    # anew; a candidate that keeps the best's compile finds its graphs in inductor's cache.
+    # Another mode, scope (whole model or blocks) or activation budget (another partition of
+    # the graph) compiles anew; a candidate that keeps the best's compile finds its graphs in
+    # inductor's cache.
     mine, theirs = candidate.config.compile, best.config.compile
     compiles = mine.mode != theirs.mode or (
-        mine.mode != "off" and mine.activation_memory_budget != theirs.activation_memory_budget
+        mine.mode != "off"
+        and (
+            mine.scope != theirs.scope
+            or mine.activation_memory_budget != theirs.activation_memory_budget
+        )
     )
-    compile_s = compile_seconds(run.facts) if compiles else 0.0
+    regional = mine.scope == "blocks"
+    compile_s = compile_seconds(run.facts, regional=regional) if compiles else 0.0
     per_round = steps_per_round(min(step, best_step), run_cycle(run))
     fixed = run.build_s + compile_s + (1 + WARM_STEPS) * step + step  # + the memory probe
     if compiles:
