@@ -176,11 +176,13 @@ def test_every_config_field_is_carried_or_noted():
         ("precision", "grad_scaler"): None,  # the default: fp16 implies it (checked below)
         ("precision", "float8"): True,
         ("optimizer", "implementation"): "fused",
+        ("optimizer", "state"): "8bit",
         ("memory_format", "channels_last"): True,
         ("backend", "cudnn_benchmark"): True,
         ("compile", "mode"): "max-autotune",
         ("compile", "fullgraph"): True,
         ("compile", "dynamic"): False,
+        ("compile", "scope"): "blocks",
         ("checkpointing", "mode"): "full",
         ("checkpointing", "module_types"): ("BertLayer",),
         ("checkpointing", "name_pattern"): "bert.*",
@@ -227,6 +229,7 @@ def test_every_config_field_is_carried_or_noted():
     companions = {
         "fullgraph": {"compile__mode": "default"},
         "dynamic": {"compile__mode": "default"},
+        "scope": {"compile__mode": "default"},
         "cache_dir": {"compile__mode": "default"},
         "activation_memory_budget": {"compile__mode": "default"},
         "module_types": {"checkpointing__mode": "selective", "checkpointing__every_n": 2},

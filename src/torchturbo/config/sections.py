@@ -29,6 +29,7 @@ DistStrategy = Literal["ddp", "fsdp"]
 CommHookName = Literal["none", "fp16", "bf16", "powersgd", "powersgd_fp16", "powersgd_bf16"]
 ParamDtype = Literal["fp32", "bf16", "fp16"]
 OptimizerImplementation = Literal["as_built", "foreach", "fused"]
+OptimizerState = Literal["as_built", "bf16", "8bit", "4bit", "fp8"]
 PipelineSchedule = Literal["gpipe", "1f1b"]
 
 
@@ -227,6 +228,13 @@ class OptimizerConfig:
     #: with the flag (same state and hyper-parameters) where its class accepts it; where not,
     #: it is left as built and the reason reported.
     implementation: OptimizerImplementation = "as_built"
+    #: How an Adam or AdamW keeps its two moments. as_built: as the optimizer does (float32).
+    #: bf16: bfloat16, stochastically rounded (half the bytes). 8bit, 4bit, fp8: torchao's
+    #: AdamW8bit, AdamW4bit, AdamWFp8 (block-quantised: about 1/4, 1/8, 1/4 of the bytes; their
+    #: step is compiled, a one-time cost per parameter shape). The optimizer is rebuilt with
+    #: the same groups and hyper-parameters; another class, or one rebuilt fused or foreach by
+    #: ``implementation``, is left as it is, with the reason (techniques/optimizer_state.py).
+    state: OptimizerState = "as_built"
 
     def __post_init__(self) -> None:
         validate_section(self)

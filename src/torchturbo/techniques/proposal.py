@@ -28,7 +28,9 @@ class Candidate:
     current best's: "buckets" (length buckets), "packed" or "packed:ids" (packed rows, with the
     document boundaries for models that take them).
     ``batches`` and ``recipe`` override the batches and the recipe outright (tests inject
-    techniques this way).
+    techniques this way). ``one_time_s`` is a one-time cost it brings besides compiling the
+    model (torchao compiling its optimizer step), in seconds on an idle machine, for the
+    tuner's cost estimate.
     """
 
     name: str
@@ -39,6 +41,7 @@ class Candidate:
     batching: str | None = None
     batches: list[Any] | None = None
     recipe: Recipe | None = None
+    one_time_s: float = 0.0
 
 
 @dataclass

@@ -23,7 +23,12 @@ from torchturbo.techniques.compile import compiled_graphs
 from torchturbo.techniques.facts import shape_key
 from torchturbo.techniques.proposal import Candidate
 from torchturbo.tune import batching
-from torchturbo.tune.budget import candidate_seconds, compile_seconds, confirm_seconds
+from torchturbo.tune.budget import (
+    candidate_seconds,
+    compile_seconds,
+    confirm_seconds,
+    machine_load,
+)
 from torchturbo.tune.compare import Measured, batch_cycle, compare, steps_per_round
 from torchturbo.tune.decide import MIN_ROUNDS, job_times, judge, loss_parity
 from torchturbo.tune.outcome import Outcome, State
@@ -69,6 +74,7 @@ def estimate(run: Run, candidate: Candidate, best: Incumbent) -> Estimate:
     compile_s = compile_seconds(run.facts, regional=regional) if compiles else 0.0
     per_round = steps_per_round(min(step, best_step), run_cycle(run))
     fixed = run.build_s + compile_s + (1 + WARM_STEPS) * step + step  # + the memory probe
+    fixed += candidate.one_time_s * machine_load()  # what else its first step compiles
     if compiles:
         fixed += (NUM_BATCHES - 1) * step  # one pass over every batch shape: recompiles
         if run.options.compile_cache_dir:
