@@ -11,6 +11,11 @@ spread), and the loss over ``--steps`` steps against fp32 AdamW's (the mean rela
 difference per step, and the last loss).
 
     python benchmarks/optimizer_state.py --steps 40 --json benchmarks/results/optimizer_state.json
+
+``--plan-budget-mib M`` instead runs the tuner's memory planner on the same model and data under
+``--memory-budget M MiB`` and then trains the config it writes in a fresh trial, whose footprint
+(``Trial.memory_footprint``: on CPU the bytes saved for backward, weights, gradients and the
+optimizer state as stored) is measured against the budget.
 """
 
 from __future__ import annotations
@@ -84,6 +89,85 @@ class Variant:
         self.losses.append(loss.item())
 
 
+def _loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return model(**batch, use_cache=False).loss
+
+
+def recipe(args: argparse.Namespace) -> Any:
+    from torchturbo.recipe import Recipe
+
+    rows = batches(args, 16)
+    samples = [{"input_ids": row, "labels": row} for batch in rows for row in batch]
+    return Recipe(
+        name=f"llama-{args.layers}x{args.hidden}",
+        model=lambda: _llama(args),
+        optimizer=lambda params: torch.optim.AdamW(params, lr=args.lr),
+        loss_fn=_loss,
+        dataset=samples,  # type: ignore[arg-type]
+        batch_size=args.batch,
+        count_unit="tokens",
+    )
+
+
+def plan_for_budget(args: argparse.Namespace) -> dict[str, Any]:
+    """The memory planner under ``args.plan_budget_mib``, then the written config trained."""
+    from torchturbo.measure.trial import Trial, fixed_batches
+    from torchturbo.tune.search import TuneOptions, tune
+
+    budget = int(args.plan_budget_mib * 2**20)
+    options = TuneOptions(
+        time_budget_s=args.tune_budget, memory_budget=budget, only=("memory",), device="cpu"
+    )
+    say = lambda stage, name, left: print(f"{stage}: {name} ({left:.0f} s left)", file=sys.stderr)  # noqa: E731
+    config, result = tune(recipe(args), options, on_progress=say)
+    estimate = result.memory_estimate
+    rows = []
+    for outcome in result.candidates:
+        parity = outcome.parity
+        rows.append(
+            {
+                "name": outcome.name,
+                "verdict": outcome.verdict,
+                "memory_bytes": outcome.memory_bytes,
+                "loss_difference": None if parity is None else parity.relative_diff,
+                "one_time_s": outcome.one_time_s,
+                "reason": outcome.reason,
+            }
+        )
+        print(f"{outcome.name}: {outcome.verdict}: {outcome.reason}")
+    trial = Trial(recipe(args), config, fixed_batches(recipe(args), 4))
+    try:
+        for _ in range(3):
+            trial.step()
+        footprint, kind = trial.memory_footprint()
+    finally:
+        trial.close()
+    fits = footprint is not None and footprint <= budget
+    print(
+        f"written: [optimizer] state = {config.optimizer.state!r}; trained: {footprint} bytes "
+        f"({kind}) against a budget of {budget}: {'fits' if fits else 'over'}"
+    )
+    return {
+        "budget_bytes": budget,
+        "estimate": {
+            k: estimate.get(k)
+            for k in (
+                "weights_bytes",
+                "gradients_bytes",
+                "optimizer_bytes",
+                "activation_bytes",
+                "total_bytes",
+                "measured_bytes",
+            )
+        },
+        "candidates": rows,
+        "adopted": list(result.adopted),
+        "written_state": config.optimizer.state,
+        "written_footprint_bytes": footprint,
+        "fits": fits,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=4)
@@ -94,9 +178,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--steps", type=int, default=40, help="steps whose losses are compared")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--plan-budget-mib", type=float, help="tune memory under this budget")
+    parser.add_argument("--tune-budget", type=float, default=1200.0)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.plan_budget_mib is not None:
+        record = {
+            "args": {k: v for k, v in vars(args).items() if k != "json"},
+            "torch": torch.__version__,
+            "load": os.getloadavg(),
+            "plan": plan_for_budget(args),
+        }
+        if args.json is not None:
+            write_results(args.json, record)
+        return 0
     data = batches(args, args.steps)
     variants: dict[str, Variant] = {}
     first: dict[str, float] = {}
