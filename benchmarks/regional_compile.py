@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import resource
@@ -132,10 +131,10 @@ def _fresh(args: argparse.Namespace, variant: str, folder: Path) -> dict[str, An
     return result
 
 
-def _median(values: Iterable[float]) -> float:
-    """The median, NaN for none (``--cold-only`` has no warm runs)."""
+def _median(values: Iterable[float]) -> float | None:
+    """The median, None for none (``--cold-only`` has no warm runs)."""
     found = list(values)
-    return statistics.median(found) if found else math.nan
+    return statistics.median(found) if found else None
 
 
 def _children_cpu_s() -> float:
@@ -246,22 +245,25 @@ def main(argv: list[str] | None = None) -> int:
                 "cold_s": statistics.median(r["compile_s"] for r in runs[v]["cold"]),
                 "warm_s": _median(r["compile_s"] for r in runs[v]["warm"]),
                 "cold_cpu_s": statistics.median(r["cpu_s"] for r in runs[v]["cold"]) - eager_cpu,
-                "warm_cpu_s": _median(r["cpu_s"] for r in runs[v]["warm"]) - eager_cpu,
+                "warm_cpu_s": _median(r["cpu_s"] - eager_cpu for r in runs[v]["warm"]),
             }
             for v in SCOPES
         }
         record["compile_median"] = summary
         print(f"{'variant':<9} {'cold s':>7} {'cold CPU s':>10} {'warm s':>7} {'warm CPU s':>10}")
         for variant, seconds in summary.items():
+            shown = {k: "n/a" if v is None else f"{v:.1f}" for k, v in seconds.items()}
             print(
-                f"{variant:<9} {seconds['cold_s']:7.1f} {seconds['cold_cpu_s']:10.1f} "
-                f"{seconds['warm_s']:7.1f} {seconds['warm_cpu_s']:10.1f}"
+                f"{variant:<9} {shown['cold_s']:>7} {shown['cold_cpu_s']:>10} "
+                f"{shown['warm_s']:>7} {shown['warm_cpu_s']:>10}"
             )
         whole, regional = summary["whole"], summary["regional"]
         print(
             f"regional / whole, cold: {regional['cold_s'] / whole['cold_s']:.2f} wall, "
             f"{regional['cold_cpu_s'] / whole['cold_cpu_s']:.2f} CPU"
         )
+    if args.tune_steps:
+        record["tune"] = {"planned_steps": args.tune_steps, "candidates": tune_for(args)}
     if args.skip_per_step:
         _finish(args, record)
         return 0
@@ -282,8 +284,6 @@ def main(argv: list[str] | None = None) -> int:
             f"{row.variant:<9} {row.step_ms_median:8.1f} {row.step_ms_spread:6.0%} "
             f"{row.ratio:7.3f} {row.first_step_s:7.1f} {row.loss_last:9.4f}"
         )
-    if args.tune_steps:
-        record["tune"] = {"planned_steps": args.tune_steps, "candidates": tune_for(args)}
     _finish(args, record)
     return 0
 

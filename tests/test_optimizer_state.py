@@ -60,19 +60,26 @@ def test_bf16_moments_keep_moving_where_nearest_rounding_freezes_them():
     assert _second_moment(500, "nearest") == pytest.approx(0.25, abs=0.01)
 
 
+#: 128 x 128 weights: large enough that torchao's per-tensor code map (1 KiB for 8-bit) is a
+#: small part of the quantised bytes, and one shape, so that its step compiles once.
+WIDTH = 128
+
+
 def _mlp() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(64, 64, bias=False), nn.Tanh(), nn.Linear(64, 64, bias=False))
+    return nn.Sequential(
+        nn.Linear(WIDTH, WIDTH, bias=False), nn.Tanh(), nn.Linear(WIDTH, WIDTH, bias=False)
+    )
 
 
 def _train(optimizer_for, steps: int) -> tuple[list[float], torch.optim.Optimizer]:
     model = _mlp()
     optimizer = optimizer_for(model.parameters())
     teacher = torch.Generator().manual_seed(1)
-    target = torch.randn(64, 64, generator=teacher)
+    target = torch.randn(WIDTH, WIDTH, generator=teacher) / WIDTH**0.5
     losses = []
     for step in range(steps):
-        x = torch.randn(32, 64, generator=torch.Generator().manual_seed(100 + step))
+        x = torch.randn(32, WIDTH, generator=torch.Generator().manual_seed(100 + step))
         loss = torch.nn.functional.mse_loss(model(x), torch.tanh(x @ target) * 0.5)
         loss.backward()
         optimizer.step()
@@ -85,8 +92,8 @@ def test_bf16_adamw_follows_torch_adamw_over_40_steps():
     reference, fp32 = _train(lambda p: torch.optim.AdamW(p, lr=1e-2), 40)
     losses, bf16 = _train(lambda p: rebuild_with_state(torch.optim.AdamW(p, lr=1e-2), "bf16"), 40)
     assert reference[-1] < 0.5 * reference[0]  # it learns: the comparison means something
-    # bf16 moments round each update by ~0.4%: the losses stay within 2% of fp32 AdamW's.
-    assert max(abs(a - b) / b for a, b in zip(losses, reference, strict=True)) < 0.02
+    # bf16 moments round each update by ~0.4%: measured at most 0.05% apart per step here.
+    assert max(abs(a - b) / b for a, b in zip(losses, reference, strict=True)) < 0.002
     assert state_bytes(bf16) == planned_state_bytes(_mlp().parameters(), "bf16")
     assert state_bytes(bf16) / state_bytes(fp32) == pytest.approx(0.5, abs=1e-3)
 
@@ -189,9 +196,12 @@ def test_the_trainers_carry_it_or_say_how():
 def test_torchao_states_follow_adamw_over_40_steps_in_fewer_bytes(state):
     reference, fp32 = _train(lambda p: torch.optim.AdamW(p, lr=1e-2), 40)
     losses, rebuilt = _train(lambda p: rebuild_with_state(torch.optim.AdamW(p, lr=1e-2), state), 40)
-    worst = max(abs(a - b) / b for a, b in zip(losses, reference, strict=True))
-    # Block-quantised moments: measured 0.3-2% apart per step here; 5% is the tuner's default.
-    assert worst < 0.05, worst
+    differences = [abs(a - b) / b for a, b in zip(losses, reference, strict=True)]
+    # Measured here, per step over the 40 (the loss falls 6x): 8bit at most 0.2% (0.06% on
+    # average), fp8 0.6% (0.17%), 4bit 6.5% (1.8%): 4-bit moments are the coarsest. Bounds
+    # at about twice that; the tuner's own rule is 5% on the mean of the first 6 steps.
+    bound = {"8bit": 0.005, "fp8": 0.012, "4bit": 0.12}[state]
+    assert max(differences) < bound and sum(differences) / len(differences) < bound / 3
     assert state_bytes(rebuilt) == planned_state_bytes(_mlp().parameters(), state)
     share = {"8bit": 0.25, "fp8": 0.25, "4bit": 0.125}[state]
     assert state_bytes(rebuilt) / state_bytes(fp32) == pytest.approx(share, rel=0.1)
