@@ -107,7 +107,7 @@ def liger_lever(facts: Facts) -> Expectation:
     """The doctor's Liger line: not applicable, with the reason, where it cannot run."""
     reason = liger_unavailable(facts.device)
     if reason is not None:
-        return Expectation(None, f"not applicable: {reason}")
+        return Expectation(None, reason)
     return Expectation(
         LIGER_GAIN,
         "fused RMSNorm, RoPE, SwiGLU and linear cross-entropy kernels (Liger's figure on "
@@ -119,12 +119,12 @@ def liger_stage(ctx: StageContext) -> list[Candidate] | str:
     """Liger on top of the current best, where it can run and has a patch for the model."""
     reason = liger_unavailable(ctx.device)
     if reason is not None:
-        return f"not applicable: {reason}"
+        return reason
     if ctx.best.section(NAME).enabled:
         return "Liger-Kernel is on already"
     found = language_model(ctx.recipe.model())
     if found is None:
-        return "not applicable: the model is not a Hugging Face model (no config.model_type)"
+        return "the model is not a Hugging Face model (no config.model_type)"
     on = ctx.best.replace(liger_kernel__enabled=True)
     return [candidate("liger_kernel", on, liger_lever(ctx.facts))]
 
