@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from torchturbo.measure.memory import track_peak_memory
 from torchturbo.measure.timing import measure_interleaved
-from torchturbo.techniques.linear_cross_entropy import CHUNK_TOKENS, linear_cross_entropy
+from torchturbo.techniques.tools.linear_cross_entropy import CHUNK_TOKENS, linear_cross_entropy
 
 MIB = 2**20
 #: Relative difference allowed between the plain and the chunked loss and gradients (float32

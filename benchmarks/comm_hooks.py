@@ -2,7 +2,7 @@
 NCCL with ``--device cuda``, one GPU per process).
 
 Each hook (``none``, ``fp16``, ``powersgd`` rank 4; ``bf16`` too when the backend is NCCL) trains
-its own copy of a built-in workload (``--workload``, default text) as a ``measure.trial.Trial``
+its own copy of a built-in workload (``--workload``, default text) as a ``trials.trial.Trial``
 under DDP: the same initial weights and, on each rank, the same seeded batches for every hook. Per
 hook: bytes all-reduced per step and the wall time with a bucket reduction in flight (counted by
 torchturbo.distributed.comm, means over the later half of the steps, when PowerSGD is past its 2
@@ -41,8 +41,8 @@ from torchturbo.config import TurboConfig
 from torchturbo.distributed import DistEnv, Strategy, init_distributed, shutdown
 from torchturbo.engine import Turbo
 from torchturbo.measure.timing import measure_interleaved
-from torchturbo.measure.trial import Trial, fixed_batches
 from torchturbo.output.results_file import write_results
+from torchturbo.trials.trial import Trial, fixed_batches
 from torchturbo.workloads import WORKLOADS, get_workload
 
 HOOKS = ("none", "fp16", "powersgd")

@@ -22,9 +22,9 @@ import torch
 from torch import nn
 
 from torchturbo.config import TurboConfig
-from torchturbo.measure.variants import compare_configs
 from torchturbo.output.results_file import write_results
 from torchturbo.recipe import Recipe
+from torchturbo.trials.variants import compare_configs
 
 BUDGETS = (1.0, 0.5, 0.0)
 

@@ -8,7 +8,7 @@ constructor's defaults, which on a CPU update one tensor at a time) and rebuilt 
 ``optimizer.step()`` is timed (forward and backward are the same for all three), interleaved by
 ``measure_interleaved`` (warm-up, rotating order, device sync, medians, spread); ratio is as-built
 ms over the variant's ms (> 1: faster). To say what that buys in training, the share of a whole fp32
-training step (``measure.trial.Trial``) that the as-built optimizer step takes is printed beside.
+training step (``trials.trial.Trial``) that the as-built optimizer step takes is printed beside.
 
     python benchmarks/fused_optimizer.py --json out.json [--device cuda] [--quick]
 """
@@ -25,9 +25,9 @@ import torch
 
 from torchturbo.config import TurboConfig
 from torchturbo.measure.timing import measure_interleaved, noise_band, ratio
-from torchturbo.measure.trial import Trial, fixed_batches
 from torchturbo.output.results_file import write_results
 from torchturbo.techniques.optimizer import IMPLEMENTATIONS, rebuild_optimizer
+from torchturbo.trials.trial import Trial, fixed_batches
 from torchturbo.workloads import WORKLOADS, get_workload
 
 OPTIMIZERS = {

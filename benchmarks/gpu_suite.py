@@ -49,10 +49,10 @@ from torchturbo.measure.datasheet import FORMATS, datasheet_peak_flops
 from torchturbo.measure.machine import summary
 from torchturbo.measure.native import emulated
 from torchturbo.measure.peak import measured_format_peak, stated_peak
-from torchturbo.measure.variants import compare_configs
 from torchturbo.output.results_file import write_results
 from torchturbo.output.tables import format_mfu
 from torchturbo.techniques.float8 import convertible_linears
+from torchturbo.trials.variants import compare_configs
 from torchturbo.tune.search import TuneOptions, tune
 from torchturbo.workloads import get_workload
 

@@ -19,8 +19,8 @@ import torch
 
 from torchturbo import Turbo, TurboConfig
 from torchturbo.measure import measure_interleaved, noise_band
-from torchturbo.measure.trial import fixed_batches
 from torchturbo.output.results_file import write_results
+from torchturbo.trials.trial import fixed_batches
 from torchturbo.workloads import WORKLOADS, get_workload
 
 

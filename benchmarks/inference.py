@@ -4,7 +4,7 @@ Variants, all on the same eval-mode model and inputs, timed interleaved in one r
 ``torch.inference_mode()``:
 
 * ``eager``: fp32, the baseline of every ratio;
-* ``fused``: Conv/Linear + BatchNorm folded by ``techniques.fusion.fuse_for_inference``;
+* ``fused``: Conv/Linear + BatchNorm folded by ``techniques.tools.fusion.fuse_for_inference``;
 * ``bf16``: eager under ``torch.autocast(device, torch.bfloat16)``;
 * ``fused+compile``: ``torch.compile`` of the fused model; on CPU with inductor's ``freezing``
   option (weights become constants: constant folding, weight prepacking for oneDNN), passed
@@ -37,8 +37,8 @@ from torch import nn
 from torchturbo.measure import measure_interleaved, noise_band, time_once
 from torchturbo.output.results_file import write_results
 from torchturbo.output.table_fit import print_table
-from torchturbo.techniques.export import capture_model_inputs
-from torchturbo.techniques.fusion import fuse_for_inference
+from torchturbo.techniques.tools.export import capture_model_inputs
+from torchturbo.techniques.tools.fusion import fuse_for_inference
 from torchturbo.workloads import WORKLOADS, get_workload
 
 BASELINE = "eager"

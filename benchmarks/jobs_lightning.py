@@ -9,9 +9,8 @@ model's loss), and the ``vision`` workload's ResNet on 32 px images. The ways:
 2. ``compile``: ``torch.compile(module)`` as Lightning's speed guide shows (with ``--compile``);
 3. ``torchturbo``: ``tune`` on ``recipe_from_lightning(module, datamodule, trainer=...)``, whose
    ``max_steps`` is the job's length, then exactly what docs/integrations.md says:
-   ``trainer_kwargs(config)``, ``TurboLightningCallback(config)``, and, when the config trains
-   on length buckets, the DataLoader built with ``batch_sampler=BucketBatchSampler(...)`` as the
-   translation's note asks (Lightning uses the user's DataLoaders as they are).
+   ``trainer_kwargs(config)`` and ``TurboLightningCallback(config)``, which rebuilds the
+   datamodule's DataLoader on the config's batch plan when it trains on length buckets.
 """
 
 from __future__ import annotations
@@ -26,8 +25,6 @@ from torch.utils.data import DataLoader, TensorDataset
 from transformers import DataCollatorForLanguageModeling, DataCollatorForTokenClassification
 
 from torchturbo.config import TurboConfig
-from torchturbo.data import BucketBatchSampler
-from torchturbo.integrations.lengths import sample_lengths, token_budget
 from torchturbo.integrations.lightning import (
     TurboLightningCallback,
     recipe_from_lightning,
@@ -63,12 +60,11 @@ class TextModule(pl.LightningModule):
 
 
 class Data(pl.LightningDataModule):
-    """The setup's training set in a shuffled DataLoader, or in length buckets when the tuned
-    config asks for them (``config``)."""
+    """The setup's training set in a shuffled DataLoader (the callback rebuilds it on length
+    buckets when the tuned config asks for them)."""
 
-    def __init__(self, setup: str, config: TurboConfig | None = None) -> None:
+    def __init__(self, setup: str) -> None:
         super().__init__()
-        self.config = config
         self.collate: Any = None
         if setup == "cnn":
             images, labels = make_images(1536, IMAGE_SIZE, 10, seed=0)
@@ -83,12 +79,6 @@ class Data(pl.LightningDataModule):
             self.collate = DataCollatorForTokenClassification(peers.tokenizer())
 
     def train_dataloader(self) -> DataLoader:
-        if self.config is not None and self.config.data.bucketing:
-            lengths = sample_lengths(self.train)
-            assert lengths is not None, "length buckets were adopted on a dataset without lengths"
-            budget = self.config.data.max_tokens or token_budget(lengths, BATCH_SIZE)
-            sampler = BucketBatchSampler(lengths, max_tokens=budget, seed=0)
-            return DataLoader(self.train, batch_sampler=sampler, collate_fn=self.collate)
         generator = torch.Generator().manual_seed(0)
         return DataLoader(
             self.train,
@@ -129,7 +119,7 @@ def fit_job(
     elif way == "torchturbo" and config is not None:
         kwargs = trainer_kwargs(config).kwargs
         callbacks.append(TurboLightningCallback(config))
-    data = Data(setup, config if way == "torchturbo" else None)
+    data = Data(setup)
     trainer(steps, callbacks, **kwargs).fit(trained, datamodule=data)
     return clock.begin, clock.ends
 

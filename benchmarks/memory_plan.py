@@ -6,7 +6,7 @@ from a config), and with ``--models`` three more (a MobileNetV2-shaped CNN of de
 residuals, ``DistilBertForSequenceClassification`` and ``GPT2LMHeadModel``), each on synthetic
 learnable data:
 
-1. the memory estimate made before launch (``measure.memory_estimate``) against the baseline
+1. the memory estimate made before launch (``trials.memory_estimate``) against the baseline
    step's measured footprint (``Trial.memory_footprint``);
 2. for budgets of 1/2, 1/3 and 1/5 of that footprint, ``tune`` with only the memory stage adopts
    a plan; the grid of the same knobs (every subset of blocks to checkpoint x micro-batch split
@@ -45,11 +45,11 @@ import torch
 from torch import nn
 
 from torchturbo.config import TurboConfig
-from torchturbo.measure.memory_estimate import estimate_recipe_memory
 from torchturbo.measure.timing import measure_interleaved, time_once
-from torchturbo.measure.trial import Trial, fixed_batches
 from torchturbo.recipe import Recipe
 from torchturbo.techniques.checkpointing import find_blocks, select_blocks
+from torchturbo.trials.memory_estimate import estimate_recipe_memory
+from torchturbo.trials.trial import Trial, fixed_batches
 from torchturbo.tune.compare import compare
 from torchturbo.tune.outcome import Comparison
 from torchturbo.tune.search import TuneOptions, tune
@@ -357,7 +357,7 @@ def _point_of(config: dict[str, Any], recipe: Recipe) -> Point:
     return Point(
         frozenset(n for n, _ in chosen),
         turbo.accumulation.micro_batches,
-        turbo.section("activation_compression").dtype != "off",
+        turbo.activation_compression.dtype != "off",
     )
 
 

@@ -33,9 +33,9 @@ from torch import nn
 from torchturbo.config import TurboConfig
 from torchturbo.engine import Turbo
 from torchturbo.measure.timing import measure_interleaved, paired_noise
-from torchturbo.measure.trial import fixed_batches
 from torchturbo.output.results_file import write_results
 from torchturbo.recipe import Recipe
+from torchturbo.trials.trial import fixed_batches
 from torchturbo.workloads import WORKLOADS, get_workload
 
 ACCUMULATION = 2

@@ -25,10 +25,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from torchturbo.config import TurboConfig
 from torchturbo.data.collate import IGNORE_INDEX
-from torchturbo.measure.variants import compare_configs
 from torchturbo.output.results_file import write_results
 from torchturbo.output.tables import print_rows
 from torchturbo.recipe import Recipe
+from torchturbo.trials.variants import compare_configs
 from torchturbo.tune.search import TuneOptions, tune
 
 VOCAB = 512

@@ -43,10 +43,10 @@ import torch
 from torch import nn
 
 from torchturbo.config import TurboConfig
-from torchturbo.measure.trial import fixed_batches, start_trial
-from torchturbo.measure.variants import compare_configs
 from torchturbo.output.results_file import write_results
 from torchturbo.recipe import Recipe
+from torchturbo.trials.trial import fixed_batches, start_trial
+from torchturbo.trials.variants import compare_configs
 
 SCOPES = {"whole": "model", "regional": "blocks"}
 VARIANTS = ("eager", *SCOPES)

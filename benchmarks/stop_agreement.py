@@ -27,9 +27,9 @@ from torchturbo.config import TurboConfig
 from torchturbo.distributed import current_env, is_main_process, launched
 from torchturbo.engine import Turbo
 from torchturbo.measure.timing import measure_interleaved, paired_noise
-from torchturbo.measure.trial import fixed_batches
 from torchturbo.output.results_file import write_results
 from torchturbo.reliability.preemption import StopRequest
+from torchturbo.trials.trial import fixed_batches
 from torchturbo.workloads import WORKLOADS, get_workload
 
 

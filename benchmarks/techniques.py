@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 
 from torchturbo.config import TurboConfig
-from torchturbo.measure.variants import compare_configs
 from torchturbo.output.results_file import write_results
 from torchturbo.output.tables import print_rows
+from torchturbo.trials.variants import compare_configs
 from torchturbo.workloads import WORKLOADS, get_workload
 
 

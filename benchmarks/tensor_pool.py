@@ -20,7 +20,7 @@ import torch
 
 from torchturbo.measure import measure_interleaved, noise_band, ratio, time_once
 from torchturbo.output.results_file import write_results
-from torchturbo.techniques.tensor_pool import TensorPool
+from torchturbo.techniques.tools.tensor_pool import TensorPool
 
 
 def variants(n: int, device: str, loop: int, op: str = "matmul") -> dict:

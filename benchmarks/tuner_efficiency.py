@@ -29,8 +29,8 @@ import torch
 from torchturbo.config import TurboConfig
 from torchturbo.measure.machine import summary
 from torchturbo.measure.native import emulated, gemm_speedup
-from torchturbo.measure.variants import compare_configs
 from torchturbo.output.results_file import write_results
+from torchturbo.trials.variants import compare_configs
 from torchturbo.tune.search import TuneOptions, tune
 from torchturbo.tune.stages import STAGES
 from torchturbo.workloads import WORKLOADS, get_workload

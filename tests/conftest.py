@@ -88,8 +88,8 @@ def cpu_stage_context(recipe, *, facts=None, **overrides):
     """A tuner ``StageContext`` on CPU with neutral facts (``facts`` overrides some of them), to
     call one stage directly."""
     from torchturbo.config import TurboConfig
-    from torchturbo.techniques.facts import Facts
-    from torchturbo.techniques.proposal import StageContext
+    from torchturbo.techniques.framework.facts import Facts
+    from torchturbo.techniques.framework.proposal import StageContext
 
     neutral = dict(
         device="cpu",

@@ -25,13 +25,13 @@ import torch
 from conftest import ConvNet
 from torch import nn
 
+from torchturbo.base.nested import iter_tensors
+from torchturbo.base.saved_tensors import saved_tensor_packer
 from torchturbo.measure.memory import activation_bytes
-from torchturbo.reliability.nested import iter_tensors
 from torchturbo.techniques.checkpointing import CHECKPOINTED_MARK
 from torchturbo.techniques.compile import CACHE_ENV, compiled_graphs
 from torchturbo.techniques.float8 import float8_unavailable
 from torchturbo.techniques.liger import liger_unavailable
-from torchturbo.techniques.saved_tensors import saved_tensor_packer
 
 
 @dataclass
@@ -324,22 +324,29 @@ def token_batches(steps: int, vocab: int = 96) -> list[dict[str, torch.Tensor]]:
 
 
 class TokenClassifier(nn.Module):
-    """Mean-pooled embeddings of variable-length token ids (0 pads): the data techniques' model.
-    Given ``document_ids`` (a packed row), it pools each document of the row instead."""
+    """Mean-pooled embeddings of variable-length token ids (0 pads), each token given its
+    document's class logits: the data techniques' model. Given ``document_ids`` (a packed row) it
+    pools each document of the row; it reads no positions, so it keeps packed documents apart
+    (the isolation check the batch plan runs before packing passes on it)."""
 
     def __init__(self, vocab: int = 50, width: int = 16, classes: int = 3) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, width)
         self.head = nn.Linear(width, classes)
 
-    def forward(self, ids: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
-        if document_ids is not None:
-            documents = document_ids[0]
-            count = int(documents.max()) + 1
-            embedded = self.embed(ids[0])
-            summed = embedded.new_zeros(count, embedded.shape[1]).index_add_(0, documents, embedded)
-            sizes = torch.bincount(documents, minlength=count).unsqueeze(1)
-            return self.head(summed / sizes)
-        mask = (ids != 0).unsqueeze(-1).float()
-        pooled = (self.embed(ids) * mask).sum(1) / mask.sum(1).clamp(min=1)
-        return self.head(pooled)
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if document_ids is None:  # one document per row, padded with 0
+            mask = (input_ids != 0).unsqueeze(-1).float()
+            pooled = (self.embed(input_ids) * mask).sum(1) / mask.sum(1).clamp(min=1)
+            return self.head(pooled).unsqueeze(1).expand(-1, input_ids.shape[1], -1)
+        documents = document_ids[0]
+        count = int(documents.max()) + 1
+        embedded = self.embed(input_ids[0])
+        summed = embedded.new_zeros(count, embedded.shape[1]).index_add_(0, documents, embedded)
+        sizes = torch.bincount(documents, minlength=count).unsqueeze(1)
+        return self.head(summed / sizes)[documents].unsqueeze(0)

@@ -12,7 +12,7 @@ from torch import nn
 
 from torchturbo import Turbo, TurboConfig
 from torchturbo.data.collate import pad_collate
-from torchturbo.techniques.accumulation import scale_and_clip_gradients, scale_gradients
+from torchturbo.techniques.tools.accumulation import scale_and_clip_gradients, scale_gradients
 
 SIZES = [7, 2, 13, 4]  # deliberately unequal micro-batches
 

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchturbo.techniques.alignment import (
+from torchturbo.techniques.tools.alignment import (
     audit_alignment,
     pad_embedding,
     pad_linear_classifier,

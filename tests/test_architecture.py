@@ -113,21 +113,107 @@ def _reachable(graph: dict[str, set[str]], package: str) -> set[str]:
     return seen
 
 
-# Lower layers never reach the higher ones: the engine re-exports Turbo from its __init__, so a
-# module under it that imported engine.* would close a cycle through that __init__.
-LAYERS = {
-    "torchturbo.reliability": ("torchturbo.engine", "torchturbo.runs", "torchturbo.tune"),
-    "torchturbo.resume": ("torchturbo.engine", "torchturbo.runs", "torchturbo.tune"),
-    "torchturbo.techniques": ("torchturbo.engine", "torchturbo.tune", "torchturbo.doctor"),
-    "torchturbo.engine": ("torchturbo.runs", "torchturbo.tune", "torchturbo.doctor"),
-}
+#: Every package and root module, lowest first: a module imports only from its own package and
+#: from those before it (type-only and function-level imports included). The reason for each
+#: floor is the package's docstring; the README's "Layout" block lists them in this order.
+LAYERS = [
+    "base",  # leaf helpers: nested batches, saved-tensor hooks, NHWC, stop signals
+    "kernels",  # custom ops: need nothing of torchturbo
+    "measure",  # timing, FLOPs, memory, the machine: read by everything above
+    "output",  # units, tables, live lines, results files (with the machine's summary)
+    "config",  # every section of turbo.toml (sizes in output's units, machine checks)
+    "data",  # samplers, collates, the batch plan's types and token rule
+    "recipe",  # what a user hands over (its collate and lengths are data's)
+    "workloads",  # the built-in recipes
+    "resume",  # checkpoint files on disk and their checks
+    "techniques",  # framework, tools, the registered techniques, the registry
+    "distributed",  # strategies (FSDP wraps checkpointing's blocks), launch, comm
+    "reliability",  # OOM micro-batching, guard, resumable loader, preemption
+    "engine",  # Turbo: setup, step, its loader and the run's state
+    "trials",  # configs measured on a recipe through the engine
+    "integrations",  # the Hugging Face and Lightning trainers
+    "tune",  # the tuner (writes the trainers' settings)
+    "doctor",  # the checklist (uses the tuner's comparison)
+    "runs",  # torchturbo.train and its loggers
+    "cli",
+    "__main__",
+]
+#: Inside ``techniques``: what a technique declares, the unregistered tools, the registered
+#: techniques (the package's own modules), and the registry that finds them, in that order.
+TECHNIQUE_FLOORS = ["framework", "tools", "", "registry"]
 
 
-@pytest.mark.parametrize("package", sorted(LAYERS))
-def test_a_lower_layer_does_not_reach_a_higher_one(package: str) -> None:
-    reached = _reachable(import_graph(), package)
-    above = [m for m in sorted(reached) if m.startswith((*LAYERS[package], "torchturbo.cli"))]
-    assert above == [], f"{package} imports, directly or not: {above}"
+def _floor(module: str) -> int:
+    parts = module.split(".")
+    return LAYERS.index(parts[1]) if len(parts) > 1 and parts[1] in LAYERS else -1
+
+
+def _technique_floor(module: str) -> int | None:
+    parts = module.split(".")
+    if parts[:2] != ["torchturbo", "techniques"] or len(parts) < 3:
+        return None
+    return TECHNIQUE_FLOORS.index(parts[2] if parts[2] in TECHNIQUE_FLOORS else "")
+
+
+def test_every_package_has_a_floor() -> None:
+    graph = import_graph()
+    floors = {m.split(".")[1] for m in graph if m.count(".")}
+    assert sorted(floors - set(LAYERS)) == [], "add the new package to LAYERS"
+    assert sorted(set(LAYERS) - floors) == [], "stale entries in LAYERS"
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Every import of a module on a higher floor, of the package or inside ``techniques``."""
+    found = []
+    for module, imported in sorted(graph.items()):
+        for target in sorted(imported):
+            if _floor(target) > _floor(module):
+                found.append(f"{module} -> {target}")
+            mine, theirs = _technique_floor(module), _technique_floor(target)
+            if mine is not None and theirs is not None and theirs > mine:
+                found.append(f"{module} -> {target}")
+    return found
+
+
+def test_a_lower_floor_never_imports_a_higher_one() -> None:
+    assert upward_imports(import_graph()) == []
+
+
+def test_the_floor_check_sees_an_upward_import(tmp_path: Path) -> None:
+    _write(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "data/__init__.py": "",
+            "data/loader.py": "def f():\n    from torchturbo.engine.turbo import Turbo\n",
+            "engine/__init__.py": "",
+            "engine/turbo.py": "",
+            "techniques/__init__.py": "",
+            "techniques/framework/__init__.py": "",
+            "techniques/framework/spec.py": "import torchturbo.techniques.registry\n",
+            "techniques/registry.py": "",
+        },
+    )
+    assert upward_imports(import_graph(tmp_path)) == [
+        "torchturbo.data.loader -> torchturbo.engine",
+        "torchturbo.data.loader -> torchturbo.engine.turbo",
+        "torchturbo.techniques.framework.spec -> torchturbo.techniques.registry",
+    ]
+
+
+def test_the_techniques_folder_holds_one_technique_per_module() -> None:
+    """The package's own modules are techniques (each declares one); the framework and the
+    tools are in their subfolders, and none of them declares one."""
+    from torchturbo.techniques import registry
+
+    root = SRC / PACKAGE / "techniques"
+    for name in registry.technique_modules():
+        module = importlib.import_module(f"torchturbo.techniques.{name}")
+        assert hasattr(module, "TECHNIQUE") or hasattr(module, "TECHNIQUES"), name
+    for folder in ("framework", "tools"):
+        for path in (root / folder).glob("*.py"):
+            text = path.read_text()
+            assert "\nTECHNIQUE = " not in text and "\nTECHNIQUES = " not in text, path
 
 
 def _write(root: Path, files: dict[str, str]) -> None:
@@ -261,18 +347,19 @@ def test_the_integrations_declare_their_public_names() -> None:
     assert "TurboLightningCallback" in _declared("torchturbo.integrations.lightning")
 
 
-def _layout_entries(readme: Path) -> set[str]:
-    """The modules and packages the README's layout block lists under src/torchturbo/."""
+def _layout_entries(readme: Path) -> list[str]:
+    """The modules and packages the README's layout block lists under src/torchturbo/, in
+    order."""
     text = readme.read_text()
-    start = text.index("```\nsrc/torchturbo/\n") + len("```\nsrc/torchturbo/\n")
-    entries = set()
-    for line in text[start:].splitlines():
+    start = text.index("```\nsrc/torchturbo/")
+    entries = []
+    for line in text[start:].splitlines()[2:]:
         if not line.startswith("  "):
             break
         if line.startswith("   "):  # the description's second line
             continue
         names = line.strip().split("  ")[0]  # two spaces end the names, the description follows
-        entries.update(name.strip() for name in names.split(",") if name.strip())
+        entries.extend(name.strip() for name in names.split(",") if name.strip())
     return entries
 
 
@@ -283,5 +370,7 @@ def test_the_readme_layout_is_the_package(readme: str) -> None:
         f"{p.name}/" for p in root.iterdir() if (p / "__init__.py").is_file()
     }
     listed = _layout_entries(SRC.parent / readme)
-    assert sorted(present - listed) == [], f"{readme}'s layout leaves these out"
-    assert sorted(listed - present) == [], f"{readme}'s layout lists what does not exist"
+    assert sorted(present - set(listed)) == [], f"{readme}'s layout leaves these out"
+    assert sorted(set(listed) - present) == [], f"{readme}'s layout lists what does not exist"
+    floors = [entry.removesuffix("/").removesuffix(".py") for entry in listed[1:]]
+    assert floors == LAYERS[: len(floors)], f"{readme} lists the floors out of order"

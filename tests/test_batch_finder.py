@@ -171,7 +171,7 @@ def test_on_a_real_model_the_chosen_micro_batch_fits_and_the_next_does_not():
     # The config it writes trains in those micro-batches, and its footprint is the finder's.
     written = apply_plan(config, chosen)
     assert written.accumulation.micro_batches == 3
-    from torchturbo.measure.trial import fixed_batches, start_trial
+    from torchturbo.trials.trial import fixed_batches, start_trial
 
     trial, _ = start_trial(recipe, written, fixed_batches(recipe, 1))
     assert trial.memory_footprint()[0] == three

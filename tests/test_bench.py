@@ -1,4 +1,4 @@
-"""measure.trial.Trial: fixed data and a private RNG stream per trial, so interleaved trials of one
+"""trials.trial.Trial: fixed data and a private RNG stream per trial, so interleaved trials of one
 configuration train identically (dropout included)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from conftest import MLP, classification_loss
 
 from torchturbo.config import TurboConfig
 from torchturbo.engine import Turbo
-from torchturbo.measure.trial import Trial, fixed_batches
 from torchturbo.recipe import Recipe
+from torchturbo.trials.trial import Trial, fixed_batches
 
 
 def dropout_recipe() -> Recipe:
@@ -70,7 +70,7 @@ def test_a_trial_aligned_with_another_takes_the_same_next_batch_without_training
 
 
 def test_bench_trains_a_bucketing_config_on_length_buckets_and_says_what_it_left_out():
-    from torchturbo.measure.variants import compare_configs
+    from torchturbo.trials.variants import compare_configs
     from torchturbo.workloads import get_workload
 
     recipe = get_workload("text", num_samples=256, d_model=64, num_layers=1)
@@ -93,7 +93,7 @@ def test_bench_trains_a_bucketing_config_on_length_buckets_and_says_what_it_left
 
 
 def test_an_accumulation_window_longer_than_the_run_is_named_not_hidden():
-    from torchturbo.measure.variants import compare_configs
+    from torchturbo.trials.variants import compare_configs
 
     recipe = dropout_recipe()
     configs = {

@@ -58,7 +58,7 @@ def test_channels_last_on_a_model_without_convolutions_is_a_recorded_no_op():
     turbo.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
     assert "no Conv2d" in turbo.applied["channels_last"]
     # Integer tensors and non-4-D tensors pass through untouched.
-    from torchturbo.techniques.nhwc import to_channels_last
+    from torchturbo.base.nhwc import to_channels_last
 
     ids = torch.zeros(2, 3, 4, 5, dtype=torch.int64)
     assert to_channels_last(ids) is ids

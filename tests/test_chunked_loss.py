@@ -25,8 +25,8 @@ from torchturbo.techniques.chunked_loss import (
     chunked_loss_stage,
     expectation,
 )
-from torchturbo.techniques.facts import lm_head_census
-from torchturbo.techniques.linear_cross_entropy import linear_cross_entropy
+from torchturbo.techniques.framework.facts import lm_head_census
+from torchturbo.techniques.tools.linear_cross_entropy import linear_cross_entropy
 
 #: float32: the same sums in another order (chunks, gradients accumulated chunk by chunk).
 FP32_TOLERANCE = 1e-5
@@ -244,7 +244,7 @@ def test_the_facts_measure_the_logits_and_the_stage_proposes_by_their_share() ->
         return cpu_stage_context(None, facts=facts, **kw)
 
     over = chunked_loss_stage(context(0.1, memory_budget=2**20, best_memory_bytes=2**30))
-    assert isinstance(over, list) and over[0].config.section("chunked_loss").enabled
+    assert isinstance(over, list) and over[0].config.chunked_loss.enabled
     speed = chunked_loss_stage(context(0.8))
     assert isinstance(speed, list) and speed[0].expected_gain and speed[0].expected_gain > 1
     small = chunked_loss_stage(context(0.1))

@@ -63,7 +63,7 @@ def test_tune_writes_a_loadable_config_and_a_self_contained_report(tmp_path, cap
 def test_ctrl_c_in_tune_keeps_the_measurements_and_the_same_command_goes_on(
     tmp_path, capsys, monkeypatch
 ):
-    from torchturbo.techniques.proposal import Candidate
+    from torchturbo.techniques.framework.proposal import Candidate
     from torchturbo.tune import search
 
     def clipping(ctx):

@@ -79,7 +79,7 @@ def test_the_article_is_named_once() -> None:
 
 
 def test_listed_names_match_what_the_package_accepts() -> None:
-    from torchturbo.techniques.export import METHODS
+    from torchturbo.techniques.tools.export import METHODS
     from torchturbo.workloads import WORKLOADS as REGISTERED
 
     assert tuple(REGISTERED) == WORKLOADS

@@ -102,7 +102,7 @@ def test_a_compiled_trials_memory_is_measured_and_counts_what_backward_keeps():
     tensors reach the saved-tensor hooks."""
     from test_tune import tiny_recipe
 
-    from torchturbo.measure.trial import fixed_batches, start_trial
+    from torchturbo.trials.trial import fixed_batches, start_trial
 
     recipe = tiny_recipe()
     batches = fixed_batches(recipe, 2)

@@ -9,13 +9,13 @@ import pytest
 import torch
 from torch import nn
 
-from torchturbo.techniques.export import (
+from torchturbo.techniques.tools.export import (
     ExportVerificationError,
     capture_model_inputs,
     export_model,
     export_recipe,
 )
-from torchturbo.techniques.fusion import fuse_for_inference
+from torchturbo.techniques.tools.fusion import fuse_for_inference
 from torchturbo.workloads import get_workload
 
 
@@ -131,7 +131,7 @@ def test_a_slice_of_a_large_tensor_does_not_carry_its_storage_into_the_file(
 def test_torchscript_notices_of_torch_2_13_and_2_14_are_silenced_and_nothing_else() -> None:
     import warnings
 
-    from torchturbo.techniques.export import _jit_deprecation_silenced
+    from torchturbo.techniques.tools.export import _jit_deprecation_silenced
 
     notices = [
         ("`torch.jit.trace` is deprecated. Please switch to `torch.compile`.", DeprecationWarning),

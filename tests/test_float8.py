@@ -13,7 +13,6 @@ from torch import nn
 
 from torchturbo.config import TurboConfig
 from torchturbo.engine import Turbo
-from torchturbo.measure.trial import Trial, fixed_batches
 from torchturbo.recipe import Recipe
 from torchturbo.techniques.float8 import (
     apply_float8_training,
@@ -22,6 +21,7 @@ from torchturbo.techniques.float8 import (
     float8_stage,
     float8_unavailable,
 )
+from torchturbo.trials.trial import Trial, fixed_batches
 from torchturbo.tune.decide import loss_parity
 from torchturbo.tune.search import TuneOptions, tune
 from torchturbo.tune.state import PARITY_STEPS

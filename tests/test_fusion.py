@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from torchturbo.techniques.fusion import fuse_for_inference
+from torchturbo.techniques.tools.fusion import fuse_for_inference
 from torchturbo.workloads import get_workload
 
 # Folding rescales each weight by gamma / sqrt(var + eps) in float32 before the convolution

@@ -13,8 +13,8 @@ pytest.importorskip("transformers")
 
 from torchturbo.config import TurboConfig
 from torchturbo.doctor import diagnose
-from torchturbo.measure.variants import compare_configs
 from torchturbo.recipe import load_recipe
+from torchturbo.trials.variants import compare_configs
 from torchturbo.tune.search import TuneOptions, tune
 
 RECIPE = str(Path(__file__).parent / "recipes" / "hf_encoder.py") + ":recipe"

@@ -22,8 +22,8 @@ from torchturbo.integrations.lightning import (  # noqa: E402
     recipe_from_lightning,
     trainer_kwargs,
 )
-from torchturbo.measure.variants import compare_configs  # noqa: E402
 from torchturbo.recipe import RecipeError  # noqa: E402
+from torchturbo.trials.variants import compare_configs  # noqa: E402
 from torchturbo.tune.files import write_trainer_settings  # noqa: E402
 
 pytestmark = [

@@ -6,6 +6,7 @@ Tiny models from configs (no downloads) on synthetic token-tagging data with lon
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 
@@ -40,9 +41,8 @@ from torchturbo.integrations.transformers import (  # noqa: E402
     training_arguments,
 )
 from torchturbo.integrations.translate import hf_arguments  # noqa: E402
-from torchturbo.measure.trial import fixed_batches  # noqa: E402
-from torchturbo.measure.variants import compare_configs  # noqa: E402
-from torchturbo.techniques import registry  # noqa: E402
+from torchturbo.trials.trial import fixed_batches  # noqa: E402
+from torchturbo.trials.variants import compare_configs  # noqa: E402
 from torchturbo.tune.document import render_markdown, trainer_blocks  # noqa: E402
 from torchturbo.tune.files import write_trainer_settings  # noqa: E402
 from torchturbo.tune.search import TuneOptions, tune  # noqa: E402
@@ -145,13 +145,13 @@ def test_turbo_settings_reach_the_trainers_training_steps(tmp_path):
     assert set(probe.dtypes) == {torch.bfloat16}
     # 3 optimizer steps of 2 micro-batches each.
     assert trainer.state.global_step == 3 and len(probe.masks) == 6
-    # The bucket sampler is in use: every batch fits the token budget (8 rows x mean length,
-    # or the longest sample when that is longer).
-    lengths = [len(s["input_ids"]) for s in tagging_samples()]
-    budget = max(round(8 * sum(lengths) / len(lengths)), max(lengths))
-    assert all(mask.numel() <= budget for mask in probe.masks)
+    # The bucket sampler is in use: every batch fits its token budget, and an epoch has the
+    # user's batches of 8 rows (so their real tokens per step, on average).
+    sampler = trainer.get_train_dataloader().batch_sampler
+    assert isinstance(sampler, BucketBatchSampler) and sampler.max_tokens is not None
+    assert all(mask.numel() <= sampler.max_tokens for mask in probe.masks)
+    assert len(sampler) <= math.ceil(len(tagging_samples()) / 8)
     assert len(set(probe.rows())) > 1  # rows vary with length: a budget, not a batch size
-    assert isinstance(trainer.get_train_dataloader().batch_sampler, BucketBatchSampler)
     # Negative control: the Trainer's defaults, fp32 random batches of 8, much more padding.
     _, default_probe = train_probed(tmp_path, None)
     assert set(default_probe.dtypes) == {torch.float32} and len(default_probe.masks) == 3
@@ -219,11 +219,13 @@ def test_every_config_field_is_carried_or_noted():
         ("distributed", "fsdp_reduce_dtype"): "bf16",
         ("distributed", "pipeline_schedule"): "gpipe",
         ("distributed", "pipeline_microbatches"): 8,
+        ("chunked_loss", "enabled"): True,
+        ("chunked_loss", "chunk_tokens"): 128,
+        ("activation_compression", "dtype"): "bf16",
+        ("activation_compression", "min_bytes"): 4096,
+        ("liger_kernel", "enabled"): True,
     }
-    # The core sections' fields; a technique's own section is checked by its registry tests
-    # (tests/test_technique_registry.py), so that adding one touches no table here.
-    core = {s: cls for s, cls in sections().items() if s not in registry.declared_sections()}
-    every_field = {(s, f.name) for s, cls in core.items() for f in dataclasses.fields(cls)}
+    every_field = {(s, f.name) for s, cls in sections().items() for f in dataclasses.fields(cls)}
     assert set(changed) == every_field  # a new core config field must be added here
     # Fields that only mean something beside another one: the base sets that one.
     companions = {
@@ -231,6 +233,8 @@ def test_every_config_field_is_carried_or_noted():
         "dynamic": {"compile__mode": "default"},
         "scope": {"compile__mode": "default"},
         "cache_dir": {"compile__mode": "default"},
+        "chunk_tokens": {"chunked_loss__enabled": True},
+        "min_bytes": {"activation_compression__dtype": "bf16"},
         "activation_memory_budget": {"compile__mode": "default"},
         "module_types": {"checkpointing__mode": "selective", "checkpointing__every_n": 2},
         "name_pattern": {"checkpointing__mode": "selective", "checkpointing__every_n": 2},

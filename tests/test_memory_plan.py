@@ -13,11 +13,11 @@ from test_tune import QUICK, tiny_recipe
 
 from torchturbo.config import CheckpointConfig, ConfigError, TurboConfig
 from torchturbo.measure.footprint import BlockMemory, Line, MemoryEstimate, describe
-from torchturbo.measure.memory_estimate import estimate_memory, estimate_recipe_memory
-from torchturbo.measure.trial import Trial, fixed_batches
 from torchturbo.recipe import Recipe
 from torchturbo.techniques.checkpointing import select_blocks
-from torchturbo.techniques.proposal import Candidate
+from torchturbo.techniques.framework.proposal import Candidate
+from torchturbo.trials.memory_estimate import estimate_memory, estimate_recipe_memory
+from torchturbo.trials.trial import Trial, fixed_batches
 from torchturbo.tune import candidate as candidate_module
 from torchturbo.tune import fastest_fit as fastest_fit_module
 from torchturbo.tune.decide import Verdict
@@ -350,7 +350,7 @@ def test_a_compiled_best_gets_compiled_plans_with_the_budget_computed_from_the_e
     assert found["plan: compile memory budget 0.2"].compile.activation_memory_budget == 0.2
     two = found["plan: compile memory budget 0.5 + micro-batch 4 x2"]
     assert two.compile.activation_memory_budget == 0.5 and two.accumulation.micro_batches == 2
-    assert not any(c.section("activation_compression").dtype != "off" for c in found.values())
+    assert not any(c.activation_compression.dtype != "off" for c in found.values())
     assert len(found) <= 6
     # Measured: the compiled step kept 16 MiB of activations, half the eager estimate's, so
     # 8 MiB of room is half of what the graph keeps at one piece.
@@ -359,7 +359,7 @@ def test_a_compiled_best_gets_compiled_plans_with_the_budget_computed_from_the_e
     assert not any("budget" in n and "x2" in n for n in measured)  # x2 fits alone then
     eager = _compiled_plans(TurboConfig(device="cpu"), best_memory_bytes=None)
     assert not any(c.compile.activation_memory_budget is not None for c in eager.values())
-    assert any(c.section("activation_compression").dtype == "bf16" for c in eager.values())
+    assert any(c.activation_compression.dtype == "bf16" for c in eager.values())
 
 
 def test_the_compiled_fraction_is_relative_to_the_bests_own_budget_and_never_raises_it():

@@ -15,7 +15,6 @@ from torch import nn
 
 from torchturbo import TurboConfig
 from torchturbo.integrations.translate import hf_arguments, lightning_arguments
-from torchturbo.techniques.bf16_adam import AdamBf16, stochastic_round_bf16
 from torchturbo.techniques.optimizer_state import (
     TORCHAO_CLASSES,
     planned_state_bytes,
@@ -24,6 +23,7 @@ from torchturbo.techniques.optimizer_state import (
     state_unavailable,
     state_unsupported,
 )
+from torchturbo.techniques.tools.bf16_adam import AdamBf16, stochastic_round_bf16
 
 
 def test_stochastic_rounding_is_unbiased_where_nearest_is_not():
@@ -295,7 +295,7 @@ def test_a_budget_only_a_smaller_state_meets_is_met_and_the_written_config_train
 
     from test_tune import QUICK
 
-    from torchturbo.measure.trial import Trial, fixed_batches
+    from torchturbo.trials.trial import Trial, fixed_batches
     from torchturbo.tune import memory_plan
     from torchturbo.tune.search import tune
     from torchturbo.tune.stages import STAGES

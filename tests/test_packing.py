@@ -48,8 +48,8 @@ from torchturbo.data.packing import fill_fraction  # noqa: E402
 from torchturbo.integrations.translate import hf_arguments, lightning_arguments  # noqa: E402
 from torchturbo.recipe import Recipe  # noqa: E402
 from torchturbo.techniques.packing import packing_stage  # noqa: E402
-from torchturbo.techniques.packing_isolation import check_isolation  # noqa: E402
-from torchturbo.tune.batching import batches_for  # noqa: E402
+from torchturbo.techniques.tools.packing_isolation import check_isolation  # noqa: E402
+from torchturbo.trials.trial import planned_batches  # noqa: E402
 
 VOCAB = 64
 CPU = TurboConfig(device="cpu")
@@ -347,8 +347,10 @@ def test_packed_training_reaches_the_unpacked_losses_on_the_same_documents():
     assert len(packed) == len(unpacked) >= 3
     # float32, other row shapes: sums in another order, about 1e-6 relative per step.
     assert packed == pytest.approx(unpacked, rel=1e-4)
-    leaky, _ = _train(tiny_llama(use_cache=True), config)  # negative control: it leaks
-    assert leaky != pytest.approx(unpacked, rel=1e-3)
+    # Negative control: a model that lets documents attend to each other is refused before any
+    # step (it would train silently wrong), as every host that packs refuses it.
+    with pytest.raises(ValueError, match="refused on LlamaForCausalLM: attention leaks"):
+        _train(tiny_llama(use_cache=True), config)
 
 
 def _recipe(build) -> Recipe:
@@ -369,8 +371,8 @@ def test_the_tuner_proposes_packing_only_on_a_model_that_passes_the_check():
     facts = types.SimpleNamespace(padding=(0.6, 0.1))
     context = types.SimpleNamespace(recipe=_recipe(tiny_llama), best=CPU, facts=facts)
     (candidate,) = packing_stage(context)
-    assert candidate.config.data.packing and candidate.batching == "packed"
-    batches = batches_for(context.recipe, [candidate.batching], [], 4)
+    assert candidate.config.data.packing
+    batches = planned_batches(context.recipe, candidate.config, 4)
     assert all(b["input_ids"].shape[0] == 1 and "attention_mask" not in b for b in batches)
     buckets = CPU.replace(data__bucketing=True)
     from_buckets = packing_stage(
@@ -389,7 +391,12 @@ def test_the_translations_tell_each_trainer_how_to_pack():
     assert "DataCollatorWithFlattening(position_ids_start=0)" in note
     parameters = inspect.signature(DataCollatorWithFlattening).parameters
     assert {"position_ids_start", "return_flash_attn_kwargs"} <= set(parameters)
-    assert "PackingBatchSampler" in lightning_arguments(config).notes["[data] packing"]
+    lightning = lightning_arguments(config)
+    assert (
+        "TurboLightningCallback: it rebuilds the train DataLoader"
+        in lightning.notes["[data] packing"]
+    )
+    assert lightning.kwargs["use_distributed_sampler"] is False  # each rank its whole rows
 
 
 def test_turbo_trainer_trains_on_packed_rows_and_refuses_a_model_that_leaks(tmp_path):
@@ -446,7 +453,7 @@ def test_a_trainers_recipe_builds_its_models_with_the_trainers_use_cache(tmp_pat
     )
     recipe = recipe_from_trainer(trainer)
     assert recipe.model().config.use_cache is False
-    verdict, _ = recipe_isolation(recipe)
+    verdict = recipe_isolation(recipe)
     assert verdict.ok, verdict.reason
 
 
@@ -469,7 +476,8 @@ def test_the_tuners_packed_rows_hold_only_what_the_recipes_collate_keeps():
         collate=collate,
         lengths=lengths,
     )
-    rows = batches_for(recipe, ["packed"], [], 2)
+    packing = CPU.replace(data__packing=True)
+    rows = planned_batches(recipe, packing, 2)
     assert rows and all("text" not in row and "position_ids" in row for row in rows)
-    unfiltered = batches_for(dataclasses.replace(recipe, collate=None), ["packed"], [], 1)
+    unfiltered = planned_batches(dataclasses.replace(recipe, collate=None), packing, 1)
     assert "text" in unfiltered[0]  # the control: packed_collate alone keeps every column

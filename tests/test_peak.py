@@ -27,8 +27,8 @@ from torchturbo.measure.native import (
 )
 from torchturbo.measure.peak import measured_peak_flops, mfu, stated_peak
 from torchturbo.measure.system import cpu_flags
-from torchturbo.measure.variants import compare_configs
 from torchturbo.output.tables import OVER_PEAK_NOTE, format_mfu, peak_notes
+from torchturbo.trials.variants import compare_configs
 
 native = importlib.import_module("torchturbo.measure.native")
 peak = importlib.import_module("torchturbo.measure.peak")
@@ -382,7 +382,7 @@ def test_tune_names_the_emulated_candidate_formats_before_measuring(monkeypatch,
 def test_the_row_format_is_the_unit_doing_most_of_the_maths(monkeypatch) -> None:
     from conftest import MLP, ConvNet
 
-    from torchturbo.measure.variants import row_format
+    from torchturbo.trials.variants import row_format
 
     def trial(model, device="cuda", applied=None, **config):
         turbo = SimpleNamespace(applied=applied or {}, device=torch.device(device))

@@ -23,11 +23,11 @@ import pytest
 import torch
 from conftest import terminal_stop_signals
 
+from torchturbo.base.stop_signals import leave_stop_signals_to_the_trainer
 from torchturbo.reliability.preemption import (
     EXIT_STOPPED,
     StopRequest,
     agree_to_stop,
-    leave_stop_signals_to_the_trainer,
     stop_on_signals,
 )
 from torchturbo.resume.files import list_checkpoints, read_checkpoint

@@ -18,9 +18,9 @@ from torch.utils.data import DataLoader, IterableDataset
 from torchturbo.config import ConfigError, TurboConfig
 from torchturbo.doctor import diagnose
 from torchturbo.doctor.data_facts import dataset_facts
-from torchturbo.measure.trial import fixed_batches
 from torchturbo.recipe import Recipe
 from torchturbo.runs.train import train
+from torchturbo.trials.trial import fixed_batches
 from torchturbo.tune.search import TuneOptions, tune
 
 BATCH = 8

@@ -8,9 +8,9 @@ from rich.console import Console
 from rich.table import Table
 from test_tune_report import full_results
 
-from torchturbo.measure.variants import VariantResult
 from torchturbo.output.table_fit import fit_table, print_table
 from torchturbo.output.tables import print_rows, rows_table
+from torchturbo.trials.variants import VariantResult
 from torchturbo.tune.report import incremental_table
 
 

@@ -25,10 +25,11 @@ from technique_settings import SETTINGS, Run, Setting, model_for, token_batches
 
 from torchturbo import Turbo, TurboConfig
 from torchturbo.config import ConfigError
+from torchturbo.config.turbo import sections
 from torchturbo.integrations.translate import hf_arguments, lightning_arguments
 from torchturbo.techniques import registry
 from torchturbo.techniques.compile import CACHE_ENV
-from torchturbo.techniques.spec import Host
+from torchturbo.techniques.framework.spec import Host
 
 ROOT = Path(__file__).resolve().parents[1]
 NAMES = [t.name for t in registry.techniques()]
@@ -108,10 +109,13 @@ def train(config: TurboConfig, setting: Setting, *, break_model: bool = False) -
             elements += batch["input_ids"].numel()
 
             def loss_fn(m: torch.nn.Module, b: dict[str, torch.Tensor]) -> Any:
-                # A packed row holds several samples: its documents' ids, and the sample count.
-                documents = {k: b[k] for k in ("document_ids",) if k in b}
-                logits = _probe(m, b["input_ids"], probes, **documents)
-                loss = torch.nn.functional.cross_entropy(logits.float(), b["label"])
+                # Each token's logits are its document's: one row per sample, or a packed row
+                # whose documents start where their positions restart.
+                fields = {k: b[k] for k in ("position_ids", "document_ids") if k in b}
+                logits = _probe(m, b["input_ids"], probes, **fields)
+                starts = b["position_ids"] == 0 if "position_ids" in b else None
+                per_sample = logits[:, 0] if starts is None else logits[starts]
+                loss = torch.nn.functional.cross_entropy(per_sample.float(), b["label"])
                 return loss, b["label"].numel()
         elif setting.lm:
 
@@ -291,27 +295,64 @@ def test_the_engine_and_the_callbacks_compose_by_one_function_and_one_order() ->
     }, composers
 
 
-def test_a_declared_section_refuses_a_bad_value_of_every_field() -> None:
-    """Sections techniques bring are validated like the core ones: a table where a value
-    belongs is refused with the section and field named."""
-    for section, section_type in registry.declared_sections().items():
+def test_every_section_refuses_a_bad_value_of_every_field() -> None:
+    """Every section, a technique's own too, is validated: a table where a value belongs is
+    refused with the section and field named."""
+    for section, section_type in sections().items():
         for field in dataclasses.fields(section_type):
             with pytest.raises(ConfigError, match=rf"\[{section}\] {field.name} = "):
                 TurboConfig.from_dict({section: {field.name: {"a": 1}}})
 
 
-def test_model_transforms_are_ordered_and_each_says_why() -> None:
-    transforms = [t for t in registry.techniques() if t.transform is not None]
-    assert [t.order for t in transforms] == sorted(t.order for t in transforms)
-    assert len({t.order for t in transforms}) == len(transforms), "two transforms share a place"
-    assert all(len(t.order_reason) > 30 for t in transforms)
+def test_every_technique_has_its_own_place_in_the_one_order_and_says_why() -> None:
+    techniques = registry.techniques()
+    assert [t.order for t in techniques] == sorted(t.order for t in techniques)
+    assert len({t.order for t in techniques}) == len(techniques), "two techniques share a place"
+    assert all(len(t.order_reason) > 30 for t in techniques)
+    transforms = [t.name for t in techniques if t.transform is not None]
+    assert transforms == [
+        "liger_kernel",
+        "float8",
+        "channels_last",
+        "checkpointing",
+        "chunked_loss",
+        "compile",
+        "regional_compile",
+    ]
+
+
+def test_two_techniques_in_one_place_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torchturbo.techniques.framework.spec import Technique
+
+    clash = Technique(
+        name="clash",
+        section="backend",
+        doc="CONTRIBUTING.md",
+        requested=lambda config: False,
+        order=registry.technique("compile").order,
+        order_reason="the same place as compile, which the registry must refuse",
+    )
+    registry.techniques.cache_clear()
+    real = registry.technique_modules()
+    monkeypatch.setattr(registry, "technique_modules", lambda: [*real, "clash_module"])
+    import sys
+    import types
+
+    module = types.ModuleType("torchturbo.techniques.clash_module")
+    module.TECHNIQUE = clash  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "torchturbo.techniques.clash_module", module)
+    try:
+        with pytest.raises(RuntimeError, match="the same order"):
+            registry.techniques()
+    finally:
+        registry.techniques.cache_clear()
 
 
 def test_a_registered_technique_reaches_every_host_without_editing_them(monkeypatch) -> None:
     """A technique added only to the registry is composed by the engine and both callbacks
     and translated for both trainers (the promise CONTRIBUTING.md makes)."""
-    from torchturbo.techniques.result import applied
-    from torchturbo.techniques.spec import Technique
+    from torchturbo.techniques.framework.result import applied
+    from torchturbo.techniques.framework.spec import Technique
 
     seen: list[str] = []
 
@@ -339,15 +380,13 @@ def test_a_registered_technique_reaches_every_host_without_editing_them(monkeypa
     assert seen == ["transform"] * 3
 
 
-def test_the_tuners_confirmation_replays_a_declared_sections_change() -> None:
-    """The confirmation rebuilds each adoption from its changes: a change in a section a
-    technique declares must be among them, or the adopted technique would be dropped."""
+@pytest.mark.parametrize("name", NAMES)
+def test_the_tuners_confirmation_replays_every_techniques_change(name: str) -> None:
+    """The confirmation rebuilds each adoption from its changes: every field a technique's
+    setting changes must be among them, or the adopted technique would be dropped."""
     from torchturbo.tune.confirm import _changes
 
-    for section, section_type in registry.declared_sections().items():
-        field = dataclasses.fields(section_type)[0]
-        technique = next(t for t in registry.techniques() if t.section == section)
-        config = _config(SETTINGS[technique.name])
-        changed = _changes(TurboConfig(device="cpu"), config)
-        assert f"{section}__{field.name}" in changed, changed
-        assert TurboConfig(device="cpu").replace(**changed) == config
+    config = _config(SETTINGS[name])
+    changed = _changes(TurboConfig(device="cpu"), config)
+    assert set(SETTINGS[name].overrides()) <= set(changed), changed
+    assert TurboConfig(device="cpu").replace(**changed) == config

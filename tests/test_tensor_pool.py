@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from torchturbo.techniques.tensor_pool import TensorPool
+from torchturbo.techniques.tools.tensor_pool import TensorPool
 
 
 def _ptr(t: torch.Tensor) -> int:

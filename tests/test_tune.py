@@ -12,9 +12,9 @@ import torch
 from conftest import ConvNet, classification_loss, cpu_stage_context
 
 from torchturbo.config import TurboConfig
-from torchturbo.measure.trial import Trial, fixed_batches, start_trial
 from torchturbo.recipe import Recipe
-from torchturbo.techniques.proposal import Candidate
+from torchturbo.techniques.framework.proposal import Candidate
+from torchturbo.trials.trial import Trial, fixed_batches, start_trial
 from torchturbo.tune import candidate as candidate_module
 from torchturbo.tune import search
 from torchturbo.tune.budget import COMPILE_BASE_S
@@ -138,26 +138,51 @@ def test_candidates_are_measured_in_order_of_expected_gain_per_second(monkeypatc
 
 
 def test_later_candidates_train_on_the_batches_an_earlier_one_adopted(monkeypatch):
-    recipe = tiny_recipe()
-    special = fixed_batches(recipe, 4, seed=123)  # e.g. length buckets or micro-batches
+    """Batches follow the config: a candidate built on an adopted batching plans the same
+    batches, and trains on the very list the best holds (so their steps pair up)."""
+    recipe = token_recipe()
     trained_on = []
 
     def recording_start(recipe, config, batches, clock=time.perf_counter):
-        trained_on.append(batches)
+        trained_on.append((config.data.bucketing, batches))
         return start_trial(recipe, config, batches, clock)
 
     monkeypatch.setattr(candidate_module, "start_trial", recording_start)
     monkeypatch.setattr(candidate_module, "judge", lambda **_: Verdict(adopt=True, reason="forced"))
     stages = {
-        "batching": lambda ctx: [Candidate("special batches", ctx.best, 3.0, batches=special)],
+        "batching": lambda ctx: [Candidate("buckets", ctx.best.replace(data__bucketing=True), 3.0)],
         "next": lambda ctx: [Candidate("clip", ctx.best.replace(clipping__max_norm=1.0), 1.1)],
     }
     _, result = tune(recipe, QUICK, stages=stages)
-    assert [o.name for o in result.candidates if o.verdict == "adopted"] == [
-        "special batches",
-        "clip",
+    assert [o.name for o in result.candidates if o.verdict == "adopted"] == ["buckets", "clip"]
+    (bucketed, buckets), (still_bucketed, then) = trained_on
+    assert bucketed and still_bucketed and then is buckets
+
+
+def token_recipe() -> Recipe:
+    """Variable-length token ids with a class per sample, and their lengths."""
+    from technique_settings import TokenClassifier
+
+    generator = torch.Generator().manual_seed(0)
+    lengths = [int(n) for n in torch.randint(2, 33, (96,), generator=generator)]
+    samples = [
+        {"input_ids": torch.randint(1, 50, (n,), generator=generator), "label": n % 3}
+        for n in lengths
     ]
-    assert trained_on[-1] is special  # not the baseline's batches
+
+    def loss(model, batch):
+        logits = model(batch["input_ids"])[:, 0]
+        return torch.nn.functional.cross_entropy(logits, batch["label"])
+
+    return Recipe(
+        name="tokens",
+        model=TokenClassifier,
+        optimizer=lambda params: torch.optim.Adam(params, lr=1e-2),
+        loss_fn=loss,
+        dataset=samples,
+        batch_size=8,
+        lengths=lengths,
+    )
 
 
 def clipping_stage(ctx):

@@ -21,8 +21,8 @@ import torch
 from rich.console import Console
 from test_tune import tiny_recipe
 
-from torchturbo.measure.trial import Trial
-from torchturbo.techniques.proposal import Candidate
+from torchturbo.techniques.framework.proposal import Candidate
+from torchturbo.trials.trial import Trial
 from torchturbo.tune.report import incremental_table, write_report
 from torchturbo.tune.search import TuneOptions, tune
 from torchturbo.tune.stages import STAGES

@@ -35,10 +35,10 @@ from torchturbo.distributed import (
 )
 from torchturbo.distributed.ddp import parameter_digest
 from torchturbo.engine import Turbo
-from torchturbo.measure.trial import Trial, fixed_batches
 from torchturbo.recipe import Recipe
 from torchturbo.resume.files import read_checkpoint
-from torchturbo.techniques.proposal import Candidate, StageContext
+from torchturbo.techniques.framework.proposal import Candidate, StageContext
+from torchturbo.trials.trial import Trial, fixed_batches
 from torchturbo.tune.search import TuneOptions, tune
 from torchturbo.tune.stages import bucket_stage, comm_hook_stage
 

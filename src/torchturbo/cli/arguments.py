@@ -61,7 +61,7 @@ class Parser(argparse.ArgumentParser):
         return super().parse_known_args(tokens, namespace)
 
 
-# Names from torchturbo.workloads.WORKLOADS, torchturbo.techniques.export.METHODS and
+# Names from torchturbo.workloads.WORKLOADS, torchturbo.techniques.tools.export.METHODS and
 # torchturbo.runs.metrics_log.LOGGER_NAMES (tests keep them equal), listed here so that --help does
 # not import torch.
 WORKLOADS = ("vision", "segmentation", "text")

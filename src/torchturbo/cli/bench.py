@@ -1,5 +1,5 @@
 """``torchturbo bench``: a config against the fp32 eager baseline, side by side in one run
-(:func:`torchturbo.measure.variants.compare_configs`).
+(:func:`torchturbo.trials.variants.compare_configs`).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def add_parser(commands: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from torchturbo.config import TurboConfig
     from torchturbo.distributed import is_main_process, launched
-    from torchturbo.measure.variants import compare_configs
+    from torchturbo.trials.variants import compare_configs
 
     if args.steps < 2:
         raise ValueError(f"--steps {args.steps} is too few: give at least 2 timed steps")

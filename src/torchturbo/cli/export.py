@@ -1,5 +1,5 @@
 """``torchturbo export``: a deployment artefact, reloaded and verified
-(:mod:`torchturbo.techniques.export`).
+(:mod:`torchturbo.techniques.tools.export`).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def add_parser(commands: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from torchturbo.output.tables import format_bytes
     from torchturbo.recipe import describe_exception
-    from torchturbo.techniques.export import export_recipe
+    from torchturbo.techniques.tools.export import export_recipe
 
     check_output_file(args.out, "--out")
     recipe = load_target(args)

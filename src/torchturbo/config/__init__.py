@@ -1,9 +1,9 @@
 """The config: ``TurboConfig`` and its sections, validated, read from and written to TOML.
 
 - ``validation.py``: :class:`ConfigError`, field ranges (:func:`between`) and
-  :func:`validate_section`, which every section (a technique's own too) runs;
-- ``sections.py``: the core sections, one frozen dataclass per concern;
-- ``turbo.py``: :class:`TurboConfig`, :func:`sections` (core and technique-declared), presets;
+  :func:`validate_section`, which every section runs;
+- ``sections.py``: every section, one frozen dataclass per concern (a technique's own too);
+- ``turbo.py``: :class:`TurboConfig`, :func:`sections`, presets;
 - ``io.py``: reading a config file; ``environment.py``: checks against the machine and launch;
 - ``fields.py``, ``options.py``, ``resolve.py``, ``schema.py``: the fields as data, each one a
   ``--section.field`` option, the precedence of the layers, the JSON Schema.

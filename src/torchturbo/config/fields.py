@@ -76,7 +76,7 @@ def config_fields() -> tuple[ConfigField, ...]:
     read = {TurboConfig.__module__}
     for name, section_type in sections().items():
         hints = typing.get_type_hints(section_type)
-        if section_type.__module__ not in read:  # core sections, or a technique's own module
+        if section_type.__module__ not in read:
             read.add(section_type.__module__)
             docs |= _docs(sys.modules[section_type.__module__].__file__)
         fields.extend(

@@ -1,12 +1,14 @@
 """The config's core sections: one frozen, self-validating dataclass per concern.
 
-Techniques may bring sections of their own (``Technique.section_type``); ``turbo.sections()``
-lists both. A field's documentation is the ``#:`` comment above it (``config show``, ``config
-schema`` and ``--help`` read it).
+Every section of turbo.toml is declared here, the core ones and those a single technique reads
+(``[chunked_loss]``, ``[activation_compression]``), so the config knows its whole shape without
+importing a technique. A field's documentation is the ``#:`` comment above it (``config show``,
+``config schema`` and ``--help`` read it).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import typing
 from dataclasses import dataclass
@@ -261,17 +263,24 @@ class DataConfig:
     bucketing: bool = False
     #: Whole documents packed into one row per batch up to max_tokens, positions restarting per
     #: document (data/packing.py); needs per-sample lengths and a model that keeps documents
-    #: apart (techniques/packing_isolation.py checks it). Excludes bucketing.
+    #: apart (techniques/tools/packing_isolation.py checks it). Excludes bucketing.
     packing: bool = False
     #: Token budget per bucketed batch, padding included (per packed row with packing); None =
-    #: the recipe's batch size times its mean length, so that bucketing or packing changes
-    #: padding, not the amount of work per step.
+    #: the smallest budget that keeps the recipe's batches per epoch, so that a batch holds the
+    #: real tokens of the recipe's batch size on average (data/batch_plan.py).
     max_tokens: int | None = between(None, 1)
     #: Pad sequence lengths up to a multiple of this (8 suits tensor cores).
     pad_to_multiple: int = between(1, 1, high=65536, why="every sequence is padded to it")
 
     def __post_init__(self) -> None:
         validate_section(self, self._combinations)
+
+    def batching(self) -> DataConfig:
+        """This section with the DataLoader's fields at their defaults: what decides which
+        samples form each batch and how they are collated, not how the batches are loaded."""
+        return dataclasses.replace(
+            self, **{name: getattr(DataConfig(), name) for name in LOADER_FIELDS}
+        )
 
     def _combinations(self) -> list[str]:
         problems = []
@@ -301,6 +310,16 @@ class DataConfig:
                 f"{self.max_tokens}: one padded sequence would not fit in a batch"
             )
         return problems
+
+
+#: The [data] fields that configure the DataLoader rather than the batches it yields.
+LOADER_FIELDS = (
+    "num_workers",
+    "pin_memory",
+    "persistent_workers",
+    "prefetch_factor",
+    "non_blocking",
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -373,3 +392,55 @@ class DistributedConfig:
                 "to strategy = 'fsdp'; use fsdp_reduce_dtype to reduce in lower precision"
             ]
         return []
+
+
+#: Tokens per chunk of the chunked loss by default: at a 128k vocabulary, 256 tokens of float32
+#: logits take 128 MiB, and a product of 256 rows still runs at the matmul's full rate.
+#: Liger-Kernel picks about this many for Llama-3-8B (tokens / ceil(vocab / hidden)).
+CHUNK_TOKENS = 256
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChunkedLossConfig:
+    """A causal LM's cross-entropy computed in chunks of tokens, never holding all the logits."""
+
+    SECTION: typing.ClassVar[str] = "chunked_loss"
+    #: Compute a Hugging Face causal LM's loss in chunks (when labels are passed in training).
+    enabled: bool = False
+    #: Tokens per chunk: fewer hold less (a chunk's logits are tokens x vocab x 4 bytes), too
+    #: few run the head's matrix product below its full rate.
+    chunk_tokens: int = between(CHUNK_TOKENS, 1)
+
+    def __post_init__(self) -> None:
+        validate_section(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LigerKernelConfig:
+    """Liger-Kernel's Triton kernels in a Hugging Face causal LM (CUDA, liger-kernel)."""
+
+    SECTION: typing.ClassVar[str] = "liger_kernel"
+    #: Apply Liger-Kernel's patches for the model's type (RMSNorm, RoPE, SwiGLU, fused linear
+    #: cross-entropy), as TrainingArguments(use_liger_kernel=True) does
+    #: (techniques/liger.py). Where CUDA or the package is missing it is not applied, and why
+    #: is reported.
+    enabled: bool = False
+
+    def __post_init__(self) -> None:
+        validate_section(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ActivationCompressionConfig:
+    """Activations saved for backward, stored at half precision."""
+
+    SECTION: typing.ClassVar[str] = "activation_compression"
+    #: Store float32 activations saved for backward in this dtype ("off": as they are). Halves
+    #: activation memory, costs a cast each way; the gradients differ by its rounding.
+    dtype: Literal["off", "bf16", "fp16"] = "off"
+    #: Saved tensors smaller than this many bytes are stored as they are: their casts would
+    #: cost more than they save.
+    min_bytes: int = between(2**20, 0)
+
+    def __post_init__(self) -> None:
+        validate_section(self)

@@ -9,8 +9,6 @@ generated from the sections (``fields.py``) and validated here too.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import importlib
 import sys
 import typing
 from dataclasses import dataclass, field
@@ -27,12 +25,15 @@ else:  # pragma: no cover - exercised only on Python 3.10
 from torchturbo.config.io import parse_toml, read_table
 from torchturbo.config.sections import (
     AccumulationConfig,
+    ActivationCompressionConfig,
     BackendConfig,
     CheckpointConfig,
+    ChunkedLossConfig,
     ClippingConfig,
     CompileConfig,
     DataConfig,
     DistributedConfig,
+    LigerKernelConfig,
     MemoryFormatConfig,
     OptimizerConfig,
     PrecisionConfig,
@@ -58,36 +59,26 @@ class TurboConfig:
     data: DataConfig = field(default_factory=DataConfig)
     reliability: ReliabilityConfig = field(default_factory=ReliabilityConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
-    #: The sections techniques declare themselves (``Technique.section_type``), as (name,
-    #: section) pairs; one left out is at its defaults. Read one with :meth:`section`.
-    declared: tuple[tuple[str, Any], ...] = ()
+    chunked_loss: ChunkedLossConfig = field(default_factory=ChunkedLossConfig)
+    activation_compression: ActivationCompressionConfig = field(
+        default_factory=ActivationCompressionConfig
+    )
+    liger_kernel: LigerKernelConfig = field(default_factory=LigerKernelConfig)
 
     def __post_init__(self) -> None:
         problems = [] if (problem := device_problem(self.device)) is None else [problem]
         for name, section_type in _CORE_SECTIONS.items():
             if not isinstance(getattr(self, name), section_type):
                 problems.append(f"[{name}] must be a {section_type.__name__}")
-        for name, value in self.declared:  # looked up only when a config has one
-            declared_type = _declared_sections().get(name)
-            if declared_type is None:
-                problems.append(f"[{name}] is no config section; allowed: {list(sections())}")
-            elif not isinstance(value, declared_type):
-                problems.append(f"[{name}] must be a {declared_type.__name__}")
         if problems:
             raise ConfigError(*problems)
 
     def section(self, name: str) -> Any:
-        """The section called ``name``: a core one (``config.precision``) or one a technique
-        declared, at its defaults when this config does not set it."""
-        if name in _CORE_SECTIONS:
-            return getattr(self, name)
-        value = dict(self.declared).get(name)
-        if value is not None:
-            return value
-        section_type = sections().get(name)
-        if section_type is None:
+        """The section called ``name`` (``config.section("precision")`` is ``config.precision``),
+        for code that reads a section by the name a technique declares."""
+        if name not in _CORE_SECTIONS:
             raise AttributeError(f"no config section {name!r}; sections: {list(sections())}")
-        return section_type()
+        return getattr(self, name)
 
     def replace(self, **sections: Any) -> TurboConfig:
         """A copy with whole sections or ``section__field`` values replaced.
@@ -106,16 +97,7 @@ class TurboConfig:
         for section_name, values in fields.items():
             base = updates.get(section_name, self.section(section_name))
             updates[section_name] = dataclasses.replace(base, **values)
-        return self._with_sections(updates)
-
-    def _with_sections(self, updates: dict[str, Any]) -> TurboConfig:
-        """A copy with ``updates`` (core fields, core or declared sections by name) set."""
-        declared = dict(self.declared)
-        for name in [n for n in updates if n not in _CORE_SECTIONS and n != "device"]:
-            declared[name] = updates.pop(name)
-        # A declared section at its defaults is left out: configs that mean the same are equal.
-        kept = tuple(sorted((n, v) for n, v in declared.items() if v != type(v)()))
-        return dataclasses.replace(self, **updates, declared=kept)
+        return dataclasses.replace(self, **updates)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict, TOML-ready: None values are omitted, tuples become lists."""
@@ -159,7 +141,7 @@ class TurboConfig:
                     problems.extend(err.problems)
         if problems:
             raise ConfigError(*problems)
-        return base._with_sections(kwargs)
+        return dataclasses.replace(base, **kwargs)
 
     def to_toml(self) -> str:
         return tomli_w.dumps(self.to_dict())
@@ -221,21 +203,8 @@ _CORE_SECTIONS: dict[str, type] = {
 
 
 def sections() -> dict[str, type]:
-    """Every config section by name: the core ones above, then those that registered
-    techniques declare (``Technique.section_type``), in the order of the file."""
-    return {**_CORE_SECTIONS, **_declared_sections()}
-
-
-@functools.cache
-def _declared_sections() -> dict[str, type]:
-    # The technique registry imports this module (its techniques read their sections), so the
-    # sections it declares are looked up by name at first use, as a plugin registry is.
-    registry = importlib.import_module("torchturbo.techniques.registry")
-    declared: dict[str, type] = registry.declared_sections()
-    clashes = sorted(set(declared) & set(_CORE_SECTIONS))
-    if clashes:
-        raise RuntimeError(f"techniques declare sections the config already has: {clashes}")
-    return declared
+    """Every config section by name, in the order of the file."""
+    return dict(_CORE_SECTIONS)
 
 
 PRESETS: dict[str, TurboConfig] = {

@@ -4,8 +4,7 @@ Each section validates itself in ``__post_init__`` with :func:`validate_section`
 checked from the annotations, so a TOML file with ``steps = "4"`` fails with a message, not deep
 inside the engine; numbers are checked against the range declared beside the field
 (:func:`between`): never NaN, never infinite unless the field says so, never beyond what the
-code can use. A technique that declares its own section (``Technique.section_type``) validates it
-with the same two functions.
+code can use.
 
 Why hand-written (dataclasses and a small validation core, not pydantic or attrs): the sections
 must stay plain frozen standard-library dataclasses that pickle to every rank and that users

@@ -3,7 +3,7 @@
 :func:`build_loader` passes only the DataLoader arguments that apply to the device and the
 worker count; the settings themselves are chosen by measurement in the tuner
 (:mod:`torchturbo.tune.loader_search`). :func:`to_device` moves a nested batch through
-:mod:`torchturbo.reliability.nested` (the one walker every module shares; its docstring says why
+:mod:`torchturbo.base.nested` (the one walker every module shares; its docstring says why
 no library served).
 """
 
@@ -15,10 +15,10 @@ from typing import Any, TypeVar
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
+from torchturbo.base.nested import map_tensors
+from torchturbo.base.nhwc import is_image
+from torchturbo.base.stop_signals import leave_stop_signals_to_the_trainer
 from torchturbo.config import ConfigError, DataConfig
-from torchturbo.reliability.nested import map_tensors
-from torchturbo.reliability.preemption import leave_stop_signals_to_the_trainer
-from torchturbo.techniques.nhwc import is_image
 
 T = TypeVar("T")
 
@@ -96,9 +96,9 @@ def to_device(
 ) -> T:
     """Move every tensor of a nested batch to ``device``, keeping the structure and its types.
 
-    The containers seen into are those of :func:`torchturbo.reliability.nested.map_tensors`;
+    The containers seen into are those of :func:`torchturbo.base.nested.map_tensors`;
     anything else (ints, strings) passes through unchanged. With ``channels_last``, image tensors
-    (:func:`~torchturbo.techniques.nhwc.is_image`) are laid out NHWC in the same copy;
+    (:func:`~torchturbo.base.nhwc.is_image`) are laid out NHWC in the same copy;
     integer tensors (labels, masks, token ids) never are. ``non_blocking=True`` makes the copy
     asynchronous only from pinned (page-locked) host memory to CUDA; from pageable memory it behaves
     as a blocking copy, and on CPU it changes nothing.

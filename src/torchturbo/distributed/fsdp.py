@@ -32,7 +32,7 @@ from torchturbo.distributed.normalize import Reference, scale_output_gradients
 from torchturbo.distributed.strategy import DataParallel
 from torchturbo.resume.files import SHARDS, CheckpointError, checkpoint_name
 from torchturbo.techniques.checkpointing import find_blocks
-from torchturbo.techniques.result import TechniqueResult, applied
+from torchturbo.techniques.framework.result import TechniqueResult, applied
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

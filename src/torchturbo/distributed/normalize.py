@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torchturbo.reliability.nested import map_tensors
+from torchturbo.base.nested import map_tensors
 
 #: This rank's count reference ``ref_r`` of the open accumulation window, read when needed.
 Reference = Callable[[], torch.Tensor]
@@ -55,7 +55,7 @@ def scale_output_gradients(model: nn.Module, factor: Reference) -> None:
     """Scale every gradient that enters ``model`` through its outputs by ``factor()``.
 
     Backward is linear, so this scales all parameter gradients of the step, before FSDP reduces
-    them. Tensors nested in any container :mod:`torchturbo.reliability.nested` sees into are
+    them. Tensors nested in any container :mod:`torchturbo.base.nested` sees into are
     covered; a loss term computed from the parameters directly (not through the outputs) would not
     be scaled.
     """

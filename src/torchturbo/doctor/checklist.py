@@ -447,7 +447,7 @@ def _logits_text(f: Findings) -> str:
         return ""
     share = f.logits_bytes / max(f.model.activation_bytes, f.logits_bytes)
     advice = " ([chunked_loss] enabled = true computes the loss without them)"
-    if f.config.section("chunked_loss").enabled:
+    if f.config.chunked_loss.enabled:
         advice = " (the loss is chunked: they are never all held)"
     return (
         f"; the LM head's float32 logits {format_bytes(f.logits_bytes)}, {share:.0%} of the "

@@ -36,11 +36,12 @@ from torchturbo.doctor.model_facts import ModelFacts, inspect_model
 from torchturbo.doctor.profiling import profile_training
 from torchturbo.engine import resolve_device
 from torchturbo.measure.footprint import MemoryEstimate
-from torchturbo.measure.memory_estimate import estimate_recipe_memory
-from torchturbo.measure.trial import fixed_batches
 from torchturbo.recipe import Recipe
-from torchturbo.techniques import levers, registry
-from torchturbo.techniques.facts import Facts, gather
+from torchturbo.techniques import registry
+from torchturbo.techniques.framework import levers
+from torchturbo.techniques.framework.facts import Facts, gather
+from torchturbo.trials.memory_estimate import estimate_recipe_memory
+from torchturbo.trials.trial import fixed_batches
 
 #: Batches the quick comparisons cycle through.
 _SAMPLE_BATCHES = 2

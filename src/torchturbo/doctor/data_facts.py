@@ -9,10 +9,10 @@ from typing import Any
 
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset, TensorDataset
 
+from torchturbo.base.nested import named_tensors
 from torchturbo.data.bucketing import BucketBatchSampler
 from torchturbo.data.length import length_or_none
 from torchturbo.data.memmap import MemmapDataset
-from torchturbo.reliability.nested import named_tensors
 
 #: Dataset attributes that hold per-sample transforms (torchvision and most custom datasets).
 _TRANSFORM_ATTRS = ("transform", "transforms", "target_transform")

@@ -83,12 +83,12 @@ class Diagnosis:
     #: flight per step (overlapping backward); None without DDP.
     comm_bytes_per_step: float | None = None
     comm_seconds_per_step: float | None = None
-    #: The levers by expected gain on this model and machine (``techniques.levers``): what
+    #: The levers by expected gain on this model and machine (``techniques.framework.levers``): what
     #: ``torchturbo tune`` measures first. Each: name, expected gain (None: cannot help here),
     #: and the fact behind it.
     levers: list[Lever] = dataclasses.field(default_factory=list)
     #: The fp32 eager step's memory, estimated from one instrumented step on slices of a batch
-    #: (``measure.memory_estimate``); None, and the reason in the note, where it failed.
+    #: (``trials.memory_estimate``); None, and the reason in the note, where it failed.
     memory_estimate: MemoryEstimate | None = None
     memory_estimate_note: str = ""
 

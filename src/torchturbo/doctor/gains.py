@@ -1,6 +1,6 @@
 """Quick measured gains for the doctor's items, by the tuner's own measurement and rule.
 
-Training variants (bf16, channels_last) run as fresh ``measure.trial.Trial`` s on the same fixed
+Training variants (bf16, channels_last) run as fresh ``trials.trial.Trial`` s on the same fixed
 batches; each is timed against its reference in paired rounds and decided by the tuner's sequential
 rule (``tune.compare``, ``tune.decide``), capped at a few rounds: a diagnosis, not a tuning run. So
 a figure the doctor prints means what the tuner's would, and a gain that does not clear the noise
@@ -22,8 +22,8 @@ from torch.nn.modules.conv import _ConvNd
 from torch.nn.utils.fusion import fuse_conv_bn_eval
 
 from torchturbo.config import TurboConfig
-from torchturbo.measure.trial import Trial
 from torchturbo.recipe import Recipe
+from torchturbo.trials.trial import Trial
 from torchturbo.tune.compare import compare
 from torchturbo.tune.decide import RatioEstimate, describe
 

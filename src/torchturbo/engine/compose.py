@@ -15,7 +15,7 @@ from torchturbo.distributed.comm import CommStats
 from torchturbo.distributed.normalize import Reference
 from torchturbo.distributed.strategy import Strategy
 from torchturbo.techniques import registry
-from torchturbo.techniques.result import TechniqueResult, applied, not_applied
+from torchturbo.techniques.framework.result import TechniqueResult, applied, not_applied
 
 
 def compose(

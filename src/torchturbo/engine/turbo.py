@@ -1,15 +1,16 @@
 """Turbo: compose the configured techniques around a user's model, optimizer and data.
 
 The engine holds no technique logic of its own: each technique declares its hooks once
-(``techniques/spec.py``) and the engine reaches them only through ``techniques/registry.py``
-(model transforms in their order, the optimizer rebuild, input layout, failures, process-wide
-switches); ``compose.compose`` adds the device and the strategy's wrapping. What differs across
-processes is the strategy (``distributed/strategy.py``, chosen from the launch environment), and
-everything precision changes is one :class:`~torchturbo.techniques.precision.Precision`. This
-module runs one training micro-step (``step``) with exact accumulation and clipping, and owns the
-run's state (``state_dict``). Reliability lives beside it: ``oom`` (micro-batching on
-out-of-memory), ``guard`` (non-finite losses, unreadable batches), ``resume`` and ``checkpoint``
-(``save``/``load``), ``epochs`` (the resumable loader).
+(``techniques/framework/spec.py``) and the engine reaches them only through the registry
+(``techniques/registry.py``: model transforms in their order, the optimizer rebuild, the batch plan,
+input layout, failures, process-wide switches); ``compose.compose`` adds the device and the
+strategy's wrapping. What differs across processes is the strategy (``distributed/strategy.py``,
+chosen from the launch environment), and everything precision changes is one
+:class:`~torchturbo.techniques.precision.Precision`. This module runs one training micro-step
+(``step``) with exact accumulation and clipping, and owns the run's state (``state_dict``).
+Reliability lives beside it: ``oom`` (micro-batching on out-of-memory), ``guard`` (non-finite
+losses, unreadable batches), ``resume`` and ``checkpoint`` (``save``/``load``), ``epochs`` (the
+resumable loader).
 """
 
 from __future__ import annotations
@@ -27,27 +28,27 @@ from torch.utils.data import DataLoader, Dataset
 
 from torchturbo.config import TurboConfig
 from torchturbo.data.loader import to_device
-from torchturbo.data.training import training_loader
 from torchturbo.distributed.comm import CommStats
 from torchturbo.distributed.launch import init_distributed
 from torchturbo.distributed.select import select_strategy
 from torchturbo.distributed.strategy import Strategy
 from torchturbo.engine.compose import compose
+from torchturbo.engine.loader import training_loader
+from torchturbo.engine.state import load_training_state, save_training_state
 from torchturbo.measure.breakdown import NullRecorder, Recorder
 from torchturbo.reliability.epochs import EpochLoader
 from torchturbo.reliability.guard import NonFiniteGuard, call_loss_fn
 from torchturbo.reliability.oom import MicroBatcher, leading_size
 from torchturbo.reliability.preemption import StopRequest, agree_to_stop
 from torchturbo.reliability.random_state import capture_random_state, restore_random_state
-from torchturbo.resume.state import load_training_state, save_training_state
 from torchturbo.techniques import registry
-from torchturbo.techniques.accumulation import (
+from torchturbo.techniques.framework.result import TechniqueResult, reasons
+from torchturbo.techniques.precision import Precision
+from torchturbo.techniques.tools.accumulation import (
     AccumulationWindow,
     scale_and_clip_gradients,
     scale_gradients,
 )
-from torchturbo.techniques.precision import Precision
-from torchturbo.techniques.result import TechniqueResult, reasons
 
 LossOutput = torch.Tensor | tuple[torch.Tensor, int | float | torch.Tensor]
 LossFn = Callable[[nn.Module, Any], LossOutput]
@@ -141,11 +142,11 @@ class Turbo:
         The returned loader marks its last batch so that a trailing partial accumulation window
         is applied rather than lost, and calls ``set_epoch`` on its sampler every epoch.
         Parameter objects are preserved (FSDP re-points the optimizer at its shards), so an
-        optimizer built before ``setup`` stays valid. With ``[data] bucketing = true``,
-        ``lengths`` (one per sample) feed a :class:`~torchturbo.data.bucketing.BucketBatchSampler`;
-        with ``[data] packing = true`` a :class:`~torchturbo.data.packing.PackingBatchSampler`
-        and :func:`~torchturbo.data.packing.packed_collate` (check the model first:
-        ``torchturbo.techniques.packing_isolation.check_isolation``).
+        optimizer built before ``setup`` stays valid. With ``[data] bucketing = true`` or
+        ``packing = true`` the batches are the config's batch plan (``data/batch_plan.py``):
+        ``lengths`` (one per sample) and ``batch_size`` give length buckets or packed rows that
+        hold the real tokens of ``batch_size`` rows on average, and packing first checks that
+        ``model`` keeps documents apart (a ValueError with the reason when it does not).
         Without ``collate_fn``, :func:`~torchturbo.data.collate.pad_collate` pads
         variable-length fields of dict samples (``pad_values`` per field, e.g. the tokenizer's
         pad id) and collates the rest as torch's default collate does. Under torchrun a dataset
@@ -181,7 +182,7 @@ class Turbo:
         if not isinstance(data, DataLoader):
             data = training_loader(
                 data,
-                config=self.config.data,
+                config=self.config,
                 device=self.device,
                 strategy=self.strategy,
                 batch_size=batch_size,

@@ -38,9 +38,3 @@ def sample_lengths(
     if input_name in dataset[0]:
         return [len(dataset[i][input_name]) for i in range(size)]
     return None
-
-
-def token_budget(lengths: Sequence[int], batch_size: int) -> int:
-    """The padded-token budget that keeps the work per step of ``batch_size`` random samples:
-    batch size x mean length, and at least the longest sample (it must fit on its own)."""
-    return max(round(batch_size * sum(lengths) / len(lengths)), max(lengths))

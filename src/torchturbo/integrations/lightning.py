@@ -10,7 +10,9 @@
 - :class:`TurboLightningCallback`: the model transforms, applied in ``setup`` (before Lightning
   wraps the model for DDP and calls ``configure_optimizers``) by the function the engine and so
   the tuner use (``techniques/registry.compose_model``), in its order; the techniques'
-  process-wide switches held from setup to teardown.
+  process-wide switches held from setup to teardown; and the config's batch plan (length
+  buckets, packed rows: ``registry.batch_plan``, as the engine and the tuner's trials build it)
+  in place of the train DataLoader's sampler and collate.
 
 Needs ``pip install 'torchturbo[lightning]'`` (the ``lightning`` package; the standalone
 ``pytorch_lightning`` package has its own, incompatible Callback class).
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import math
 import warnings
 from collections.abc import Mapping
@@ -28,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader
 
 try:
     import lightning.pytorch as pl
@@ -37,6 +41,7 @@ except ImportError as err:  # pragma: no cover - exercised only without the extr
     ) from err
 
 from torchturbo.config import DistributedConfig, TurboConfig
+from torchturbo.data.batch_plan import BatchSource
 from torchturbo.data.collate import IGNORE_INDEX
 from torchturbo.data.length import length_or_none
 from torchturbo.distributed.ddp import COMM_HOOKS, check_comm_hook
@@ -45,7 +50,7 @@ from torchturbo.integrations.optimizers import clone_optimizer, parameter_owner
 from torchturbo.integrations.translate import DDPSpec, Translation, lightning_arguments
 from torchturbo.recipe import Recipe, RecipeError
 from torchturbo.techniques import registry
-from torchturbo.techniques.result import TechniqueResult, applied, reasons
+from torchturbo.techniques.framework.result import TechniqueResult, applied, reasons
 
 __all__ = ["TurboLightningCallback", "recipe_from_lightning", "trainer_kwargs"]
 
@@ -96,12 +101,20 @@ class TurboLightningCallback(pl.Callback):
     ``configure_model`` come after ``setup`` and are not transformed. ``results`` holds each
     technique's :class:`TechniqueResult`, as ``Turbo.results`` does; ``applied`` says, per
     technique, None when applied or why not.
+
+    With ``[data] bucketing`` or ``packing`` the train DataLoader that ``train_dataloader()``
+    returns (the datamodule's, else the module's) is rebuilt on the config's batch plan: the same
+    dataset, collate and worker settings, its batches those the tuner measured for this config
+    and ``seed`` (``recipe_from_lightning``'s recipes use seed 0). Each rank takes its share of
+    whole batches: under DDP pass ``use_distributed_sampler=False`` (``trainer_kwargs`` does).
     """
 
-    def __init__(self, config: TurboConfig) -> None:
+    def __init__(self, config: TurboConfig, *, seed: int = 0) -> None:
         self.config = config
+        self.seed = seed
         self.results: dict[str, TechniqueResult] = {}
         self._switches = contextlib.ExitStack()
+        self._restore: tuple[Any, Any] | None = None
 
     @property
     def applied(self) -> dict[str, str | None]:
@@ -115,6 +128,52 @@ class TurboLightningCallback(pl.Callback):
         self.results |= registry.compose_model(pl_module, self.config, device, "lightning")
         self._switches.enter_context(
             registry.held_switches(self.config, device, "lightning", self.results)
+        )
+        if registry.plans_batches(self.config):
+            self._plan_train_loader(trainer, pl_module)
+
+    def _plan_train_loader(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Make ``train_dataloader()`` return its loader rebuilt on the config's batch plan."""
+        datamodule = getattr(trainer, "datamodule", None)
+        owner: Any = datamodule if datamodule is not None else pl_module
+        original = owner.train_dataloader
+
+        @functools.wraps(original)
+        def planned() -> DataLoader:
+            return self.planned_loader(original(), trainer, pl_module)
+
+        # Restored at teardown: an attribute of the instance's own, or none (the class's method).
+        self._restore = (owner, vars(owner).get("train_dataloader"))
+        owner.train_dataloader = planned
+
+    def planned_loader(
+        self, loader: DataLoader, trainer: pl.Trainer, pl_module: pl.LightningModule
+    ) -> DataLoader:
+        """``loader`` on the config's batch plan: this rank's whole batches of its dataset."""
+        if not isinstance(loader, DataLoader):
+            raise TypeError(
+                f"train_dataloader() returned {type(loader).__name__}: [data] bucketing or "
+                "packing rebuilds one torch DataLoader on the batch plan"
+            )
+        source = BatchSource(
+            loader.dataset,
+            sample_lengths(loader.dataset),
+            loader.batch_size,
+            seed=self.seed,
+            num_replicas=trainer.world_size,
+            rank=trainer.global_rank,
+            collate=loader.collate_fn,
+            model=lambda: pl_module,
+            lengths_from="give the DataLoader's dataset 'input_ids' or a 'length' column",
+        )
+        plan = registry.batch_plan(self.config, source)
+        return plan.loader(
+            loader.dataset,
+            num_workers=loader.num_workers,
+            pin_memory=loader.pin_memory,
+            persistent_workers=loader.persistent_workers,
+            prefetch_factor=loader.prefetch_factor,
+            worker_init_fn=loader.worker_init_fn,
         )
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -133,6 +192,13 @@ class TurboLightningCallback(pl.Callback):
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._switches.close()
+        if self._restore is not None:
+            owner, own = self._restore
+            if own is None:
+                del owner.train_dataloader
+            else:
+                owner.train_dataloader = own
+            self._restore = None
 
 
 def recipe_from_lightning(

@@ -41,17 +41,15 @@ except ImportError as err:  # pragma: no cover - exercised only without the extr
     ) from err
 
 from torchturbo.config import DistributedConfig, TurboConfig
-from torchturbo.data.bucketing import BucketBatchSampler
+from torchturbo.data.batch_plan import BatchSource
 from torchturbo.data.collate import IGNORE_INDEX
 from torchturbo.data.length import length_or_none
-from torchturbo.data.packing import PackingBatchSampler, packed_collate
-from torchturbo.integrations.lengths import sample_lengths, token_budget
+from torchturbo.integrations.lengths import sample_lengths
 from torchturbo.integrations.optimizers import clone_optimizer, parameter_owner
 from torchturbo.integrations.translate import Translation, hf_arguments
 from torchturbo.recipe import Recipe, RecipeError
 from torchturbo.techniques import registry
-from torchturbo.techniques.packing_isolation import check_isolation, isolation_documents
-from torchturbo.techniques.result import TechniqueResult, reasons
+from torchturbo.techniques.framework.result import TechniqueResult, reasons
 
 __all__ = [
     "TurboCallback",
@@ -310,13 +308,12 @@ class TurboTrainer(Trainer):
     """A ``Trainer`` that applies a whole turbo.toml: pass ``turbo_config=`` and
     ``args=TrainingArguments(..., **training_arguments(config).kwargs)``.
 
-    On top of the plain Trainer it adds :class:`TurboCallback`, trains on token-budget length
-    buckets when ``[data] bucketing`` is on (``BucketBatchSampler``: similar lengths together,
-    each batch filled to ``max_tokens`` padded tokens, default batch size x mean length, so the
-    work per step stays that of the configured batch size), on packed rows of that budget when
-    ``[data] packing`` is on (``PackingBatchSampler`` and ``packed_collate``, once the model
-    passes the isolation check; the Trainer's padding collator is not used), and registers
-    ``[distributed]``'s DDP comm hook and bucket view through accelerate.
+    On top of the plain Trainer it adds :class:`TurboCallback`, trains on the config's batch plan
+    when ``[data] bucketing`` or ``packing`` is on (``data/batch_plan.py``: length buckets, or
+    packed rows once the model passes the isolation check, the Trainer's padding collator then
+    unused; either way holding the real tokens of ``per_device_train_batch_size`` rows per step
+    on average, so ``max_steps`` trains on the same data), and registers ``[distributed]``'s DDP
+    comm hook and bucket view through accelerate.
     """
 
     def __init__(self, *args: Any, turbo_config: TurboConfig, **kwargs: Any) -> None:
@@ -336,68 +333,37 @@ class TurboTrainer(Trainer):
             self.accelerator.state.dynamo_plugin.dynamic = dynamic
 
     def get_train_dataloader(self) -> DataLoader:
-        data = self.turbo_config.data
-        if not (data.bucketing or data.packing) or self.train_dataset is None:
+        if not registry.plans_batches(self.turbo_config) or self.train_dataset is None:
             return super().get_train_dataloader()
         return self.accelerator.prepare(self._sampled_loader(self.train_dataset))
 
     def _sampled_loader(self, dataset: Dataset) -> DataLoader:
-        """Length buckets or packed rows, as ``[data]`` asks."""
-        args, data = self.args, self.turbo_config.data
-        field = "packing" if data.packing else "bucketing"
-        lengths = sample_lengths(dataset, length_column=args.length_column_name)
-        if lengths is None:
-            raise ValueError(
-                f"[data] {field} = true needs per-sample lengths: give the train dataset "
-                f"'input_ids' or a {args.length_column_name!r} column"
-            )
+        """The config's batch plan (length buckets or packed rows), built as the engine and the
+        tuner's trials build it: the same batches for the same config and seed."""
+        args = self.args
         assert self.model is not None  # Trainer.__init__ sets it, from model_init when given
-        budget = data.max_tokens or token_budget(lengths, args.train_batch_size)
+        model = self.model
+        lengths = sample_lengths(dataset, length_column=args.length_column_name)
         seed = args.data_seed if args.data_seed is not None else args.seed
         # One replica: accelerate shards whole batches across processes itself.
-        sampler: BucketBatchSampler
-        collate: Callable[[list[Any]], Any]
-        if data.packing:
-            _refuse_unless_isolated(self.model, dataset)
-            sampler = PackingBatchSampler(
-                lengths, max_tokens=budget, seed=seed, num_replicas=1, rank=0
-            )
-            # The Trainer's collator pads: packed rows have none to add.
-            flash = str(getattr(self.model.config, "_attn_implementation", "")).startswith("flash")
-            collate = functools.partial(packed_collate, boundaries=False, flash_attn_kwargs=flash)
-        else:
-            sampler = BucketBatchSampler(
-                lengths,
-                max_tokens=budget,
-                pad_to_multiple=data.pad_to_multiple,
-                seed=seed,
-                num_replicas=1,
-                rank=0,
-            )
-            collate = self.data_collator
-        workers = args.dataloader_num_workers
-        return DataLoader(
+        source = BatchSource(
             dataset,
-            batch_sampler=sampler,
-            collate_fn=model_input_collate(collate, self.model, args),
-            num_workers=workers,
-            pin_memory=args.dataloader_pin_memory,
-            persistent_workers=args.dataloader_persistent_workers and workers > 0,
-            prefetch_factor=args.dataloader_prefetch_factor if workers > 0 else None,
+            lengths,
+            args.train_batch_size,
+            seed=seed,
+            collate=model_input_collate(self.data_collator, model, args),
+            model=lambda: model,
+            lengths_from=(
+                f"give the train dataset 'input_ids' or a {args.length_column_name!r} column"
+            ),
         )
-
-
-def _refuse_unless_isolated(model: nn.Module, dataset: Dataset) -> None:
-    """Packing only on a model that keeps packed documents apart (checked on the dataset's
-    first documents): otherwise a clear error with the reason, before any step."""
-    samples = [dataset[i] for i in range(min(16, length_or_none(dataset) or 0))]
-    documents = isolation_documents(samples)
-    if len(documents) < 2:
-        raise ValueError("[data] packing = true needs samples with input_ids to pack")
-    verdict = check_isolation(model, documents)
-    if not verdict.ok:
-        raise ValueError(
-            f"[data] packing = true refused on {type(model).__name__}: {verdict.reason}"
+        plan = registry.batch_plan(self.turbo_config, source)
+        return plan.loader(
+            dataset,
+            num_workers=args.dataloader_num_workers,
+            pin_memory=args.dataloader_pin_memory,
+            persistent_workers=args.dataloader_persistent_workers,
+            prefetch_factor=args.dataloader_prefetch_factor,
         )
 
 

@@ -23,7 +23,7 @@ from typing import Any
 
 from torchturbo.config import CommHookName, DistributedConfig, TurboConfig
 from torchturbo.techniques import registry
-from torchturbo.techniques.spec import TrainerArguments
+from torchturbo.techniques.framework.spec import TrainerArguments
 
 #: Where each trainer's callbacks live, for the notes.
 HF_CALLBACK = "torchturbo.integrations.transformers.TurboCallback"

@@ -26,8 +26,8 @@ from typing import Any
 import psutil
 import torch
 
-from torchturbo.reliability.nested import iter_tensors
-from torchturbo.techniques.saved_tensors import saved_tensor_packer
+from torchturbo.base.nested import iter_tensors
+from torchturbo.base.saved_tensors import saved_tensor_packer
 
 #: Attribute the checkpointing technique sets to True on every module it wraps.
 CHECKPOINT_MARKER = "_torchturbo_checkpointed"

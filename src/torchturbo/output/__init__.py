@@ -4,5 +4,5 @@
 tuner's report, :mod:`torchturbo.tune.report`), ``table_fit`` fits a table to the terminal's
 width, ``units`` reads and writes durations and sizes, and ``results_file`` writes JSON results
 atomically with the machine's summary (not a technique's result,
-:mod:`torchturbo.techniques.result`).
+:mod:`torchturbo.techniques.framework.result`).
 """

@@ -2,7 +2,7 @@
 
 Each batch from the loader runs as ``split`` pieces (along dim 0), each a forward and backward
 whose loss is weighted by its sample or token count, so the accumulated gradient is the batch's
-(``techniques/accumulation.py``: count weighting makes the split exact up to rounding). When a
+(``techniques/tools/accumulation.py``: count weighting makes the split exact up to rounding). When a
 piece runs out of memory (``torch.OutOfMemoryError``: a real CUDA OOM, or the activation budget
 below), the accumulation window is restarted: gradients are dropped, ``split`` doubles, and the
 window's batches so far are run again followed by the failing one. Replaying the window rather
@@ -34,8 +34,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from torchturbo.base.nested import iter_tensors, map_tensors
 from torchturbo.reliability.guard import describe_batch
-from torchturbo.reliability.nested import iter_tensors, map_tensors
 
 log = logging.getLogger("torchturbo")
 
@@ -173,7 +173,7 @@ class MicroBatcher:
 
 def leading_size(batch: Any) -> int:
     """Samples in a batch: the leading size of its first tensor with at least one dimension
-    (in the order :func:`torchturbo.reliability.nested.iter_tensors` visits them)."""
+    (in the order :func:`torchturbo.base.nested.iter_tensors` visits them)."""
     for tensor in iter_tensors(batch):
         if tensor.dim() > 0:
             return tensor.shape[0]

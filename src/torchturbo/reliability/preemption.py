@@ -32,11 +32,11 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from torchturbo.base.stop_signals import STOP_SIGNALS
+
 if TYPE_CHECKING:
     import torch
 
-#: Signals that ask a run to stop after the step under way.
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 #: A repeat of the same signal this soon after it is the same request (torchrun forwarding).
 SAME_SIGNAL_S = 2.0
 #: How long the main thread has to unwind after a stop at once before the process exits.
@@ -210,23 +210,6 @@ def stop_on_signals(
         stopper.cancel()
         for signum, previous_handler in installed.items():
             signal.signal(signum, previous_handler)
-
-
-def leave_stop_signals_to_the_trainer(worker_id: int = 0) -> None:
-    """A DataLoader worker's ``worker_init_fn``: end quietly (status 0) on a stop signal.
-
-    SLURM and a terminal signal every process of a job, loader workers included. A worker that
-    dies *of* the signal makes the DataLoader raise in the training process at once (its SIGCHLD
-    handler), inside the step under way; one that exits with status 0 does not, and the
-    training process finishes the step on the batches already fetched, saves it and stops. The
-    signal cannot simply be ignored: the DataLoader ends persistent workers at exit with SIGTERM.
-    """
-    for signum in STOP_SIGNALS[1:]:  # SIGINT: torch's worker loop already exits quietly on it
-        signal.signal(signum, _exit_quietly)
-
-
-def _exit_quietly(signum: int, frame: Any) -> None:
-    os._exit(0)
 
 
 def _is_default(signum: int, handler: Any) -> bool:

@@ -22,7 +22,7 @@ from torch import nn
 from torchturbo.data.length import length_or_none
 from torchturbo.resume.files import SHARDS, CheckpointError
 
-#: The files every checkpoint of ``torchturbo.resume.state`` holds; ``WHOLE_STATE`` too unless the
+#: The files every checkpoint of ``torchturbo.engine.state`` holds; ``WHOLE_STATE`` too unless the
 #: model and optimizer are sharded (FSDP, in ``SHARDS/``, checked by torch.distributed.checkpoint).
 REQUIRED_FILES = ("rng.pt", "state.json", "config.toml")
 WHOLE_STATE = ("model.pt", "optimizer.pt")

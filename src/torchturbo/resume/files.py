@@ -18,7 +18,7 @@ A checkpoint is a directory ``<root>/ckpt-<step>/`` of named files (``*.pt`` wri
 - **Safe**: ``.pt`` files are read with ``torch.load(weights_only=True)``, which rebuilds tensors
   and plain containers only: a checkpoint never executes code (a pickled callable is refused).
 
-What goes *into* a checkpoint is the engine's business (``torchturbo.resume.state``). Why
+What goes *into* a checkpoint is the engine's business (``torchturbo.engine.state``). Why
 hand-written: ``torch.distributed.checkpoint`` targets sharded state and neither keeps the last K
 nor checksums files; safetensors holds flat tensors only, not optimizer state.
 """

@@ -35,10 +35,10 @@ from torchturbo.engine import StepMetrics, Turbo
 from torchturbo.measure.flops import count_step_flops
 from torchturbo.measure.peak import dtype_for_precision, measured_peak_flops, mfu
 from torchturbo.measure.timing import sync
-from torchturbo.measure.trial import fixed_batches
 from torchturbo.recipe import Recipe
 from torchturbo.reliability.oom import leading_size
 from torchturbo.runs.metrics_log import AnyLogger, as_metrics_logger
+from torchturbo.trials.trial import fixed_batches
 
 
 class StepMeter:

@@ -24,6 +24,7 @@ from torchturbo.config import INT64_MAX, ConfigError, TurboConfig
 from torchturbo.data.length import length_or_none
 from torchturbo.distributed.launch import current_env
 from torchturbo.engine import Turbo
+from torchturbo.engine.loader import recipe_data
 from torchturbo.measure.timing import sync
 from torchturbo.recipe import Recipe
 from torchturbo.reliability.oom import leading_size
@@ -144,15 +145,7 @@ def _train(
 ) -> TrainResult:
     turbo = Turbo(config)
     model, optimizer = recipe.build()
-    model, _, loader = turbo.setup(
-        model,
-        optimizer,
-        recipe.dataset,
-        batch_size=recipe.batch_size,
-        collate_fn=recipe.collate_fn(),
-        seed=recipe.seed,
-        lengths=recipe.lengths,
-    )
+    model, _, loader = turbo.setup(model, optimizer, recipe.dataset, **recipe_data(recipe))
     # Given a dataset, setup builds the loader; it always builds the micro-batcher.
     assert loader is not None and turbo.microbatcher is not None
     microbatcher = turbo.microbatcher

@@ -1,4 +1,5 @@
-"""The techniques: one module each, declared once (``spec.py``), found by ``registry.py``.
+"""The techniques: one module each, declared once (``framework/spec.py``), found by ``registry.py``;
+``framework/`` holds what they declare, ``tools/`` the techniques that are not registered.
 
 The ``apply_*`` functions are importable from here as well as from their modules; they are
 loaded on first use, so that importing this package loads no technique.

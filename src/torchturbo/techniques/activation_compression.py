@@ -24,31 +24,15 @@ from __future__ import annotations
 import contextlib
 import typing
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
-from torchturbo.config import TurboConfig, between, validate_section
-from torchturbo.techniques.saved_tensors import saved_tensor_packer
-from torchturbo.techniques.spec import Technique
+from torchturbo.base.saved_tensors import saved_tensor_packer
+from torchturbo.config import TurboConfig
+from torchturbo.techniques.framework.spec import Technique
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-@dataclass(frozen=True, kw_only=True)
-class ActivationCompressionConfig:
-    """Activations saved for backward, stored at half precision."""
-
-    SECTION: typing.ClassVar[str] = "activation_compression"
-    #: Store float32 activations saved for backward in this dtype ("off": as they are). Halves
-    #: activation memory, costs a cast each way; the gradients differ by its rounding.
-    dtype: Literal["off", "bf16", "fp16"] = "off"
-    #: Saved tensors smaller than this many bytes are stored as they are: their casts would
-    #: cost more than they save.
-    min_bytes: int = between(2**20, 0)
-
-    def __post_init__(self) -> None:
-        validate_section(self)
 
 
 @contextlib.contextmanager
@@ -91,15 +75,16 @@ def _switch(
             "torch.compile's graphs keep what they save for backward out of reach of "
             "saved-tensor hooks: compress an eager model, or checkpoint a compiled one"
         )
-    section = config.section("activation_compression")
+    section = config.activation_compression
     return compressed_activations(section.dtype, section.min_bytes)
 
 
 TECHNIQUE = Technique(
     name="activation_compression",
+    order=60,
+    order_reason=("saved-tensor hooks held around each step, independent of the other switches"),
     section="activation_compression",
-    section_type=ActivationCompressionConfig,
     doc="docs/techniques/activation_compression.md",
-    requested=lambda config: config.section("activation_compression").dtype != "off",
+    requested=lambda config: config.activation_compression.dtype != "off",
     switch=_switch,
 )

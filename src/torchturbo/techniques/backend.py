@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from torchturbo.config import BackendConfig, TurboConfig
-from torchturbo.techniques.spec import Technique, TrainerArguments
+from torchturbo.techniques.framework.spec import Technique, TrainerArguments
 
 
 @contextlib.contextmanager
@@ -44,6 +44,8 @@ def _lightning_arguments(config: TurboConfig, arguments: TrainerArguments) -> No
 #: Proposed by the channels_last stage (``memory_format.py``), where shapes are fixed on CUDA.
 TECHNIQUE = Technique(
     name="cudnn_benchmark",
+    order=55,
+    order_reason=("a process-wide cuDNN setting, independent of the other switches"),
     section="backend",
     doc="docs/techniques/channels_last.md",
     requested=lambda config: config.backend.cudnn_benchmark,

@@ -29,8 +29,8 @@ import torch.utils.checkpoint
 from torch import nn
 
 from torchturbo.config import CheckpointConfig, TurboConfig
-from torchturbo.techniques.result import TechniqueResult, applied, not_applied
-from torchturbo.techniques.spec import Technique, TrainerArguments
+from torchturbo.techniques.framework.result import TechniqueResult, applied, not_applied
+from torchturbo.techniques.framework.spec import Technique, TrainerArguments
 
 #: Attribute set on every checkpointed module; measure/memory.py reads it to count the inputs
 #: that checkpoint keeps alive through a closure rather than through saved-tensor hooks.

@@ -6,7 +6,7 @@ cross-entropy of those float32 logits: at a 128k vocabulary they dominate traini
 outermost causal LM a wrapper such as a LightningModule holds; parameters and ``state_dict``
 keys are unchanged) so that, when labels are passed with gradients enabled, it
 runs the model's body, shifts the labels as ``transformers``' ``ForCausalLMLoss`` does and
-computes the loss with :func:`~torchturbo.techniques.linear_cross_entropy.linear_cross_entropy`
+computes the loss with ``linear_cross_entropy`` (``techniques/tools/linear_cross_entropy.py``)
 on the output embeddings' weight (tied or not) and bias; the output then carries the loss and
 no logits. Without labels, or without gradients (generation, evaluation), the model runs as
 before.
@@ -22,26 +22,29 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-import typing
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchturbo.config import TurboConfig, between, validate_section
-from torchturbo.techniques import levers
-from torchturbo.techniques.facts import Facts
-from torchturbo.techniques.linear_cross_entropy import (
-    CHUNK_TOKENS,
+from torchturbo.config import TurboConfig
+from torchturbo.config.sections import CHUNK_TOKENS
+from torchturbo.techniques.framework import levers
+from torchturbo.techniques.framework.facts import Facts
+from torchturbo.techniques.framework.proposal import (
+    Candidate,
+    StageContext,
+    candidate,
+    memory_not_needed,
+)
+from torchturbo.techniques.framework.result import TechniqueResult, applied, not_applied
+from torchturbo.techniques.framework.spec import Lever, Stage, Technique
+from torchturbo.techniques.tools.linear_cross_entropy import (
     IGNORE_INDEX,
     linear_cross_entropy,
 )
-from torchturbo.techniques.proposal import Candidate, StageContext, candidate, memory_not_needed
-from torchturbo.techniques.result import TechniqueResult, applied, not_applied
-from torchturbo.techniques.spec import Lever, Stage, Technique
 
 #: Set on a model whose forward computes its loss in chunks.
 CHUNKED_MARK = "_torchturbo_chunked_loss"
@@ -55,21 +58,6 @@ _HALF_CHECK_TOLERANCE = 2e-2
 #: soft-capping, Cohere's and Granite's scaling): refused outright, since on a freshly
 #: initialised model the logits are too small for the check to see soft-capping.
 _LOGIT_CHANGES = ("final_logit_softcapping", "logit_scale", "logits_scaling")
-
-
-@dataclass(frozen=True, kw_only=True)
-class ChunkedLossConfig:
-    """A causal LM's cross-entropy computed in chunks of tokens, never holding all the logits."""
-
-    SECTION: typing.ClassVar[str] = "chunked_loss"
-    #: Compute a Hugging Face causal LM's loss in chunks (when labels are passed in training).
-    enabled: bool = False
-    #: Tokens per chunk: fewer hold less (a chunk's logits are tokens x vocab x 4 bytes), too
-    #: few run the head's matrix product below its full rate.
-    chunk_tokens: int = between(CHUNK_TOKENS, 1)
-
-    def __post_init__(self) -> None:
-        validate_section(self)
 
 
 def apply_chunked_loss(model: nn.Module, chunk_tokens: int = CHUNK_TOKENS) -> TechniqueResult:
@@ -310,7 +298,7 @@ def expectation(facts: Facts) -> levers.Expectation:
 def chunked_loss_stage(ctx: StageContext) -> list[Candidate] | str:
     """Over a memory budget: the chunked loss, judged by fitting; under it (or with no budget),
     a speed candidate where the logits are a large share of the activations."""
-    if ctx.best.section("chunked_loss").enabled:
+    if ctx.best.chunked_loss.enabled:
         return "the loss is chunked already"
     expected = expectation(ctx.facts)
     on = ctx.best.replace(chunked_loss__enabled=True)
@@ -321,15 +309,14 @@ def chunked_loss_stage(ctx: StageContext) -> list[Candidate] | str:
 
 
 def _transform(model: nn.Module, config: TurboConfig, device: torch.device) -> TechniqueResult:
-    return apply_chunked_loss(model, config.section("chunked_loss").chunk_tokens)
+    return apply_chunked_loss(model, config.chunked_loss.chunk_tokens)
 
 
 TECHNIQUE = Technique(
     name="chunked_loss",
     section="chunked_loss",
-    section_type=ChunkedLossConfig,
     doc="docs/techniques/chunked_loss.md",
-    requested=lambda config: config.section("chunked_loss").enabled,
+    requested=lambda config: config.chunked_loss.enabled,
     transform=_transform,
     order=35,
     order_reason=(

@@ -22,10 +22,10 @@ import torch
 from torch import nn
 
 from torchturbo.config import CompileConfig, TurboConfig
-from torchturbo.techniques import levers
-from torchturbo.techniques.proposal import Candidate, StageContext, candidate
-from torchturbo.techniques.result import TechniqueResult, applied, not_applied
-from torchturbo.techniques.spec import Lever, Stage, Technique, TrainerArguments
+from torchturbo.techniques.framework import levers
+from torchturbo.techniques.framework.proposal import Candidate, StageContext, candidate
+from torchturbo.techniques.framework.result import TechniqueResult, applied, not_applied
+from torchturbo.techniques.framework.spec import Lever, Stage, Technique, TrainerArguments
 
 
 class CompileError(RuntimeError):
@@ -337,6 +337,8 @@ TECHNIQUES = (
         doc="docs/techniques/compile.md",
         requested=lambda config: config.compile.mode != "off" and bool(config.compile.cache_dir),
         switch=_cache_switch,
+        order=41,
+        order_reason="held around steps once compile (40) has set up what it caches",
         # The engine's compile transform points inductor at the folder as it compiles: no
         # need to set it again around every step. A trainer that compiles itself needs it.
         carried_by={"engine": lambda config: "apply_compile points inductor at the folder"},
@@ -350,6 +352,8 @@ TECHNIQUES = (
         fields=("activation_memory_budget",),
         doc="docs/techniques/compile.md",
         requested=_budget_requested,
+        order=42,
+        order_reason="a field of compile's (40), applied by its transform: it runs no hook",
         translations={"transformers": _budget_arguments, "lightning": _budget_arguments},
     ),
 )

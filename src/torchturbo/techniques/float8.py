@@ -24,12 +24,12 @@ from torch import nn
 
 from torchturbo.config import TurboConfig
 from torchturbo.measure.native import emulated
-from torchturbo.techniques import levers
-from torchturbo.techniques.facts import Facts
-from torchturbo.techniques.levers import Expectation
-from torchturbo.techniques.proposal import Candidate, StageContext, candidate
-from torchturbo.techniques.result import TechniqueResult, applied, not_applied
-from torchturbo.techniques.spec import Lever, Stage, Technique, TrainerArguments
+from torchturbo.techniques.framework import levers
+from torchturbo.techniques.framework.facts import Facts
+from torchturbo.techniques.framework.levers import Expectation
+from torchturbo.techniques.framework.proposal import Candidate, StageContext, candidate
+from torchturbo.techniques.framework.result import TechniqueResult, applied, not_applied
+from torchturbo.techniques.framework.spec import Lever, Stage, Technique, TrainerArguments
 
 #: torch._scaled_mm needs both dimensions of each fp8 operand divisible by 16.
 ALIGNMENT = 16

@@ -1,16 +1,23 @@
 """Length buckets: batches of similar lengths under a token budget, so padding stops costing.
 
-The mechanics are the data layer's (``data/bucketing.py``: ``BucketBatchSampler``, used by the
-engine's loader and by ``TurboTrainer``); this module is the technique as the tuner proposes it,
-the doctor ranks it and the trainers' arguments carry it.
+The mechanics are the data layer's (``data/bucketing.py``: ``BucketBatchSampler``); this module
+is the technique: the batch plan every host and the tuner's trials build (``_batches``), the
+tuner's candidate, the doctor's lever and the trainers' arguments.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Sequence
+from typing import Any
+
 from torchturbo.config import DataConfig, TurboConfig
-from torchturbo.techniques import levers
-from torchturbo.techniques.proposal import Candidate, StageContext, candidate
-from torchturbo.techniques.spec import Lever, Stage, Technique, TrainerArguments
+from torchturbo.data.batch_plan import BatchPlan, BatchSource, token_budget
+from torchturbo.data.bucketing import BucketBatchSampler
+from torchturbo.data.collate import pad_collate
+from torchturbo.techniques.framework import levers
+from torchturbo.techniques.framework.proposal import Candidate, StageContext, candidate
+from torchturbo.techniques.framework.spec import Lever, Stage, Technique, TrainerArguments
 
 
 def dynamic_batching_stage(ctx: StageContext) -> list[Candidate] | str:
@@ -22,15 +29,52 @@ def dynamic_batching_stage(ctx: StageContext) -> list[Candidate] | str:
             # Packing excludes buckets: from a packed best, buckets are tried instead of it.
             ctx.best.replace(data__bucketing=True, data__packing=False),
             levers.length_buckets(ctx.facts),
-            batching="buckets",
         )
     ]
+
+
+def _batches(config: TurboConfig, source: BatchSource) -> BatchPlan:
+    """Length buckets of ``[data] max_tokens`` padded tokens, else of the budget that keeps the
+    user's batches per epoch (so their real tokens per step), padded by ``pad_collate`` unless
+    the host has a collate of its own."""
+    data = config.data
+    lengths = source.require_lengths("bucketing")
+
+    def sampler(lengths: Sequence[int], budget: int, replicas: int = 1, rank: int = 0) -> Any:
+        return BucketBatchSampler(
+            lengths,
+            max_tokens=budget,
+            pad_to_multiple=data.pad_to_multiple,
+            seed=source.seed,
+            num_replicas=replicas,
+            rank=rank,
+        )
+
+    multiple = data.pad_to_multiple
+    budget, note = token_budget(
+        data.max_tokens,
+        source,
+        sampler,
+        field="bucketing",
+        smallest=-(-max(lengths) // multiple) * multiple,
+        unit="padded tokens",
+    )
+    collate = source.collate or functools.partial(
+        pad_collate, pad_to_multiple=data.pad_to_multiple, pad_values=source.pad_values
+    )
+    return BatchPlan(
+        "buckets",
+        sampler(lengths, budget, source.num_replicas, source.rank),
+        collate,
+        max_tokens=budget,
+        budget_note=note,
+    )
 
 
 def token_budget_words(data: DataConfig) -> str:
     """The budget of a bucketed batch, in words for notes."""
     if data.max_tokens is None:
-        return "batch size x mean length padded tokens"
+        return "padded tokens that hold, on average, the real tokens of your batch size"
     return f"{data.max_tokens} padded tokens"
 
 
@@ -49,21 +93,20 @@ def _hf_arguments(config: TurboConfig, arguments: TrainerArguments) -> None:
 
 
 def _lightning_arguments(config: TurboConfig, arguments: TrainerArguments) -> None:
-    arguments.note(
-        "data",
-        "bucketing",
-        "build your DataLoader with batch_sampler=torchturbo.data.BucketBatchSampler("
-        f"lengths, max_tokens=...) for a budget of {token_budget_words(config.data)}, and a "
-        "padding collate (docs/integrations.md)",
+    arguments.planned_by_callback(
+        "bucketing", f"length buckets of {token_budget_words(config.data)}"
     )
 
 
 TECHNIQUE = Technique(
     name="length_buckets",
+    order=80,
+    order_reason=("plans the batches; excludes packing (81), which [data] refuses together"),
     section="data",
     fields=("bucketing", "max_tokens"),
     doc="docs/techniques/dynamic_batching.md",
     requested=lambda config: config.data.bucketing,
+    batches=_batches,
     stage=Stage("dynamic_batching", 70, dynamic_batching_stage),
     levers=(Lever("length buckets", levers.length_buckets),),
     translations={"transformers": _hf_arguments, "lightning": _lightning_arguments},

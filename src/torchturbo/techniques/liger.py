@@ -21,36 +21,21 @@ loss computes the head's loss itself.
 from __future__ import annotations
 
 import importlib.util
-import typing
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from torchturbo.config import TurboConfig, validate_section
-from torchturbo.techniques.facts import Facts
-from torchturbo.techniques.levers import Expectation
-from torchturbo.techniques.proposal import Candidate, StageContext, candidate
-from torchturbo.techniques.result import TechniqueResult, applied, not_applied
-from torchturbo.techniques.spec import Lever, Stage, Technique, TrainerArguments
+from torchturbo.config import TurboConfig
+from torchturbo.techniques.framework.facts import Facts
+from torchturbo.techniques.framework.levers import Expectation
+from torchturbo.techniques.framework.proposal import Candidate, StageContext, candidate
+from torchturbo.techniques.framework.result import TechniqueResult, applied, not_applied
+from torchturbo.techniques.framework.spec import Lever, Stage, Technique, TrainerArguments
 
 NAME = "liger_kernel"
 #: Liger's own figure for Llama-3-8B on GPUs (+20% throughput), the prior the tuner orders by.
 LIGER_GAIN = 1.2
-
-
-@dataclass(frozen=True, kw_only=True)
-class LigerConfig:
-    """Liger-Kernel's Triton kernels in a Hugging Face causal LM (CUDA, liger-kernel)."""
-
-    SECTION: typing.ClassVar[str] = "liger_kernel"
-    #: Apply Liger-Kernel's patches for the model's type (RMSNorm, RoPE, SwiGLU, fused linear
-    #: cross-entropy), as TrainingArguments(use_liger_kernel=True) does.
-    enabled: bool = False
-
-    def __post_init__(self) -> None:
-        validate_section(self)
 
 
 def liger_unavailable(device: torch.device | str) -> str | None:
@@ -143,7 +128,6 @@ def _hf_carries(config: TurboConfig) -> str | None:
 TECHNIQUE = Technique(
     name=NAME,
     section=NAME,
-    section_type=LigerConfig,
     doc="docs/techniques/liger_kernel.md",
     requested=lambda config: config.section(NAME).enabled,
     transform=_transform,

@@ -10,12 +10,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from torchturbo.base.nhwc import has_2d_convolutions
 from torchturbo.config import TurboConfig
-from torchturbo.techniques import levers
-from torchturbo.techniques.nhwc import has_2d_convolutions
-from torchturbo.techniques.proposal import Candidate, StageContext, candidate
-from torchturbo.techniques.result import TechniqueResult, applied, not_applied
-from torchturbo.techniques.spec import Lever, Stage, Technique
+from torchturbo.techniques.framework import levers
+from torchturbo.techniques.framework.proposal import Candidate, StageContext, candidate
+from torchturbo.techniques.framework.result import TechniqueResult, applied, not_applied
+from torchturbo.techniques.framework.spec import Lever, Stage, Technique
 
 
 def apply_channels_last(model: nn.Module) -> TechniqueResult:

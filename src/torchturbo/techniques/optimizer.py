@@ -27,10 +27,10 @@ from typing import Any
 import torch
 
 from torchturbo.config import TurboConfig
-from torchturbo.techniques import levers
-from torchturbo.techniques.proposal import Candidate, StageContext, candidate
-from torchturbo.techniques.result import TechniqueResult, applied, not_applied
-from torchturbo.techniques.spec import Lever, Stage, Technique, TrainerArguments
+from torchturbo.techniques.framework import levers
+from torchturbo.techniques.framework.proposal import Candidate, StageContext, candidate
+from torchturbo.techniques.framework.result import TechniqueResult, applied, not_applied
+from torchturbo.techniques.framework.spec import Lever, Stage, Technique, TrainerArguments
 
 #: The flags a rebuild can set; each excludes the other (torch refuses both True).
 IMPLEMENTATIONS = ("foreach", "fused")
@@ -204,6 +204,11 @@ def _translation(how: str) -> Callable[[TurboConfig, TrainerArguments], None]:
 
 TECHNIQUE = Technique(
     name="optimizer",
+    order=70,
+    order_reason=(
+        "rebuilds the optimizer once the model is composed: a fused step's support depends on "
+        "the parameters' device"
+    ),
     section="optimizer",
     doc="docs/techniques/fused_optimizer.md",
     requested=lambda config: config.optimizer.implementation != "as_built",

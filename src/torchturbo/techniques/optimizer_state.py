@@ -4,7 +4,7 @@ Adam keeps two float32 moments per parameter: 8 bytes per parameter, twice the w
 fine-tune that is often the largest part of training memory. ``[optimizer] state`` rebuilds
 the user's ``torch.optim.Adam``/``AdamW`` (same parameter groups and hyper-parameters) as
 
-* ``bf16``: :class:`~torchturbo.techniques.bf16_adam.AdamBf16`, moments in bfloat16 with
+* ``bf16``: :class:`~torchturbo.techniques.tools.bf16_adam.AdamBf16`, moments in bfloat16 with
   stochastic rounding (4 bytes per parameter);
 * ``8bit``, ``4bit``, ``fp8``: torchao's ``AdamW8bit``/``Adam8bit``, ``AdamW4bit``/``Adam4bit``,
   ``AdamWFp8``/``AdamFp8``: each moment block-quantised (a float32 scale per block of 256 or
@@ -29,12 +29,12 @@ from collections.abc import Iterable
 import torch
 
 from torchturbo.config import TurboConfig
-from torchturbo.techniques import levers
-from torchturbo.techniques.bf16_adam import AdamBf16
+from torchturbo.techniques.framework import levers
+from torchturbo.techniques.framework.proposal import Candidate, StageContext, candidate
+from torchturbo.techniques.framework.result import TechniqueResult, applied, not_applied
+from torchturbo.techniques.framework.spec import Lever, Stage, Technique, TrainerArguments
 from torchturbo.techniques.optimizer import held_elsewhere
-from torchturbo.techniques.proposal import Candidate, StageContext, candidate
-from torchturbo.techniques.result import TechniqueResult, applied, not_applied
-from torchturbo.techniques.spec import Lever, Stage, Technique, TrainerArguments
+from torchturbo.techniques.tools.bf16_adam import AdamBf16
 
 NAME = "optimizer_state"
 #: The states that shrink the moments, least lossy first (the memory planner's order).
@@ -267,6 +267,11 @@ TECHNIQUE = Technique(
     fields=("state",),
     doc="docs/techniques/optimizer_state.md",
     requested=lambda config: config.optimizer.state != "as_built",
+    order=71,
+    order_reason=(
+        "after the fused/foreach rebuild (70), whose optimizer it is handed: it refuses to "
+        "replace a fused or foreach one, and says so"
+    ),
     rebuild_optimizer=_rebuild,
     stage=Stage("optimizer_state", 55, optimizer_state_stage),
     levers=tuple(

@@ -21,10 +21,10 @@ from typing import Any
 import torch
 
 from torchturbo.config import PrecisionConfig, TurboConfig
-from torchturbo.techniques import levers
-from torchturbo.techniques.proposal import Candidate, StageContext, candidate
-from torchturbo.techniques.result import TechniqueResult, applied, not_applied
-from torchturbo.techniques.spec import Lever, Stage, Technique, TrainerArguments
+from torchturbo.techniques.framework import levers
+from torchturbo.techniques.framework.proposal import Candidate, StageContext, candidate
+from torchturbo.techniques.framework.result import TechniqueResult, applied, not_applied
+from torchturbo.techniques.framework.spec import Lever, Stage, Technique, TrainerArguments
 
 AUTOCAST_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16}
 _NULL = contextlib.nullcontext()
@@ -208,6 +208,10 @@ def _lightning_arguments(config: TurboConfig, arguments: TrainerArguments) -> No
 
 TECHNIQUE = Technique(
     name="precision",
+    order=50,
+    order_reason=(
+        "its TF32 switch is independent of the model transforms; held first around a step"
+    ),
     section="precision",
     fields=("dtype", "grad_scaler"),
     doc="docs/techniques/precision.md",

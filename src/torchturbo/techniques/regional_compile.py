@@ -27,16 +27,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from torchturbo.base.repeated_blocks import repeated_blocks
 from torchturbo.config import CompileConfig, TurboConfig
-from torchturbo.techniques import levers
 from torchturbo.techniques.compile import (
     compile_options,
     explain_compile_failure,
     use_compile_cache,
 )
-from torchturbo.techniques.repeated_blocks import repeated_blocks
-from torchturbo.techniques.result import TechniqueResult, applied, not_applied
-from torchturbo.techniques.spec import Lever, Technique, TrainerArguments
+from torchturbo.techniques.framework import levers
+from torchturbo.techniques.framework.result import TechniqueResult, applied, not_applied
+from torchturbo.techniques.framework.spec import Lever, Technique, TrainerArguments
 
 NAME = "regional_compile"
 
@@ -97,7 +97,7 @@ TECHNIQUE = Technique(
     doc="docs/techniques/regional_compile.md",
     requested=_requested,
     transform=_transform,
-    order=41,
+    order=44,
     order_reason=(
         "compile's place, for blocks: after checkpointing, whose block forwards it traces, and "
         "before distributed wrapping, which shards each compiled block (torchtitan's order); "

@@ -1,13 +1,13 @@
-"""The registered techniques, in composition order, and the only code that calls their hooks.
+"""The registered techniques, in their one order, and the only code that calls their hooks.
 
-Every module of this package that defines ``TECHNIQUE`` (or a tuple ``TECHNIQUES``) is
-registered: adding a technique is adding its module, with no list to edit. The functions below
-are what the engine, both trainer callbacks, the tuner, the doctor and the translations call,
-so the composition order exists once (``transform`` hooks by ``order``) and a technique reaches
-every host by being registered.
+Every module directly in this package (not in ``framework/`` or ``tools/``) is a technique and
+defines ``TECHNIQUE`` (or a tuple ``TECHNIQUES``): adding a technique is adding its module, with
+no list to edit. The functions below are what the engine, both trainer callbacks, the tuner, the
+doctor and the translations call, so the order exists once (every hook by ``order``, see
+``framework/spec.py``) and a technique reaches every host by being registered.
 
-Discovery imports the modules by name (``pkgutil``), as a plugin system does: this module
-imports no technique statically, so a technique may import anything below the registry.
+Discovery imports the modules by name (``pkgutil``), as a plugin system does: this module sits
+above the techniques it finds, and nothing below it imports it.
 """
 
 from __future__ import annotations
@@ -16,34 +16,44 @@ import contextlib
 import functools
 import importlib
 import pkgutil
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
 import torchturbo.techniques
-from torchturbo.techniques.facts import Facts
-from torchturbo.techniques.levers import RankedLever
-from torchturbo.techniques.result import TechniqueResult, applied, not_applied
-from torchturbo.techniques.spec import Host, Lever, Stage, Technique, TrainerArguments
+from torchturbo.data.batch_plan import BatchPlan, BatchSource
+from torchturbo.techniques.framework.facts import Facts
+from torchturbo.techniques.framework.levers import RankedLever
+from torchturbo.techniques.framework.result import TechniqueResult, applied, not_applied
+from torchturbo.techniques.framework.spec import Host, Lever, Stage, Technique, TrainerArguments
 
 
 @functools.cache
 def techniques() -> tuple[Technique, ...]:
-    """Every registered technique, model transforms in composition order first (by ``order``),
-    then the rest by name."""
+    """Every registered technique, by ``order``."""
     found: list[Technique] = []
-    for module_info in pkgutil.iter_modules(torchturbo.techniques.__path__):
-        module = importlib.import_module(f"torchturbo.techniques.{module_info.name}")
+    for name in technique_modules():
+        module = importlib.import_module(f"torchturbo.techniques.{name}")
         found.extend(getattr(module, "TECHNIQUES", ()))
         if hasattr(module, "TECHNIQUE"):
             found.append(module.TECHNIQUE)
-    names = [t.name for t in found]
-    duplicates = sorted({n for n in names if names.count(n) > 1})
-    if duplicates:
-        raise RuntimeError(f"techniques registered twice: {duplicates}")
-    return tuple(sorted(found, key=lambda t: (t.transform is None, t.order, t.name)))
+    for attribute in ("name", "order"):
+        values = [getattr(t, attribute) for t in found]
+        repeated = sorted({v for v in values if values.count(v) > 1})
+        if repeated:
+            raise RuntimeError(f"two techniques have the same {attribute}: {repeated}")
+    return tuple(sorted(found, key=lambda t: t.order))
+
+
+def technique_modules() -> list[str]:
+    """The modules directly in ``torchturbo/techniques``: one technique each."""
+    return [
+        info.name
+        for info in pkgutil.iter_modules(torchturbo.techniques.__path__)
+        if not info.ispkg and info.name != "registry"
+    ]
 
 
 def technique(name: str) -> Technique:
@@ -54,18 +64,13 @@ def technique(name: str) -> Technique:
     return by_name[name]
 
 
-def declared_sections() -> dict[str, type]:
-    """Config sections that techniques bring themselves (``Technique.section_type``)."""
-    return {t.section: t.section_type for t in techniques() if t.section_type is not None}
-
-
 # -- composing a model ------------------------------------------------------------------------
 
 
 def compose_model(
     model: nn.Module, config: Any, device: torch.device, host: Host
 ) -> dict[str, TechniqueResult]:
-    """Apply, in place and in composition order, every model transform ``config`` asks for that
+    """Apply, in place and in order, every model transform ``config`` asks for that
     ``host``'s trainer does not carry itself; what each did, by technique name. The model must
     be on ``device`` already (float8 and compile specialise on it)."""
     results: dict[str, TechniqueResult] = {}
@@ -119,6 +124,42 @@ def channels_last_inputs(results: dict[str, TechniqueResult]) -> bool:
         t.channels_last_inputs and t.name in results and results[t.name].applied
         for t in techniques()
     )
+
+
+def batch_plan(config: Any, source: BatchSource) -> BatchPlan:
+    """The batches ``config`` trains on: the plan of the technique it asks for that has a
+    ``batches`` hook, else the host's own (``BatchPlan.rows``). Every host and the tuner's trials
+    call this, so all of them build the same batches from the same config and seed."""
+    planners = _planners(config)
+    if len(planners) > 1:
+        names = ", ".join(t.name for t in planners)
+        raise ValueError(f"several techniques would plan the batches ({names}): choose one")
+    if not planners:
+        return BatchPlan.rows()
+    assert planners[0].batches is not None
+    return planners[0].batches(config, source)
+
+
+def batch_key(config: Any) -> tuple[str, Hashable]:
+    """What decides ``config``'s batches: the technique that plans them and its section (the
+    ``[data]`` loader fields left out: they change how batches are loaded, not which), or the
+    host's own rows and their padding multiple. Configs with equal keys train on equal
+    batches."""
+    planner = next(iter(_planners(config)), None)
+    batching = config.data.batching()
+    if planner is None:
+        return ("rows", batching.pad_to_multiple)
+    section = batching if planner.section == "data" else planner.section_of(config)
+    return (planner.name, section)
+
+
+def plans_batches(config: Any) -> bool:
+    """Whether a technique ``config`` asks for plans the batches (else the host's own rows)."""
+    return bool(_planners(config))
+
+
+def _planners(config: Any) -> list[Technique]:
+    return [t for t in techniques() if t.batches is not None and t.requested(config)]
 
 
 def rebuild_optimizer(

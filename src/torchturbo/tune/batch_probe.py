@@ -1,7 +1,7 @@
 """The batch finder on a recipe: each micro-batch size measured as one real training step, and
 the ranks' measurements agreed so that every rank chooses the same batch.
 
-A size is measured as the step training will run: a fresh trial (``measure.trial``) of the
+A size is measured as the step training will run: a fresh trial (``trials.trial``) of the
 config on one recipe batch cut into ``[accumulation] micro_batches`` pieces of that size (the
 whole batch stays in memory, as it does when the loader hands it over), or on one larger batch
 for ``max``. The figure is its step footprint (``Trial.memory_footprint``: the allocator's peak
@@ -29,8 +29,8 @@ from torchturbo.config import TurboConfig
 from torchturbo.data.length import length_or_none
 from torchturbo.distributed.launch import current_env, init_distributed
 from torchturbo.engine import resolve_device
-from torchturbo.measure.trial import fixed_batches, start_trial
 from torchturbo.recipe import Recipe
+from torchturbo.trials.trial import fixed_batches, start_trial
 from torchturbo.tune.batch_size import BatchMode, BatchPlan, plan
 
 __all__ = ["apply_plan", "find_batch", "step_footprint"]

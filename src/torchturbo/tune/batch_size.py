@@ -12,7 +12,7 @@ workspaces). Each size is measured once.
 
 :func:`plan` turns the fit into what training runs. Kept global batch (``keep``): each batch of
 the recipe is cut into ``micro_batches`` pieces of at most the fit, accumulated exactly (count
-weighting, ``techniques/accumulation.py``), so micro x pieces x ranks is the recipe's batch x
+weighting, ``techniques/tools/accumulation.py``), so micro x pieces x ranks is the recipe's batch x
 ranks; a batch that does not divide keeps its samples in pieces that differ by one. ``max``: the
 global batch may grow to the largest that fits, and the learning rate's relation is said, not
 applied. Hand-written: Lightning's ``scale_batch_size`` and transformers'

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 
 from torchturbo.measure.system import usable_cores
-from torchturbo.techniques.facts import Facts
+from torchturbo.techniques.framework.facts import Facts
 from torchturbo.tune.decide import MIN_ROUNDS
 
 #: torch.compile's cost on a 2-core CPU, fitted to the built-in workloads and Hugging Face

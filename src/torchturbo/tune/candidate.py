@@ -18,10 +18,10 @@ import torch
 
 from torchturbo.distributed.consensus import agree, any_rank
 from torchturbo.measure.timing import time_once
-from torchturbo.measure.trial import Trial, start_trial
 from torchturbo.techniques.compile import compiled_graphs
-from torchturbo.techniques.facts import shape_key
-from torchturbo.techniques.proposal import Candidate
+from torchturbo.techniques.framework.facts import shape_key
+from torchturbo.techniques.framework.proposal import Candidate
+from torchturbo.trials.trial import Trial, start_trial
 from torchturbo.tune import batching
 from torchturbo.tune.budget import (
     candidate_seconds,
@@ -122,7 +122,6 @@ def not_measured(
         reason=reason,
         expected_gain=candidate.expected_gain,
         estimate_s=estimate_s,
-        batching=candidate.batching,
     )
 
 
@@ -145,7 +144,7 @@ def try_candidate(
     trial = None
     error: Exception | None = None
     try:
-        batches = batching.candidate_batches(run.recipe, candidate, best.trial.batches, NUM_BATCHES)
+        batches = candidate.batches or run.batches(candidate.config)
         graphs_before = compiled_graphs()
         trial, first = start_trial(
             candidate.recipe or run.recipe, candidate.config, batches, run.clock
@@ -284,5 +283,4 @@ def _judged(
         parity=parity,
         loss_curve=tuple(curve[:PARITY_STEPS]),
         expected_gain=candidate.expected_gain,
-        batching=candidate.batching,
     )

@@ -20,8 +20,8 @@ import torch
 
 from torchturbo.distributed.consensus import agree
 from torchturbo.measure.paired import Round, Side, interleaved_round, paired_rounds
-from torchturbo.measure.trial import Trial
 from torchturbo.recipe import Recipe
+from torchturbo.trials.trial import Trial
 from torchturbo.tune.decide import MIN_ROUNDS, RatioEstimate, estimate
 from torchturbo.tune.outcome import Comparison
 

@@ -18,14 +18,13 @@ from typing import Any
 
 from torchturbo.config import TurboConfig, sections
 from torchturbo.distributed.consensus import agree
-from torchturbo.measure.trial import Trial, start_trial
-from torchturbo.tune import batching
+from torchturbo.trials.trial import Trial, start_trial
 from torchturbo.tune.budget import CONFIRM_ROUNDS
 from torchturbo.tune.compare import Measured, compare, compare_chain
 from torchturbo.tune.decide import MIN_ROUNDS, describe
 from torchturbo.tune.outcome import Comparison, Confirmation
 from torchturbo.tune.stages import MEMORY_STAGES
-from torchturbo.tune.state import NUM_BATCHES, REPORT_S, WARM_STEPS, Incumbent, Run
+from torchturbo.tune.state import REPORT_S, WARM_STEPS, Incumbent, Run
 
 BASELINE = "fp32 eager"
 
@@ -183,7 +182,7 @@ def _drop(run: Run, baseline: Incumbent, failed: Measured) -> tuple[Confirmation
         if agree(run.budget.left() <= REPORT_S):
             continue
         remeasured.append(adoption.name)
-        alone = _start(run, adoption.name, changes[adoption.name], [_batching(adoption)], baseline)
+        alone = _start(run, adoption.name, changes[adoption.name], baseline)
         measured = _against_baseline(run, baseline, alone.trial)
         if measured.comparison.speed.decision == "faster":
             survivors.append((alone, measured))
@@ -218,7 +217,6 @@ def _drop(run: Run, baseline: Incumbent, failed: Measured) -> tuple[Confirmation
             run,
             " + ".join(s.name for s, _ in survivors),
             {k: v for s, _ in survivors for k, v in changes[s.name].items()},
-            [_batching(s) for s, _ in survivors],
             baseline,
         )
         combined = _against_baseline(run, baseline, together.trial)
@@ -243,10 +241,6 @@ def _drop(run: Run, baseline: Incumbent, failed: Measured) -> tuple[Confirmation
     ), kept
 
 
-def _batching(adoption: Incumbent) -> str | None:
-    return adoption.outcome.batching if adoption.outcome is not None else None
-
-
 def _changes(before: TurboConfig, after: TurboConfig) -> dict[str, Any]:
     """``section__field`` -> value for every field ``after`` changed relative to ``before``."""
     changes = {}
@@ -262,13 +256,11 @@ def _start(
     run: Run,
     name: str,
     changes: dict[str, Any],
-    batchings: list[str | None],
     baseline: Incumbent,
 ) -> Incumbent:
-    """A warmed-up trial of the baseline config with ``changes``, on the batches they need."""
+    """A warmed-up trial of the baseline config with ``changes``, on the batches they plan."""
     config = baseline.config.replace(**changes)
-    batches = batching.batches_for(run.recipe, batchings, baseline.trial.batches, NUM_BATCHES)
-    trial, _ = start_trial(run.recipe, config, batches, run.clock)
+    trial, _ = start_trial(run.recipe, config, run.batches(config), run.clock)
     for _ in range(WARM_STEPS):
         trial.step()
     return Incumbent(name, config, trial, None)

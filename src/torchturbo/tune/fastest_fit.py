@@ -19,7 +19,7 @@ import dataclasses
 import math
 
 from torchturbo.distributed.consensus import agree
-from torchturbo.techniques.proposal import Candidate
+from torchturbo.techniques.framework.proposal import Candidate
 from torchturbo.tune.candidate import reserve, try_candidate
 from torchturbo.tune.compare import compare, head_to_head_decided
 from torchturbo.tune.decide import WORTH_MEASURING, describe, job_times

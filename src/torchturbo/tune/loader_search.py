@@ -30,12 +30,12 @@ import psutil
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from torchturbo.base.nested import iter_tensors
 from torchturbo.config import ConfigError, DataConfig
 from torchturbo.data.length import length_or_none
 from torchturbo.data.loader import build_loader, to_device
 from torchturbo.measure.system import usable_cores
 from torchturbo.measure.timing import Timing, sync
-from torchturbo.reliability.nested import iter_tensors
 
 #: prefetch_factor values of the default grid: torch's default, and twice that for bursty samples.
 PREFETCH_CHOICES = (2, 4)

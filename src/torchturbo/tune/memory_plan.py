@@ -20,7 +20,7 @@ and races those that fit head to head for the fastest (``fastest_fit``). A plan 
 * and the blocks to checkpoint: for each of those, the cheapest set that frees what is still
   missing, a knapsack over blocks (``knapsack``) whose savings are the bytes each block's
   checkpointing frees and whose costs are its measured forward time (what recomputing it
-  costs), both from the memory estimate (``measure.memory_estimate``); and whole block types
+  costs), both from the memory estimate (``trials.memory_estimate``); and whole block types
   (every ``BasicBlock``, every ``LlamaDecoderLayer``) where that fits.
 
 A plan's footprint is the estimate's, calibrated by the measured footprint of the current best
@@ -49,12 +49,12 @@ from dataclasses import dataclass
 
 from torchturbo.config import CheckpointConfig, TurboConfig
 from torchturbo.measure.footprint import BlockMemory, MemoryEstimate
+from torchturbo.techniques.framework.proposal import Candidate, StageContext, memory_not_needed
 from torchturbo.techniques.optimizer_state import (
     planned_state_bytes,
     state_unsupported,
     step_compile_seconds,
 )
-from torchturbo.techniques.proposal import Candidate, StageContext, memory_not_needed
 from torchturbo.tune.knapsack import cheapest_cover
 
 #: Micro-batch splits a plan may use.
@@ -431,7 +431,7 @@ def _compiled_replans(ctx: StageContext) -> list[Candidate]:
     activations are taken as the eager estimate's (compile keeps no more, so the fraction errs
     small), at the fewest pieces that should fit and the next split (``budget_plans``)."""
     best, estimate, budget = ctx.best, ctx.memory, ctx.memory_budget
-    compression = best.section("activation_compression")
+    compression = best.activation_compression
     planned = (
         best.checkpointing.mode != "off"
         or best.accumulation.micro_batches > 1

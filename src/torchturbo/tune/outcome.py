@@ -87,12 +87,10 @@ class Outcome:
     comm_bytes_per_step: int | None = None
     #: Per optimizer step losses of the candidate's first steps.
     loss_curve: tuple[float, ...] = ()
-    #: The prior that ordered the work (``techniques.levers``) and the seconds it was estimated
-    #: to cost; None where there was none.
+    #: The prior that ordered the work (``techniques.framework.levers``) and the seconds it was
+    #: estimated to cost; None where there was none.
     expected_gain: float | None = None
     estimate_s: float | None = None
-    #: Batches other than the best's it trained on ("buckets", "packed"; see tune.batching).
-    batching: str | None = None
     #: Taken from a previous run's results.json in the same --out instead of measured again.
     reused: bool = False
 
@@ -120,7 +118,6 @@ class Outcome:
             "loss_curve": list(self.loss_curve),
             "expected_gain": self.expected_gain,
             "estimate_s": self.estimate_s,
-            "batching": self.batching,
             "reused": self.reused,
         }
         if self.comparison is not None:
@@ -191,7 +188,6 @@ def outcome_from_dict(row: dict[str, Any]) -> Outcome:
         loss_curve=tuple(row.get("loss_curve") or ()),
         expected_gain=row.get("expected_gain"),
         estimate_s=row.get("estimate_s"),
-        batching=row.get("batching"),
         reused=True,
     )
 

@@ -5,12 +5,12 @@ as a procedure:
 
 1. **Baseline**: the recipe in fp32 eager on fixed batches; its first steps are the loss reference.
 2. **Facts** (seconds): GEMM rates per precision, padding with and without length buckets, the
-   convolution share of the FLOPs (``techniques.facts``). A precision that cannot help on this
-   hardware (TF32 on a CPU, bf16 without bf16 units) is decided here, not by training.
-3. **Candidates by expected gain per second of measuring** (``techniques.levers``), each built on
-   the current best and timed against it in paired rounds on the same batches until the ratio is
-   decided (``compare``; rules in ``decide``). A candidate that does not fit in what is left of
-   the budget is not measured, and says how long it would have needed.
+   convolution share of the FLOPs (``techniques.framework.facts``). A precision that cannot help
+   on this hardware (TF32 on a CPU, bf16 without bf16 units) is decided here, not by training.
+3. **Candidates by expected gain per second of measuring** (``techniques.framework.levers``), each
+   built on the current best and timed against it in paired rounds on the same batches until the
+   ratio is decided (``compare``; rules in ``decide``). A candidate that does not fit in what is
+   left of the budget is not measured, and says how long it would have needed.
 4. **Confirmation** of the chosen config against the baseline, only when they differ; adoptions
    that do not survive it are re-measured alone and dropped (``confirm``).
 
@@ -44,15 +44,15 @@ from torchturbo.engine import resolve_device
 from torchturbo.measure.breakdown import PhaseRecorder
 from torchturbo.measure.footprint import MemoryEstimate
 from torchturbo.measure.machine import summary
-from torchturbo.measure.memory_estimate import estimate_recipe_memory
 from torchturbo.measure.timing import time_once
-from torchturbo.measure.trial import fixed_batches, start_trial
 from torchturbo.output.tables import format_bytes
 from torchturbo.recipe import Recipe
 from torchturbo.techniques.compile import compile_cache
-from torchturbo.techniques.facts import gather
-from torchturbo.techniques.levers import priority
-from torchturbo.techniques.proposal import Candidate, StageContext
+from torchturbo.techniques.framework.facts import gather
+from torchturbo.techniques.framework.levers import priority
+from torchturbo.techniques.framework.proposal import Candidate, StageContext
+from torchturbo.trials.memory_estimate import estimate_recipe_memory
+from torchturbo.trials.trial import TrialBatches, start_trial
 from torchturbo.tune import batching
 from torchturbo.tune.batch_probe import apply_plan, find_batch
 from torchturbo.tune.batch_size import BatchPlan
@@ -160,7 +160,8 @@ def _tune(
     if batch_plan is not None:
         base_config = apply_plan(base_config, batch_plan)
     say("baseline", "fp32 eager", budget.left())
-    batches = fixed_batches(recipe, NUM_BATCHES)
+    trial_batches = TrialBatches(recipe, NUM_BATCHES)
+    batches = trial_batches(base_config)
     say("estimate", "memory of the baseline step", budget.left())
     # Block forwards are timed only for the planner: without a budget nothing is planned.
     memory, memory_error = _estimate(recipe, batches[0], device, options.memory_budget is not None)
@@ -186,7 +187,7 @@ def _tune(
             options=options,
             device=device,
             budget=budget,
-            batches=batches,
+            batches=trial_batches,
             say=say,
             facts=_facts(recipe, trial, device, phases),
             build_s=agree(build_s),
@@ -323,9 +324,7 @@ def _replay(run: Run, reuse: Previous | None, baseline: Incumbent) -> Incumbent:
     run.say("reuse", f"rebuilding {names}", run.budget.left())
     last = reuse.adopted[-1]
     config = TurboConfig.from_dict(last.config)
-    chain = [o.batching for o in reuse.adopted]
-    batches = batching.batches_for(run.recipe, chain, baseline.trial.batches, NUM_BATCHES)
-    trial, _ = start_trial(run.recipe, config, batches, run.clock)
+    trial, _ = start_trial(run.recipe, config, run.batches(config), run.clock)
     for _ in range(WARM_STEPS):
         trial.step()
     trial.step_seconds = agree(min(time_once(trial.step, run.device, run.clock) for _ in range(2)))

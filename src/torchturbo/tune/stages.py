@@ -1,13 +1,13 @@
 """The tuner's stages, in the article's order, each proposing candidates against the current best.
 
-A stage is a plain function ``(context) -> list[Candidate] | str`` (``proposal.py``): the
-candidates to measure, or the reason the whole stage does not apply. A candidate carries the gain
-it is expected to bring (``techniques.levers``, from facts measured in seconds), which orders the
-measuring, or the fact that makes it not applicable here (bf16 without bf16 units, channels_last
+A stage is a plain function ``(context) -> list[Candidate] | str`` (``proposal.py``): the candidates
+to measure, or the reason the whole stage does not apply. A candidate carries the gain it is
+expected to bring (``techniques.framework.levers``, from facts measured in seconds), which orders
+the measuring, or the fact that makes it not applicable here (bf16 without bf16 units, channels_last
 without convolutions), which spares training it at all. The technique stages are declared by the
 techniques themselves (``Technique.stage``, gathered by ``techniques/registry.py``); this module
-adds the memory planner's, which combines several techniques, and the strategy's: DDP
-communication, which is the distributed strategy's, not a model's.
+adds the memory planner's, which combines several techniques, and the strategy's: DDP communication,
+which is the distributed strategy's, not a model's.
 Stages only build configs: measuring and deciding is ``search.py``'s, and the report lists the
 stages by rank whatever order they were measured in.
 """
@@ -16,9 +16,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from torchturbo.techniques import levers, registry
-from torchturbo.techniques.proposal import Candidate, StageContext, candidate
-from torchturbo.techniques.spec import Stage
+from torchturbo.techniques import registry
+from torchturbo.techniques.framework import levers
+from torchturbo.techniques.framework.proposal import Candidate, StageContext, candidate
+from torchturbo.techniques.framework.spec import Stage
 from torchturbo.tune.memory_plan import memory_plan_stage
 
 #: The formats the precision stage tries (the CLI says up front which of them are emulated).

@@ -5,16 +5,15 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 from torchturbo.config import TurboConfig
 from torchturbo.measure.footprint import MemoryEstimate
-from torchturbo.measure.trial import Trial
 from torchturbo.recipe import Recipe
-from torchturbo.techniques.facts import Facts
-from torchturbo.techniques.proposal import Candidate, StageContext
+from torchturbo.techniques.framework.facts import Facts
+from torchturbo.techniques.framework.proposal import Candidate, StageContext
+from torchturbo.trials.trial import Trial, TrialBatches
 from torchturbo.tune.batch_size import BatchMode
 from torchturbo.tune.budget import Budget
 from torchturbo.tune.decide import MIN_ROUNDS
@@ -99,7 +98,8 @@ class Run:
     options: TuneOptions
     device: torch.device
     budget: Budget
-    batches: list[Any]
+    #: Each config's batches: its batch plan's, drawn once per plan.
+    batches: TrialBatches
     say: Callable[[str, str, float], None]
     facts: Facts
     #: Seconds to build a trial (model, optimizer, setup) and steady seconds per baseline step.

@@ -1,12 +1,24 @@
 """What a technique declares about itself, once, in its own module.
 
-A technique module defines ``TECHNIQUE = Technique(...)``: its config section (and the section's
-type when it brings its own), when the config asks for it, where its model transform sits in the
-composition order and why, the process-wide switch it holds while training runs, what it does to
-the optimizer and to the inputs, how it explains a failure, the tuner stage that proposes it,
-the doctor's levers, and how each trainer's arguments carry it. ``registry.py`` finds the
-modules, orders them and is the only caller of these hooks: the engine, the tuner, the doctor,
-the translations and both trainer callbacks read the registry, never a technique directly.
+A technique module defines ``TECHNIQUE = Technique(...)``: its config section, when the config
+asks for it, its place in the one registry order and why, its model transform, the process-wide
+switch it holds while training runs, what it does to the optimizer, to the batches and to the
+inputs, how it explains a failure, the tuner stage that proposes it, the doctor's levers, and how
+each trainer's arguments carry it. ``registry.py`` finds the modules, orders them and is the only
+caller of these hooks: the engine, the tuner, the doctor, the translations and both trainer
+callbacks read the registry, never a technique directly.
+
+**One order for every hook.** Every technique has an ``order`` (unique) and the reason for it;
+the registry calls each kind of hook in ascending ``order``:
+
+- ``transform``: applied to the model in that order (the composition order: float8 before
+  channels_last before checkpointing before the chunked loss before compile; the strategy's
+  DDP/FSDP wrapping comes after all of them, ``engine/compose.py``);
+- ``switch``: entered in that order around each step (or a trainer's run), left in reverse;
+- ``rebuild_optimizer``: each rebuild gets the optimizer the one before returned;
+- ``batches``: at most one requested technique plans the batches (``registry.batch_plan``); two
+  that would are a config error, which their sections refuse first (``[data]`` packing excludes
+  bucketing).
 
 Every hook is optional; a technique declares the ones it has. Hooks get the whole
 ``TurboConfig`` and read their own section (``config.section(name)``).
@@ -24,10 +36,11 @@ import torch
 from torch import nn
 
 from torchturbo.config import TurboConfig
-from torchturbo.techniques.facts import Facts
-from torchturbo.techniques.levers import Expectation
-from torchturbo.techniques.proposal import Candidate, StageContext
-from torchturbo.techniques.result import TechniqueResult
+from torchturbo.data.batch_plan import BatchPlan, BatchSource
+from torchturbo.techniques.framework.facts import Facts
+from torchturbo.techniques.framework.levers import Expectation
+from torchturbo.techniques.framework.proposal import Candidate, StageContext
+from torchturbo.techniques.framework.result import TechniqueResult
 
 #: Where a technique runs: torchturbo's own engine, or a trainer's torchturbo callback.
 Host = Literal["engine", "transformers", "lightning"]
@@ -83,6 +96,20 @@ class TrainerArguments:
         """Whether the trainer has an argument called ``name`` (True when unknown)."""
         return self.accepts is None or name in self.accepts
 
+    def planned_by_callback(self, field: str, batches: str) -> None:
+        """``[data] field`` is a batch plan the Lightning callback applies: it rebuilds the train
+        DataLoader on ``batches``, each rank taking its own whole batches (so Lightning must not
+        put a DistributedSampler in)."""
+        if self.takes("use_distributed_sampler"):
+            self.kwargs["use_distributed_sampler"] = False
+        self.note(
+            "data",
+            field,
+            f"applied by {self.callback}: it rebuilds the train DataLoader on {batches}, the "
+            "batches tune measured; use_distributed_sampler=False lets each rank take its own "
+            "whole batches",
+        )
+
 
 @dataclass(frozen=True, kw_only=True)
 class Technique:
@@ -90,9 +117,8 @@ class Technique:
 
     #: The key of its result in ``Turbo.results`` and the callbacks' ``results``.
     name: str
-    #: Its config section; ``section_type`` declares it when no core section holds it.
+    #: Its config section (``config/sections.py`` declares every section).
     section: str
-    section_type: type | None = None
     #: The fields of the section it owns (several techniques may share one); () = all.
     fields: tuple[str, ...] = ()
     #: Its page, relative to the repository root: what it does, when it helps and hurts, the
@@ -100,11 +126,12 @@ class Technique:
     doc: str
     #: Whether ``config`` asks for it at all.
     requested: Callable[[TurboConfig], bool]
-    #: Model transform ``(model, config, device) -> result``, applied in place in ``order``
-    #: (ascending); ``order_reason`` says which constraint puts it there.
+    #: Its place in the registry's one order (unique; see the module docstring), and which
+    #: constraint puts it there.
+    order: int
+    order_reason: str
+    #: Model transform ``(model, config, device) -> result``, applied in place.
     transform: Callable[[nn.Module, TurboConfig, torch.device], TechniqueResult] | None = None
-    order: int = 0
-    order_reason: str = ""
     #: A process-wide setting ``(config, device) -> context`` held while training runs (for
     #: each step in the engine, from train begin to end in a trainer) and restored afterwards;
     #: a string instead of the context says why it does not take effect here.
@@ -116,6 +143,9 @@ class Technique:
         ]
         | None
     ) = None
+    #: ``(config, source) -> plan``: the batches it trains on (``data/batch_plan.py``), which
+    #: every host and the tuner's trials build alike.
+    batches: Callable[[TurboConfig, BatchSource], BatchPlan] | None = None
     #: Once the transform took effect, floating 4-D inputs must be laid out NHWC as well.
     channels_last_inputs: bool = False
     #: ``(error) -> (result, error to raise)`` when ``error`` is this technique failing during
@@ -135,8 +165,8 @@ class Technique:
     )
 
     def __post_init__(self) -> None:
-        if self.transform is not None and not self.order_reason:
-            raise ValueError(f"technique {self.name!r}: a model transform must say why its order")
+        if not self.order_reason:
+            raise ValueError(f"technique {self.name!r}: say why its order ({self.order})")
 
     def carried(self, host: Host, config: TurboConfig) -> str | None:
         """Why ``host``'s trainer applies this itself for ``config``, or None."""

@@ -1,6 +1,6 @@
 """Configurations measured side by side on one recipe: :func:`compare_configs`.
 
-It builds one :class:`~torchturbo.measure.trial.Trial` per config, times their steps interleaved
+It builds one :class:`~torchturbo.trials.trial.Trial` per config, times their steps interleaved
 through ``measure.timing`` and returns one :class:`VariantResult` row per config: throughput and
 its ratio to the baseline's, step time (median and spread), MFU, memory, loss and what could not
 be applied. What ``torchturbo bench`` prints and the benchmarks write.
@@ -15,21 +15,14 @@ from typing import Any
 
 import torch
 
+from torchturbo.base.nhwc import has_2d_convolutions
 from torchturbo.config import DataConfig, TurboConfig
-from torchturbo.data.packing import takes_boundaries
 from torchturbo.distributed.launch import current_env
 from torchturbo.measure.flops import count_step_flops
 from torchturbo.measure.peak import mfu, stated_peak
 from torchturbo.measure.timing import Timing, measure_interleaved
-from torchturbo.measure.trial import (
-    Trial,
-    bucketed_batches,
-    fixed_batches,
-    packed_batches,
-    start_trial,
-)
 from torchturbo.recipe import Recipe
-from torchturbo.techniques.nhwc import has_2d_convolutions
+from torchturbo.trials.trial import Trial, TrialBatches, start_trial
 
 
 @dataclass(frozen=True)
@@ -121,25 +114,13 @@ def compare_configs(
     if baseline not in configs:
         raise ValueError(f"baseline {baseline!r} is not among the variants {list(configs)}")
     say = on_progress or (lambda message: None)
-    plain = fixed_batches(recipe, num_batches)
-    bucketed: list[Any] | None = None
-    packed: list[Any] | None = None
+    batches_for = TrialBatches(recipe, num_batches)
     trials: dict[str, Trial] = {}
     first_step: dict[str, float] = {}
     try:
         for name, config in configs.items():
             say(f"building {name}")
-            batches = plain
-            if config.data.bucketing and recipe.lengths is not None:
-                bucketed = bucketed or bucketed_batches(recipe, num_batches, config.data)
-                batches = bucketed
-            if config.data.packing and recipe.lengths is not None:
-                # Boundary fields only for a model whose forward takes them (not HF's).
-                boundaries = takes_boundaries(recipe.build()[0])
-                packed = packed or packed_batches(
-                    recipe, num_batches, config.data, boundaries=boundaries
-                )
-                batches = packed
+            batches = batches_for(_without_unplannable(recipe, config))
             trials[name], first_step[name] = start_trial(recipe, config, batches)
         say("timing (interleaved)")
         timings = measure_interleaved(
@@ -158,6 +139,14 @@ def compare_configs(
     finally:
         for trial in trials.values():
             trial.close()
+
+
+def _without_unplannable(recipe: Recipe, config: TurboConfig) -> TurboConfig:
+    """``config``, less the dynamic batching a recipe without lengths cannot plan (its trial
+    trains on the recipe's own batches, and the row's notes say why)."""
+    if recipe.lengths is None and (config.data.bucketing or config.data.packing):
+        return config.replace(data__bucketing=False, data__packing=False, data__max_tokens=None)
+    return config
 
 
 def padding_of(batches: list[Any]) -> float | None:

@@ -22,12 +22,12 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from torchturbo.base.nhwc import has_2d_convolutions
+from torchturbo.base.repeated_blocks import traced_leaf_modules
 from torchturbo.data.bucketing import padding_fractions
 from torchturbo.measure.memory import activation_bytes
 from torchturbo.measure.native import emulated, gemm_speedup
 from torchturbo.recipe import Recipe
-from torchturbo.techniques.nhwc import has_2d_convolutions
-from torchturbo.techniques.repeated_blocks import traced_leaf_modules
 
 #: The low precisions compared with fp32.
 _LOW_PRECISIONS = ("bf16", "fp16", "tf32")

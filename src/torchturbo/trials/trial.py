@@ -5,7 +5,7 @@ weights) training on a fixed, pre-collated list of batches, so every variant see
 the same order and input loading is kept out of the compute measurement. Each trial also draws
 its random numbers (dropout) from its own stream, so that interleaving trials does not hand them
 different dropout masks: loss curves differ only by what the configuration changes.
-:func:`torchturbo.measure.variants.compare_configs` times trials side by side; the CLI's
+:func:`torchturbo.trials.variants.compare_configs` times trials side by side; the CLI's
 ``bench``, ``benchmarks/techniques.py``, the tuner and the doctor all measure through here.
 
 Under torchrun every rank builds the same trials and steps them in the same order (the
@@ -20,18 +20,17 @@ from __future__ import annotations
 import functools
 import itertools
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset
 
-from torchturbo.config import DataConfig, TurboConfig
-from torchturbo.data.bucketing import BucketBatchSampler
+from torchturbo.config import TurboConfig
+from torchturbo.data.batch_plan import BatchSource
 from torchturbo.data.collate import pad_collate
 from torchturbo.data.length import length_or_none
-from torchturbo.data.packing import PackingBatchSampler, packed_collate
 from torchturbo.distributed.comm import CommStats
 from torchturbo.distributed.launch import current_env
 from torchturbo.engine import Turbo
@@ -39,10 +38,14 @@ from torchturbo.measure.memory import activation_bytes, tensor_bytes, track_peak
 from torchturbo.measure.timing import time_once
 from torchturbo.recipe import Recipe
 from torchturbo.reliability.oom import split_batch
+from torchturbo.techniques import registry
 
 
-def fixed_batches(recipe: Recipe, count: int, *, seed: int | None = None) -> list[Any]:
-    """The first ``count`` batches of a seeded shuffle of the recipe's dataset, collated.
+def fixed_batches(
+    recipe: Recipe, count: int, *, seed: int | None = None, pad_to_multiple: int = 1
+) -> list[Any]:
+    """The first ``count`` batches of a seeded shuffle of the recipe's dataset, collated as the
+    engine collates them (the recipe's collate, else ``pad_collate`` to ``pad_to_multiple``).
 
     The default seed is the recipe's plus the process's rank, so that under torchrun each rank
     trains on different batches, as data-parallel ranks do. A stream (an ``IterableDataset``)
@@ -51,11 +54,14 @@ def fixed_batches(recipe: Recipe, count: int, *, seed: int | None = None) -> lis
     """
     seed = recipe.seed + current_env().rank if seed is None else seed
     generator = torch.Generator().manual_seed(seed)
+    collate = recipe.collate or functools.partial(
+        pad_collate, pad_to_multiple=pad_to_multiple, pad_values=recipe.pad_values
+    )
     loader = DataLoader(
         recipe.dataset,
         batch_size=recipe.batch_size,
         shuffle=not isinstance(recipe.dataset, IterableDataset),
-        collate_fn=recipe.collate_fn(),
+        collate_fn=collate,
         generator=generator,
         drop_last=True,
     )
@@ -237,80 +243,48 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor_bytes(tensor)
 
 
-def bucketed_batches(recipe: Recipe, count: int, data: DataConfig | None = None) -> list[Any]:
-    """The first ``count`` length-bucketed batches of the recipe's dataset, collated as the
-    engine collates them: ``[data] max_tokens`` per batch, else the token budget of the recipe's
-    random batches (batch size x mean length), so both compute about as many real tokens."""
-    if recipe.lengths is None:
-        raise ValueError(f"recipe {recipe.name!r} gives no per-sample lengths to bucket by")
-    data = data or DataConfig()
-    lengths = list(recipe.lengths)
-    sampler = BucketBatchSampler(
-        lengths,
-        max_tokens=_token_budget(recipe, lengths, data),
-        pad_to_multiple=data.pad_to_multiple,
+def planned_batches(recipe: Recipe, config: TurboConfig, count: int) -> list[Any]:
+    """The first ``count`` batches ``config`` trains the recipe on: its batch plan's
+    (``registry.batch_plan``, as the engine, ``TurboTrainer`` and the Lightning callback build
+    it for this config and seed), or :func:`fixed_batches` when no technique plans them."""
+    plan = registry.batch_plan(config, recipe_source(recipe))
+    if not plan.dynamic:
+        return fixed_batches(recipe, count, pad_to_multiple=config.data.pad_to_multiple)
+    return plan.first_batches(recipe.dataset, count)
+
+
+class TrialBatches:
+    """Each batch plan's first ``count`` batches of a recipe, drawn on first use and kept:
+    trials whose configs plan the same batches (``registry.batch_key``) share one list, so that
+    interleaved steps time the same batch on both sides."""
+
+    def __init__(self, recipe: Recipe, count: int) -> None:
+        self.recipe = recipe
+        self.count = count
+        self._drawn: dict[Hashable, list[Any]] = {}
+
+    def __call__(self, config: TurboConfig) -> list[Any]:
+        key = registry.batch_key(config)
+        if key not in self._drawn:
+            self._drawn[key] = planned_batches(self.recipe, config, self.count)
+        return self._drawn[key]
+
+
+def recipe_source(recipe: Recipe) -> BatchSource:
+    """The recipe's data as a batch plan's source: this rank's share of whole batches, the
+    recipe's collate and seed, and a fresh model of the recipe for plans that read it."""
+    env = current_env()
+    return BatchSource(
+        recipe.dataset,
+        recipe.lengths,
+        recipe.batch_size,
         seed=recipe.seed,
+        num_replicas=env.world_size,
+        rank=env.rank,
+        collate=recipe.collate,
+        pad_values=recipe.pad_values,
+        model=lambda: recipe.build()[0],
     )
-    collate = recipe.collate or functools.partial(
-        pad_collate, pad_to_multiple=data.pad_to_multiple, pad_values=recipe.pad_values
-    )
-    return _first_batches(recipe, sampler, collate, count)
-
-
-def packed_batches(
-    recipe: Recipe, count: int, data: DataConfig | None = None, *, boundaries: bool = False
-) -> list[Any]:
-    """The first ``count`` packed rows of the recipe's dataset (``data/packing.py``), of the
-    same token budget as :func:`bucketed_batches`, so both compute about as many tokens;
-    ``boundaries`` adds ``document_ids`` and ``cu_seqlens`` (for models that take them)."""
-    if recipe.lengths is None:
-        raise ValueError(f"recipe {recipe.name!r} gives no per-sample lengths to pack by")
-    data = data or DataConfig()
-    lengths = list(recipe.lengths)
-    sampler = PackingBatchSampler(
-        lengths, max_tokens=_token_budget(recipe, lengths, data), seed=recipe.seed
-    )
-    pack = functools.partial(packed_collate, boundaries=boundaries)
-    fields = _collated_fields(recipe)
-
-    def collate(samples: list[Any]) -> Any:
-        if fields is not None:
-            samples = [{k: v for k, v in s.items() if k in fields} for s in samples]
-        return pack(samples)
-
-    return _first_batches(recipe, sampler, collate, count)
-
-
-def _collated_fields(recipe: Recipe) -> set[str] | None:
-    """The fields the recipe's own collate keeps of a dict sample (a Trainer's collate drops the
-    columns its model does not take, such as raw text), plus ``input_ids`` and ``labels``; None
-    when that cannot be told (no collate, or samples that are not dicts)."""
-    first = recipe.dataset[0]
-    if recipe.collate is None or not isinstance(first, Mapping):
-        return None
-    collated = recipe.collate([first])
-    if not isinstance(collated, Mapping):
-        return None
-    return {*collated, "input_ids", "labels"}
-
-
-def _token_budget(recipe: Recipe, lengths: list[int], data: DataConfig) -> int:
-    """``[data] max_tokens``, else the recipe's batch size x mean length (at least the
-    longest sample, which must fit on its own)."""
-    return data.max_tokens or max(
-        round(recipe.batch_size * sum(lengths) / len(lengths)), max(lengths)
-    )
-
-
-def _first_batches(
-    recipe: Recipe, sampler: BucketBatchSampler, collate: Callable[[list[Any]], Any], count: int
-) -> list[Any]:
-    batches = []
-    for indices in sampler:
-        batches.append(collate([recipe.dataset[i] for i in indices]))
-        if len(batches) == count:
-            break
-    return batches
 
 
 def start_trial(

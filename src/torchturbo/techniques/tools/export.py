@@ -146,7 +146,7 @@ def export_recipe(
     The weights are the recipe's initial ones (fixed by its seed), or with ``checkpoint`` the
     trained ones of a ``torchturbo train`` checkpoint: a ``--checkpoint-dir`` (its newest
     checkpoint that verifies) or one ``ckpt-*`` directory in it. ``fuse`` folds BatchNorm into
-    the preceding convolutions (:func:`~torchturbo.techniques.fusion.fuse_for_inference`).
+    the preceding convolutions (:func:`~torchturbo.techniques.tools.fusion.fuse_for_inference`).
     The example inputs are whatever ``recipe.loss_fn`` passes to the model on the first
     ``batch_size`` samples of the dataset, so any recipe works without naming its input format.
     """
@@ -157,7 +157,7 @@ def export_recipe(
     model.eval()
     inputs = capture_model_inputs(model, recipe, batch_size)
     if fuse:
-        from torchturbo.techniques.fusion import fuse_for_inference
+        from torchturbo.techniques.tools.fusion import fuse_for_inference
 
         model, _ = fuse_for_inference(model)
     return export_model(model, inputs, path, method=method)

@@ -15,8 +15,8 @@ import torch
 from torchturbo.config import TurboConfig
 from torchturbo.measure.footprint import MemoryEstimate
 from torchturbo.recipe import Recipe
-from torchturbo.techniques import levers
-from torchturbo.techniques.facts import Facts
+from torchturbo.techniques.framework import levers
+from torchturbo.techniques.framework.facts import Facts
 
 
 @dataclass(frozen=True)
@@ -24,9 +24,7 @@ class Candidate:
     """One configuration to try.
 
     ``expected_gain`` (None: no prior) orders the work; ``not_applicable`` says why it cannot
-    help here, and then it is reported, not trained. ``batching`` names batches other than the
-    current best's: "buckets" (length buckets), "packed" or "packed:ids" (packed rows, with the
-    document boundaries for models that take them).
+    help here, and then it is reported, not trained. Its batches are its config's batch plan;
     ``batches`` and ``recipe`` override the batches and the recipe outright (tests inject
     techniques this way). ``one_time_s`` is a one-time cost it brings besides compiling the
     model (torchao compiling its optimizer step), in seconds on an idle machine, for the
@@ -38,7 +36,6 @@ class Candidate:
     expected_gain: float | None = None
     not_applicable: str | None = None
     evidence: str = ""
-    batching: str | None = None
     batches: list[Any] | None = None
     recipe: Recipe | None = None
     one_time_s: float = 0.0
@@ -59,7 +56,7 @@ class StageContext:
     backend: str | None = None
     #: The current best's batch size per step (after any micro-batching).
     batch_size: int | None = None
-    #: The fp32 eager step's memory estimate (``measure.memory_estimate``), for the planner.
+    #: The fp32 eager step's memory estimate (``trials.memory_estimate``), for the planner.
     memory: MemoryEstimate | None = None
     notes: dict[str, str] = field(default_factory=dict)
 

@@ -3,7 +3,7 @@
 One instrumented step of the fp32 eager baseline on a slice of the recipe's first batch: the
 weights, their gradients and the optimizer state are counted exactly (they do not depend on the
 batch), and the tensors autograd saves for backward (``saved_tensors_hooks``, composed through
-``techniques/saved_tensors.py`` as ``measure.memory.activation_bytes`` counts them) are
+``base/saved_tensors.py`` as ``measure.memory.activation_bytes`` counts them) are
 attributed to the block whose forward is running when they are saved (module forward hooks).
 
 Two forwards of ``n`` and ``2n`` samples of the same batch (cut after collating, so a padded text
@@ -32,16 +32,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from torchturbo.base.nested import iter_tensors, map_tensors
+from torchturbo.base.saved_tensors import saved_tensor_packer
 from torchturbo.config import TurboConfig
 from torchturbo.measure.footprint import BlockMemory, Line, MemoryEstimate, TensorRecord
 from torchturbo.measure.memory import storage_key, tensor_bytes
 from torchturbo.measure.timing import sync
-from torchturbo.measure.trial import Trial
 from torchturbo.recipe import Recipe
-from torchturbo.reliability.nested import iter_tensors, map_tensors
 from torchturbo.reliability.oom import leading_size
 from torchturbo.techniques.checkpointing import find_blocks
-from torchturbo.techniques.saved_tensors import saved_tensor_packer
+from torchturbo.trials.trial import Trial
 
 #: What is saved outside every named module: the loss, and ops in the model's own forward.
 TOP_LEVEL = "(top level: loss, ...)"

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchturbo.reliability.nested import named_tensors
+from torchturbo.base.nested import named_tensors
 
 _CONV_TYPES = (
     nn.Conv1d,

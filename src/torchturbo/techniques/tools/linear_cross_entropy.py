@@ -28,10 +28,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-#: Tokens per chunk: at a 128k vocabulary, 256 tokens of float32 logits take 128 MiB, and a
-#: product of 256 rows still runs at the matmul's full rate. Liger-Kernel picks about this many
-#: for Llama-3-8B (tokens / ceil(vocab / hidden)).
-CHUNK_TOKENS = 256
+from torchturbo.config.sections import CHUNK_TOKENS
+
 #: The label that contributes nothing, as in ``torch.nn.functional.cross_entropy``.
 IGNORE_INDEX = -100
 

@@ -2,8 +2,8 @@
 
 The tuner measures candidates in order of expected gain per second of measuring, and the doctor
 ranks the same levers by the same numbers (each technique names its levers: ``Technique.levers``,
-ranked by ``techniques.registry.ranked_levers``), so the two never disagree about what to try first.
-The expectations are priors built from facts measured in seconds (``techniques.facts``): the
+ranked by ``techniques.registry.ranked_levers``), so the two never disagree about what to try
+first. The expectations are priors built from facts measured in seconds (``framework.facts``): the
 rate of a matrix product in each precision against fp32 on this device, the padding that length
 buckets would remove, the share of the FLOPs in convolutions, whether batch shapes vary. They
 order the work and explain it; only the tuner's paired measurement decides what is adopted.
@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from torchturbo.techniques.facts import Facts
+from torchturbo.techniques.framework.facts import Facts
 
 #: Share of a training step spent in dense maths (matmuls, convolutions) that a faster precision
 #: speeds up; the rest (elementwise ops, norms, the optimizer) is assumed unchanged. A prior from

@@ -1,0 +1,104 @@
+"""The loader ``Turbo.setup`` builds from a dataset: the config's batch plan when a technique
+plans the batches (length buckets, packing: ``registry.batch_plan``, which the trainers and the
+tuner's trials build alike), else the caller's batches, split across ranks under torchrun."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from torchturbo.config import TurboConfig
+from torchturbo.data.batch_plan import BatchSource
+from torchturbo.data.collate import pad_collate
+from torchturbo.data.loader import build_loader
+from torchturbo.distributed.strategy import Strategy
+from torchturbo.recipe import Recipe
+from torchturbo.techniques import registry
+
+
+def recipe_data(recipe: Recipe) -> dict[str, Any]:
+    """The ``Turbo.setup`` arguments that train on a recipe's dataset, as ``torchturbo.train``
+    passes them (the tuner's trials plan the same batches from the same recipe fields)."""
+    return {
+        "batch_size": recipe.batch_size,
+        "collate_fn": recipe.collate,
+        "seed": recipe.seed,
+        "lengths": recipe.lengths,
+        "pad_values": recipe.pad_values,
+    }
+
+
+def training_loader(
+    data: Dataset,
+    *,
+    config: TurboConfig,
+    device: torch.device,
+    strategy: Strategy,
+    batch_size: int | None,
+    collate_fn: Callable[[list[Any]], Any] | None,
+    batch_sampler: Any,
+    shuffle: bool,
+    seed: int | None,
+    lengths: Sequence[int] | None,
+    pad_values: Mapping[str, int] | None,
+    model: nn.Module,
+) -> DataLoader:
+    """A DataLoader over ``data`` for this rank (see ``Turbo.setup`` for the arguments).
+
+    A batch plan (``[data] bucketing`` or ``packing``) shards whole batches across ranks itself
+    and replaces the caller's ``batch_sampler``; otherwise a dataset with ``batch_size`` is split
+    across ranks by the strategy, and a ``batch_sampler`` of the caller's is used as given.
+    Without ``collate_fn``, :func:`pad_collate` pads variable-length fields of dict samples
+    (``pad_values`` per field) and collates the rest as torch's default collate does.
+    """
+    env = strategy.env
+    source = BatchSource(
+        data,
+        lengths,
+        batch_size,
+        seed=seed or 0,
+        num_replicas=env.world_size,
+        rank=env.rank,
+        collate=collate_fn,
+        pad_values=pad_values,
+        model=lambda: model,
+        lengths_from="pass setup(..., lengths=[...]) (one per sample)",
+    )
+    plan = registry.batch_plan(config, source)
+    if plan.dynamic:
+        if batch_sampler is not None:
+            raise ValueError(
+                f"setup() got a batch_sampler, but the config plans the batches itself "
+                f"({plan.kind}): pass the dataset alone, or turn [data] bucketing/packing off"
+            )
+        return build_loader(
+            data,
+            config=config.data,
+            device=device,
+            collate_fn=plan.collate,
+            batch_sampler=plan.sampler,
+            seed=seed,
+        )
+    collate_fn = collate_fn or functools.partial(
+        pad_collate, pad_to_multiple=config.data.pad_to_multiple, pad_values=pad_values
+    )
+    if batch_sampler is None and batch_size is not None:
+        batch_sampler = strategy.batch_sampler(data, batch_size, shuffle=shuffle, seed=seed or 0)
+        batch_size = None if batch_sampler is not None else batch_size
+    if batch_size is None and batch_sampler is None:
+        raise ValueError("setup() got a dataset: pass batch_size= or batch_sampler=")
+    return build_loader(
+        data,
+        batch_size=batch_size,
+        config=config.data,
+        device=device,
+        shuffle=shuffle,
+        collate_fn=collate_fn,
+        batch_sampler=batch_sampler,
+        seed=seed,
+    )
