@@ -31,6 +31,7 @@ from torchturbo.measure.memory import activation_bytes
 from torchturbo.techniques.checkpointing import CHECKPOINTED_MARK
 from torchturbo.techniques.compile import CACHE_ENV, compiled_graphs
 from torchturbo.techniques.float8 import float8_unavailable
+from torchturbo.techniques.liger import liger_unavailable
 
 
 @dataclass
@@ -74,6 +75,9 @@ class Setting:
     lm: bool = False
     #: Its runs compile (tens of seconds): marked slow.
     slow: bool = False
+    #: The optimizer its runs (and their baseline) train with, over the model's parameters;
+    #: None: SGD with momentum.
+    optimizer: Callable[[Any], torch.optim.Optimizer] | None = None
 
     def overrides(self) -> dict[str, Any]:
         return self.on() if callable(self.on) else dict(self.on)
@@ -112,6 +116,26 @@ def _keeps_only_its_inputs(run: Run) -> bool:
     inputs = [batch, *run.model.parameters()]
     saved = activation_bytes(lambda: run.model(batch).sum(), model=run.model)
     return saved <= sum(t.numel() * t.element_size() for t in inputs)
+
+
+def _blocks_compiled(run: Run) -> bool:
+    """Whether every decoder layer, and not the model around them, runs compiled, and dynamo
+    built graphs for them."""
+    layers = list(run.model.model.layers)
+    return (
+        _applied(run, "regional_compile")
+        and all(layer._compiled_call_impl is not None for layer in layers)
+        and run.model._compiled_call_impl is None
+        and (compiled_graphs() or 0) > 0
+    )
+
+
+def _moments_in_bf16(run: Run) -> bool:
+    """Whether the optimizer that trained keeps every moment in bfloat16."""
+    states = list(run.turbo.optimizer.state.values())
+    return bool(states) and all(
+        s["exp_avg"].dtype == s["exp_avg_sq"].dtype == torch.bfloat16 for s in states
+    )
 
 
 def _compile_cache() -> dict[str, Any]:
@@ -154,6 +178,16 @@ SETTINGS: dict[str, Setting] = {
         took_effect=lambda run: _applied(run, "compile") and (compiled_graphs() or 0) > 0,
         slow=True,
     ),
+    "regional_compile": Setting(
+        on={"compile__mode": "default", "compile__scope": "blocks"},
+        tolerance=1e-4,  # compile's: inductor fuses and reorders float32 sums
+        took_effect=_blocks_compiled,
+        stacks="it compiles the repeated blocks of the causal LM (the other settings train a "
+        "ConvNet, which repeats none): its composition with checkpointing, the chunked loss "
+        "and FSDP is tested in tests/test_regional_compile.py",
+        lm=True,
+        slow=True,
+    ),
     "compile_cache": Setting(
         on=_compile_cache,
         tolerance=1e-4,
@@ -183,6 +217,31 @@ SETTINGS: dict[str, Setting] = {
         on={"optimizer__implementation": "fused"},
         tolerance=1e-5,  # one kernel, the same maths in another rounding order
         took_effect=lambda run: run.turbo.optimizer.param_groups[0].get("fused") is True,
+    ),
+    "optimizer_state": Setting(
+        on={"optimizer__state": "bf16"},
+        # bf16 moments (8 bits of mantissa, stochastically rounded) move each AdamW update by
+        # ~0.4% of its size: under 1e-3 of the ConvNet's weights over the 3 steps; the other
+        # states (torchao's, compiled) are measured over 40 steps in test_optimizer_state.py.
+        tolerance=5e-3,
+        took_effect=_moments_in_bf16,
+        optimizer=lambda params: torch.optim.AdamW(params, lr=1e-2),
+        excludes={
+            "optimizer": "a fused or foreach rebuild is torch's kernel, which a smaller "
+            "state would replace"
+        },
+    ),
+    "liger_kernel": Setting(
+        on={"liger_kernel__enabled": True},
+        # Liger's Triton kernels: RMSNorm and SwiGLU in float32 differ from eager by rounding.
+        tolerance=1e-4,
+        took_effect=lambda run: _applied(run, "liger_kernel"),
+        # The registry's runs are on the CPU: Liger's kernels need CUDA, so these always skip;
+        # tests/test_liger.py runs it on a GPU where there is one.
+        unavailable=lambda: liger_unavailable("cpu"),
+        stacks="it patches a Hugging Face causal LM, which the other settings do not train, "
+        "and only on CUDA: tests/test_liger.py checks it there",
+        lm=True,
     ),
     "length_buckets": Setting(
         on={"data__bucketing": True},

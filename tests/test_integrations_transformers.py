@@ -176,11 +176,13 @@ def test_every_config_field_is_carried_or_noted():
         ("precision", "grad_scaler"): None,  # the default: fp16 implies it (checked below)
         ("precision", "float8"): True,
         ("optimizer", "implementation"): "fused",
+        ("optimizer", "state"): "8bit",
         ("memory_format", "channels_last"): True,
         ("backend", "cudnn_benchmark"): True,
         ("compile", "mode"): "max-autotune",
         ("compile", "fullgraph"): True,
         ("compile", "dynamic"): False,
+        ("compile", "scope"): "blocks",
         ("checkpointing", "mode"): "full",
         ("checkpointing", "module_types"): ("BertLayer",),
         ("checkpointing", "name_pattern"): "bert.*",
@@ -221,6 +223,7 @@ def test_every_config_field_is_carried_or_noted():
         ("chunked_loss", "chunk_tokens"): 128,
         ("activation_compression", "dtype"): "bf16",
         ("activation_compression", "min_bytes"): 4096,
+        ("liger_kernel", "enabled"): True,
     }
     every_field = {(s, f.name) for s, cls in sections().items() for f in dataclasses.fields(cls)}
     assert set(changed) == every_field  # a new core config field must be added here
@@ -228,6 +231,7 @@ def test_every_config_field_is_carried_or_noted():
     companions = {
         "fullgraph": {"compile__mode": "default"},
         "dynamic": {"compile__mode": "default"},
+        "scope": {"compile__mode": "default"},
         "cache_dir": {"compile__mode": "default"},
         "chunk_tokens": {"chunked_loss__enabled": True},
         "min_bytes": {"activation_compression__dtype": "bf16"},

@@ -73,7 +73,12 @@ def train(config: TurboConfig, setting: Setting, *, break_model: bool = False) -
     if config.compile.mode != "off":  # from scratch: a graph an earlier test compiled is reused
         torch.compiler.reset()
     model = model_for(setting)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.0 if setting.data else 0.1, momentum=0.9)
+    if setting.optimizer is not None:
+        optimizer = setting.optimizer(model.parameters())
+    else:
+        optimizer = torch.optim.SGD(
+            model.parameters(), lr=0.0 if setting.data else 0.1, momentum=0.9
+        )
     turbo = Turbo(config)
     probes: list[dict[str, Any]] = []
     losses: list[float] = []
@@ -217,8 +222,10 @@ def _pairs() -> list[Any]:
 def test_composition_with_every_technique_it_stacks_with(first: str, second: str) -> None:
     a, b = SETTINGS[first], SETTINGS[second]
     _skip_unavailable(a, b)
-    baseline = _baseline(a)
-    run = _compared(_config(a, b), a, baseline)
+    # The pair trains with the optimizer either asks for (an optimizer technique's), baseline too.
+    trained = dataclasses.replace(a, optimizer=a.optimizer or b.optimizer)
+    baseline = _baseline(trained)
+    run = _compared(_config(a, b), trained, baseline)
     refusing = [
         n for n, s, other in ((first, a, second), (second, b, first)) if other in s.excludes
     ]
@@ -303,7 +310,15 @@ def test_every_technique_has_its_own_place_in_the_one_order_and_says_why() -> No
     assert len({t.order for t in techniques}) == len(techniques), "two techniques share a place"
     assert all(len(t.order_reason) > 30 for t in techniques)
     transforms = [t.name for t in techniques if t.transform is not None]
-    assert transforms == ["float8", "channels_last", "checkpointing", "chunked_loss", "compile"]
+    assert transforms == [
+        "liger_kernel",
+        "float8",
+        "channels_last",
+        "checkpointing",
+        "chunked_loss",
+        "compile",
+        "regional_compile",
+    ]
 
 
 def test_two_techniques_in_one_place_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:

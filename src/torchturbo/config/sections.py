@@ -25,11 +25,13 @@ Precision = Literal["fp32", "tf32", "bf16", "fp16"]
 CompileMode = Literal[
     "off", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"
 ]
+CompileScope = Literal["model", "blocks"]
 CheckpointMode = Literal["off", "full", "selective"]
 DistStrategy = Literal["ddp", "fsdp"]
 CommHookName = Literal["none", "fp16", "bf16", "powersgd", "powersgd_fp16", "powersgd_bf16"]
 ParamDtype = Literal["fp32", "bf16", "fp16"]
 OptimizerImplementation = Literal["as_built", "foreach", "fused"]
+OptimizerState = Literal["as_built", "bf16", "8bit", "4bit", "fp8"]
 PipelineSchedule = Literal["gpipe", "1f1b"]
 
 
@@ -105,6 +107,12 @@ class CompileConfig:
     fullgraph: bool = False
     #: Dynamic shapes: None lets torch decide (it marks dims dynamic after a recompile).
     dynamic: bool | None = None
+    #: What is compiled. model: the whole model, one graph. blocks: regional compilation, each
+    #: repeated block (a child of an nn.ModuleList of two or more modules of one class)
+    #: compiled in place, the code compiled for the first reused by the others, and the rest
+    #: of the model eager: the cold compile is about one block's, not every block's
+    #: (techniques/regional_compile.py).
+    scope: CompileScope = "model"
     #: Inductor's cache folder (compiled graphs and kernels), relative to the turbo.toml that
     #: names it; "" leaves torch's default. ``tune`` compiles into one beside turbo.toml, so
     #: that the first step of ``train`` loads what tuning compiled instead of compiling again.
@@ -122,6 +130,11 @@ class CompileConfig:
         validate_section(self, self._combinations)
 
     def _combinations(self) -> list[str]:
+        if self.scope != "model" and self.mode == "off":
+            return [
+                f"[compile] scope = {self.scope!r} with mode = 'off' is invalid: nothing is "
+                "compiled; set mode = 'default' or remove scope"
+            ]
         if self.activation_memory_budget is not None and self.mode == "off":
             return [
                 f"[compile] activation_memory_budget = {self.activation_memory_budget} with "
@@ -217,6 +230,13 @@ class OptimizerConfig:
     #: with the flag (same state and hyper-parameters) where its class accepts it; where not,
     #: it is left as built and the reason reported.
     implementation: OptimizerImplementation = "as_built"
+    #: How an Adam or AdamW keeps its two moments. as_built: as the optimizer does (float32).
+    #: bf16: bfloat16, stochastically rounded (half the bytes). 8bit, 4bit, fp8: torchao's
+    #: AdamW8bit, AdamW4bit, AdamWFp8 (block-quantised: about 1/4, 1/8, 1/4 of the bytes; their
+    #: step is compiled, a one-time cost per parameter shape). The optimizer is rebuilt with
+    #: the same groups and hyper-parameters; another class, or one rebuilt fused or foreach by
+    #: ``implementation``, is left as it is, with the reason (techniques/optimizer_state.py).
+    state: OptimizerState = "as_built"
 
     def __post_init__(self) -> None:
         validate_section(self)
@@ -390,6 +410,21 @@ class ChunkedLossConfig:
     #: Tokens per chunk: fewer hold less (a chunk's logits are tokens x vocab x 4 bytes), too
     #: few run the head's matrix product below its full rate.
     chunk_tokens: int = between(CHUNK_TOKENS, 1)
+
+    def __post_init__(self) -> None:
+        validate_section(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LigerKernelConfig:
+    """Liger-Kernel's Triton kernels in a Hugging Face causal LM (CUDA, liger-kernel)."""
+
+    SECTION: typing.ClassVar[str] = "liger_kernel"
+    #: Apply Liger-Kernel's patches for the model's type (RMSNorm, RoPE, SwiGLU, fused linear
+    #: cross-entropy), as TrainingArguments(use_liger_kernel=True) does
+    #: (techniques/liger.py). Where CUDA or the package is missing it is not applied, and why
+    #: is reported.
+    enabled: bool = False
 
     def __post_init__(self) -> None:
         validate_section(self)

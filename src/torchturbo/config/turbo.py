@@ -33,6 +33,7 @@ from torchturbo.config.sections import (
     CompileConfig,
     DataConfig,
     DistributedConfig,
+    LigerKernelConfig,
     MemoryFormatConfig,
     OptimizerConfig,
     PrecisionConfig,
@@ -62,6 +63,7 @@ class TurboConfig:
     activation_compression: ActivationCompressionConfig = field(
         default_factory=ActivationCompressionConfig
     )
+    liger_kernel: LigerKernelConfig = field(default_factory=LigerKernelConfig)
 
     def __post_init__(self) -> None:
         problems = [] if (problem := device_problem(self.device)) is None else [problem]

@@ -46,6 +46,21 @@ def storage_key(tensor: torch.Tensor) -> tuple[_StorageKey, int] | None:
     return (key, nbytes) if key else None
 
 
+def tensor_bytes(tensor: torch.Tensor) -> int:
+    """Bytes ``tensor`` holds in this process, counted through tensor subclasses: an FSDP2
+    shard (a DTensor) counts its local part, and a wrapper subclass its inner tensors
+    (torchao's 8-bit optimizer state looks like float32 but holds uint8 codes and scales)."""
+    from torch.distributed.tensor import DTensor
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    if isinstance(tensor, DTensor):
+        return tensor_bytes(tensor.to_local())
+    if is_traceable_wrapper_subclass(tensor):
+        names, _ = tensor.__tensor_flatten__()
+        return sum(tensor_bytes(getattr(tensor, name)) for name in names)
+    return tensor.numel() * tensor.element_size()
+
+
 def activation_bytes(
     forward_fn: Callable[[], Any],
     model: torch.nn.Module | None = None,

@@ -38,14 +38,8 @@ def apply_compile(model: nn.Module, config: CompileConfig) -> TechniqueResult:
     if config.mode == "off":
         return not_applied("compile", "[compile] mode = 'off'")
     cache = use_compile_cache(config.cache_dir)
-    # "default" is torch.compile's name for passing no mode at all.
-    mode = None if config.mode == "default" else config.mode
-    options: dict[str, Any] = {"fullgraph": config.fullgraph, "dynamic": config.dynamic}
+    options = compile_options(config)
     budget = config.activation_memory_budget
-    if budget is None:
-        options["mode"] = mode
-    else:
-        options["backend"] = BudgetedInductor(mode, config.dynamic, budget)
     try:
         if type(model).forward.__module__.startswith("torch."):
             # A root whose forward is torch's own (an nn.Sequential) leaves dynamo no frame to
@@ -61,6 +55,20 @@ def apply_compile(model: nn.Module, config: CompileConfig) -> TechniqueResult:
         return not_applied("compile", f"torch.compile refused the model: {_first_line(err)}")
     details = () if budget is None else (f"activation memory budget {budget:g}",)
     return applied("compile", details + (() if cache is None else (f"cache {cache}",)))
+
+
+def compile_options(config: CompileConfig) -> dict[str, Any]:
+    """The keywords of ``torch.compile`` (and ``nn.Module.compile``) for ``config``: its mode,
+    or the budgeted Inductor backend under an activation memory budget."""
+    # "default" is torch.compile's name for passing no mode at all.
+    mode = None if config.mode == "default" else config.mode
+    options: dict[str, Any] = {"fullgraph": config.fullgraph, "dynamic": config.dynamic}
+    budget = config.activation_memory_budget
+    if budget is None:
+        options["mode"] = mode
+    else:
+        options["backend"] = BudgetedInductor(mode, config.dynamic, budget)
+    return options
 
 
 class BudgetedInductor:
@@ -160,16 +168,16 @@ def _run(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     return forward(*args, **kwargs)
 
 
-def compile_failure(error: BaseException) -> TechniqueResult | None:
-    """The result to report when ``error`` was raised by torch.compile (dynamo or its backend)
-    while the compiled model ran; None for any other error."""
+def compile_failure(error: BaseException, technique: str = "compile") -> TechniqueResult | None:
+    """The result (of ``technique``) to report when ``error`` was raised by torch.compile
+    (dynamo or its backend) while the compiled model ran; None for any other error."""
     # Only a model that was compiled can raise these, and compiling imported their module: no
     # need to import torch._dynamo (a second of start-up) to ask.
     exceptions = sys.modules.get("torch._dynamo.exc")
     if exceptions is None or not isinstance(error, exceptions.TorchDynamoException):
         return None
     return not_applied(
-        "compile", f"failed while compiling: {type(error).__name__}: {_first_line(error)}"
+        technique, f"failed while compiling: {type(error).__name__}: {_first_line(error)}"
     )
 
 
@@ -203,6 +211,10 @@ def _first_line(error: BaseException) -> str:
 
 
 def compile_stage(ctx: StageContext) -> list[Candidate] | str:
+    """Whole-model compile in each mode worth trying here, and regional compile (each repeated
+    block compiled once, ``regional_compile.py``) where the model repeats a block: the job's
+    objective weighs each one's one-time cost against its gain over the planned steps, so a
+    short job may take the regional compile that a whole-model compile does not pay back."""
     modes = ["default"]
     if ctx.device.type == "cuda":
         # CUDA graphs (reduce-overhead) remove launch overhead; max-autotune-no-cudagraphs
@@ -212,20 +224,36 @@ def compile_stage(ctx: StageContext) -> list[Candidate] | str:
     # Varying batch shapes (text lengths) compile once with dynamic shapes: left to torch, a
     # new length recompiles (specialised, then dynamic), a one-time cost paid again in the job.
     dynamic = True if ctx.facts.shapes_vary else None
-    return [
+    found = [
         candidate(
-            f"compile:{m}", ctx.best.replace(compile__mode=m, compile__dynamic=dynamic), expectation
+            f"compile:{m}",
+            ctx.best.replace(compile__mode=m, compile__dynamic=dynamic, compile__scope="model"),
+            expectation,
         )
         for m in modes
     ]
+    regional = levers.regional_compile(ctx.facts)
+    found.append(
+        candidate(
+            "compile:default:blocks",
+            ctx.best.replace(
+                compile__mode="default", compile__dynamic=dynamic, compile__scope="blocks"
+            ),
+            regional,
+        )
+    )
+    return found
 
 
 def _transform(model: nn.Module, config: TurboConfig, device: torch.device) -> TechniqueResult:
     return apply_compile(model, config.compile)
 
 
-def _explain(error: BaseException) -> tuple[TechniqueResult, Exception] | None:
-    failure = compile_failure(error)
+def explain_compile_failure(
+    error: BaseException, technique: str = "compile"
+) -> tuple[TechniqueResult, Exception] | None:
+    """``Technique.explain_failure`` for a compiling technique called ``technique``."""
+    failure = compile_failure(error, technique)
     if failure is None or failure.reason is None:
         return None
     return failure, CompileError(
@@ -288,7 +316,7 @@ TECHNIQUES = (
         section="compile",
         fields=("mode", "fullgraph", "dynamic"),
         doc="docs/techniques/compile.md",
-        requested=lambda config: config.compile.mode != "off",
+        requested=lambda config: config.compile.mode != "off" and config.compile.scope == "model",
         transform=_transform,
         order=40,
         order_reason=(
@@ -296,7 +324,7 @@ TECHNIQUES = (
             "ones left it, and without the collectives of distributed wrapping (DDP's hooks "
             "would break the graph)"
         ),
-        explain_failure=_explain,
+        explain_failure=explain_compile_failure,
         carried_by={"transformers": lambda config: "TrainingArguments(torch_compile=True)"},
         stage=Stage("compile", 40, compile_stage),
         levers=(Lever("compile", levers.compile_),),

@@ -59,7 +59,7 @@ def implementation_unsupported(
     accepted = inspect.signature(type(optimizer)).parameters
     if implementation not in accepted:
         return f"{name} has no {implementation}= option"
-    held = _held_elsewhere(optimizer)
+    held = held_elsewhere(optimizer)
     if held:
         return held
     return _probe(optimizer, implementation, device)
@@ -103,7 +103,7 @@ def _arguments(optimizer: torch.optim.Optimizer, flags: dict[str, bool]) -> dict
     return {k: v for k, v in {**optimizer.defaults, **flags}.items() if k in accepted}
 
 
-def _held_elsewhere(optimizer: torch.optim.Optimizer) -> str | None:
+def held_elsewhere(optimizer: torch.optim.Optimizer) -> str | None:
     """Why a rebuilt copy would be bypassed: something bound to the old object."""
     if "step" in vars(optimizer):
         return (

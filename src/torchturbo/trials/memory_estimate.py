@@ -31,13 +31,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from torchturbo.base.nested import iter_tensors, map_tensors
 from torchturbo.base.saved_tensors import saved_tensor_packer
 from torchturbo.config import TurboConfig
 from torchturbo.measure.footprint import BlockMemory, Line, MemoryEstimate, TensorRecord
-from torchturbo.measure.memory import storage_key
+from torchturbo.measure.memory import storage_key, tensor_bytes
 from torchturbo.measure.timing import sync
 from torchturbo.recipe import Recipe
 from torchturbo.reliability.oom import leading_size
@@ -322,7 +321,5 @@ def _block_times(trial: Trial, batch: Any, names: dict[str, nn.Module]) -> dict[
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
-    """Bytes this process holds: for an FSDP2 shard (a DTensor), its local part only."""
-    if isinstance(tensor, DTensor):
-        tensor = tensor.to_local()
-    return tensor.numel() * tensor.element_size()
+    """Bytes this process holds (an FSDP2 shard's local part, a quantised state's codes)."""
+    return tensor_bytes(tensor)

@@ -25,7 +25,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, IterableDataset
 
 from torchturbo.config import TurboConfig
@@ -35,7 +34,7 @@ from torchturbo.data.length import length_or_none
 from torchturbo.distributed.comm import CommStats
 from torchturbo.distributed.launch import current_env
 from torchturbo.engine import Turbo
-from torchturbo.measure.memory import activation_bytes, track_peak_memory
+from torchturbo.measure.memory import activation_bytes, tensor_bytes, track_peak_memory
 from torchturbo.measure.timing import time_once
 from torchturbo.recipe import Recipe
 from torchturbo.reliability.oom import split_batch
@@ -240,10 +239,8 @@ def _set_rng_state(state: tuple[torch.Tensor, torch.Tensor | None], device: torc
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
-    """Bytes this process holds: for an FSDP2 shard (a DTensor), its local part only."""
-    if isinstance(tensor, DTensor):
-        tensor = tensor.to_local()
-    return tensor.numel() * tensor.element_size()
+    """Bytes this process holds (an FSDP2 shard's local part, a quantised state's codes)."""
+    return tensor_bytes(tensor)
 
 
 def planned_batches(recipe: Recipe, config: TurboConfig, count: int) -> list[Any]:

@@ -55,15 +55,19 @@ def confirm_seconds(
     return CONFIRM_ROUNDS * per_round * (baseline_step_s + best_step_s)
 
 
-def compile_seconds(facts: Facts) -> float:
-    """The expected one-time cost of compiling the model (see ``COMPILE_BASE_S``).
+def compile_seconds(facts: Facts, *, regional: bool = False) -> float:
+    """The expected one-time cost of compiling the model (see ``COMPILE_BASE_S``); with
+    ``regional``, of compiling its repeated blocks, which traces one block of each kind.
 
     Varying batch shapes compile twice (the first graph is specialised, the second dynamic); a
     machine busier than it has cores compiles proportionally slower (compiling runs on the CPU
     even when training runs on a GPU). A compile cannot be stopped half-way, so the estimate errs
     high: starting one that overruns would break the budget.
     """
-    seconds = COMPILE_BASE_S + COMPILE_PER_MODULE_S * facts.leaf_modules
+    traced = facts.leaf_modules
+    if regional and facts.block_leaf_modules is not None:
+        traced = facts.block_leaf_modules
+    seconds = COMPILE_BASE_S + COMPILE_PER_MODULE_S * traced
     if facts.shapes_vary:
         seconds *= 2
     return seconds * machine_load()

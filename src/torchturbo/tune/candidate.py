@@ -25,7 +25,12 @@ from torchturbo.techniques.framework.facts import shape_key
 from torchturbo.techniques.framework.proposal import Candidate
 from torchturbo.trials.trial import Trial, start_trial
 from torchturbo.tune import batching
-from torchturbo.tune.budget import candidate_seconds, compile_seconds, confirm_seconds
+from torchturbo.tune.budget import (
+    candidate_seconds,
+    compile_seconds,
+    confirm_seconds,
+    machine_load,
+)
 from torchturbo.tune.compare import Measured, compare, steps_per_round
 from torchturbo.tune.decide import (
     MIN_ROUNDS,
@@ -64,15 +69,22 @@ class Estimate:
 def estimate(run: Run, candidate: Candidate, best: Incumbent) -> Estimate:
     best_step = best.trial.step_seconds or run.baseline_step_s
     step = _expected_step(run, candidate, best)
-    # Another mode, or another activation budget (another partition of the graph), compiles
-    # anew; a candidate that keeps the best's compile finds its graphs in inductor's cache.
+    # Another mode, scope (whole model or blocks) or activation budget (another partition of
+    # the graph) compiles anew; a candidate that keeps the best's compile finds its graphs in
+    # inductor's cache.
     mine, theirs = candidate.config.compile, best.config.compile
     compiles = mine.mode != theirs.mode or (
-        mine.mode != "off" and mine.activation_memory_budget != theirs.activation_memory_budget
+        mine.mode != "off"
+        and (
+            mine.scope != theirs.scope
+            or mine.activation_memory_budget != theirs.activation_memory_budget
+        )
     )
-    compile_s = compile_seconds(run.facts) if compiles else 0.0
+    regional = mine.scope == "blocks"
+    compile_s = compile_seconds(run.facts, regional=regional) if compiles else 0.0
     per_round = steps_per_round(min(step, best_step), run_cycle(run, candidate.config, best.config))
     fixed = run.build_s + compile_s + (1 + WARM_STEPS) * step + step  # + the memory probe
+    fixed += candidate.one_time_s * machine_load()  # what else its first step compiles
     if compiles:
         batches = run.batches.count
         fixed += (batches - 1) * step  # one pass over every batch shape: recompiles

@@ -87,7 +87,8 @@ def _race(
     qualifies = "fits, but " if fit_memory else "faster than the best, but "
     lead, rival = leader[0].comparison, challenger[0].comparison
     assert lead is not None and rival is not None  # both were measured against the best
-    if rival.speed.high < lead.speed.low or rival.speed.low > lead.speed.high:
+    same_cost = (leader[0].one_time_s or 0.0) == (challenger[0].one_time_s or 0.0)
+    if same_cost and (rival.speed.high < lead.speed.low or rival.speed.low > lead.speed.high):
         ahead = rival.speed.ratio > lead.speed.ratio
         winner, beaten = (challenger, leader) if ahead else (leader, challenger)
         faster, slower = (rival, lead) if ahead else (lead, rival)
@@ -112,12 +113,26 @@ def _race(
         clock=run.clock,
     )
     assert measured.reversed is not None
-    challenger_wins = agree(measured.comparison.speed.ratio > 1)
+    # The winner makes the job faster: with equal one-time costs the faster step, and otherwise
+    # the one whose one-time cost (a whole-model compile against a regional one) its steps repay.
+    job = job_times(
+        steps=run.horizon.steps,
+        best_step_s=measured.comparison.reference_step_ms / 1e3,
+        ratio=measured.comparison.speed.ratio,
+        best_one_time_s=leader[0].one_time_s or 0.0,
+        one_time_s=challenger[0].one_time_s or 0.0,
+    )
+    challenger_wins = agree(job.faster)
     if challenger_wins:
         winner, beaten, race = challenger, leader, measured.reversed
     else:
         winner, beaten, race = leader, challenger, measured.comparison
-    if race.speed.high < 1:
+    if not same_cost:
+        verdict = (
+            f"makes the {job.steps:,}-step job faster ({min(job.best_s, job.candidate_s):.0f} s "
+            f"against {max(job.best_s, job.candidate_s):.0f} s, one-time costs included)"
+        )
+    elif race.speed.high < 1:
         verdict = "is faster"
     elif head_to_head_decided(race.ratios):
         verdict = f"is ahead, and within {WORTH_MEASURING:.0%} either way"

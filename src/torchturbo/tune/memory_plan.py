@@ -11,6 +11,12 @@ and races those that fit head to head for the fastest (``fastest_fit``). A plan 
   activation_memory_budget``: the partitioner keeps that fraction of what the compiled graph
   saves and recomputes the rest): the largest fraction on a 0.1 grid that should fit, alone
   and with the fewest micro-batches that it needs (``budget_plans``),
+* a smaller optimizer state, where the optimizer is an Adam or AdamW (``[optimizer] state``:
+  bf16, 8-bit or 4-bit moments, ``techniques/optimizer_state.py``): the estimate's weights,
+  gradients and optimizer state are fixed bytes, and on a fine-tune the two float32 moments are
+  often the largest of them, which no activation knob can free; its bytes are the state's
+  layout over the model's parameters (``planned_state_bytes``), its cost no recompute but the
+  loss difference the tuner measures; planned only when nothing fits without one,
 * and the blocks to checkpoint: for each of those, the cheapest set that frees what is still
   missing, a knapsack over blocks (``knapsack``) whose savings are the bytes each block's
   checkpointing frees and whose costs are its measured forward time (what recomputing it
@@ -38,12 +44,17 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 
 from torchturbo.config import CheckpointConfig, TurboConfig
 from torchturbo.measure.footprint import BlockMemory, MemoryEstimate
 from torchturbo.techniques.framework.proposal import Candidate, StageContext, memory_not_needed
+from torchturbo.techniques.optimizer_state import (
+    planned_state_bytes,
+    state_unsupported,
+    step_compile_seconds,
+)
 from torchturbo.tune.knapsack import cheapest_cover
 
 #: Micro-batch splits a plan may use.
@@ -58,6 +69,11 @@ BUDGET_STEP = 0.1
 #: Of those, compiled plans at most: the budget at the fewest micro-batches it fits with, and
 #: at the next split (a larger fraction kept, fewer ops recomputed).
 MAX_BUDGET_PLANS = 2
+#: The optimizer states a plan may use, least lossy first (a plan with a less lossy state
+#: dominates one with a lossier state and the same other knobs). fp8 keeps 8-bit's bytes.
+PLANNER_STATES = ("bf16", "8bit", "4bit")
+#: A state is planned only when it takes less than this share of the optimizer's own bytes.
+MIN_STATE_SHARE = 0.9
 
 
 @dataclass(frozen=True)
@@ -75,9 +91,11 @@ class Plan:
     #: ``[compile] activation_memory_budget`` (compiled plans only, which change nothing else
     #: but the split: ``knobs`` and ``dominates`` compare the eager knobs' plans).
     memory_budget: float | None = None
+    #: ``[optimizer] state`` (None: the optimizer's own).
+    state: str | None = None
 
-    def knobs(self) -> tuple[frozenset[str], int, bool]:
-        return frozenset(self.blocks), self.split, self.compress
+    def knobs(self) -> tuple[frozenset[str], int, bool, int]:
+        return frozenset(self.blocks), self.split, self.compress, _lossiness(self.state)
 
     def dominates(self, other: Plan) -> bool:
         """Fits with a subset of ``other``'s knobs (and is not the same plan)."""
@@ -87,7 +105,13 @@ class Plan:
             and mine[0] <= theirs[0]
             and mine[1] <= theirs[1]
             and mine[2] <= theirs[2]
+            and mine[3] <= theirs[3]
         )
+
+
+def _lossiness(state: str | None) -> int:
+    """0 for the optimizer's own state, then by ``PLANNER_STATES``' order."""
+    return 0 if state is None else 1 + PLANNER_STATES.index(state)
 
 
 def footprint(
@@ -123,29 +147,42 @@ def plans(
     splits: tuple[int, ...] = SPLITS,
     compression: bool = True,
     compiled: CompiledGraph | None = None,
+    states: Mapping[str, int] | None = None,
 ) -> list[Plan]:
     """The plans expected to fit ``budget`` once ``offset`` (measured minus estimated bytes of
     the current best) is added, cheapest first; the leanest plan alone when none should fit.
-    With ``compiled`` (the best is compiled), ``budget_plans`` join them."""
+    With ``compiled`` (the best is compiled), ``budget_plans`` join them. ``states`` are the
+    optimizer states a plan may use, each with the bytes it would take instead of the
+    estimate's optimizer state."""
     blocks = [b for b in estimate.blocks if b.checkpointable]
     fitting: list[Plan] = []
     unfit: list[Plan] = []
+    freed: dict[str | None, int] = {None: 0}
+    freed.update((s, estimate.optimizer_bytes - b) for s, b in (states or {}).items())
     for split, compress in itertools.product(splits, (False, True) if compression else (False,)):
-        for plan in _choices(estimate, blocks, budget - offset, split, compress):
-            plan = dataclasses.replace(plan, estimated_bytes=plan.estimated_bytes + offset)
-            (fitting if plan.estimated_bytes <= budget else unfit).append(plan)
-    kept = _unique(p for p in fitting if not any(o.dominates(p) for o in fitting))
-    kept.sort(key=_cheapest)
+        for state, saved in freed.items():
+            room = budget - offset + saved
+            for plan in _choices(estimate, blocks, room, split, compress, state):
+                bytes_ = plan.estimated_bytes + offset - saved
+                plan = dataclasses.replace(plan, estimated_bytes=bytes_)
+                (fitting if plan.estimated_bytes <= budget else unfit).append(plan)
     budgeted = budget_plans(estimate, budget, splits, compiled) if compiled is not None else []
     fitting_budgeted = [p for p in budgeted if p.estimated_bytes <= budget][:MAX_BUDGET_PLANS]
     unfit += [p for p in budgeted if p.estimated_bytes > budget]
+    exact = [p for p in fitting if p.state is None]
+    if exact or fitting_budgeted:
+        # A smaller state changes every update (a loss difference), where recomputing and
+        # micro-batching do not: it is planned only when nothing fits without one.
+        fitting = exact
+    kept = _unique(p for p in fitting if not any(o.dominates(p) for o in fitting))
+    kept.sort(key=_cheapest)
     if kept or fitting_budgeted:
         return sorted(fitting_budgeted + kept[: MAX_PLANS - len(fitting_budgeted)], key=_cheapest)
     return [min(unfit, key=lambda p: p.estimated_bytes)] if unfit else []
 
 
-def _cheapest(plan: Plan) -> tuple[float, int, bool, int]:
-    return plan.recompute_s, plan.split, plan.compress, len(plan.blocks)
+def _cheapest(plan: Plan) -> tuple[float, int, bool, int, int]:
+    return plan.recompute_s, plan.split, plan.compress, _lossiness(plan.state), len(plan.blocks)
 
 
 def budget_plans(
@@ -181,10 +218,15 @@ def budget_plans(
 
 
 def _choices(
-    estimate: MemoryEstimate, blocks: list[BlockMemory], budget: int, split: int, compress: bool
+    estimate: MemoryEstimate,
+    blocks: list[BlockMemory],
+    budget: int,
+    split: int,
+    compress: bool,
+    state: str | None = None,
 ) -> list[Plan]:
-    """For one split and compression: the knapsack's blocks, every whole block type, and (the
-    leanest) every block."""
+    """For one split, compression and optimizer state: the knapsack's blocks, every whole
+    block type, and (the leanest) every block."""
     samples = estimate.batch_size / split
     plain = footprint(estimate, (), split, compress)
     savings = [
@@ -205,11 +247,11 @@ def _choices(
     chosen.append((tuple(b.name for b in blocks), None))
     out = []
     for names, block_type in chosen:
-        if not names and split == 1 and not compress:
+        if not names and split == 1 and not compress and state is None:
             continue  # no change at all: the current best
         recompute = sum(_cost(b) for b in blocks if b.name in names)
         bytes_ = footprint(estimate, names, split, compress)
-        out.append(Plan(names, split, compress, bytes_, recompute, block_type))
+        out.append(Plan(names, split, compress, bytes_, recompute, block_type, state=state))
     return out
 
 
@@ -218,7 +260,7 @@ def _cost(block: BlockMemory) -> float:
 
 
 def _unique(found: Iterable[Plan]) -> list[Plan]:
-    seen: dict[tuple[frozenset[str], int, bool], Plan] = {}
+    seen: dict[tuple[frozenset[str], int, bool, int], Plan] = {}
     for plan in found:
         seen.setdefault(plan.knobs(), plan)
     return list(seen.values())
@@ -243,6 +285,10 @@ def plan_config(best: TurboConfig, plan: Plan, all_blocks: int) -> TurboConfig:
         changes["activation_compression__dtype"] = "bf16"
     if plan.memory_budget is not None:
         changes["compile__activation_memory_budget"] = plan.memory_budget
+    if plan.state is not None:
+        # A rebuilt state has no fused or foreach kernel of torch's: the flag goes.
+        changes["optimizer__state"] = plan.state
+        changes["optimizer__implementation"] = "as_built"
     return best.replace(**changes)
 
 
@@ -264,6 +310,8 @@ def plan_name(plan: Plan, all_blocks: int, batch_size: int) -> str:
         parts.append(f"micro-batch {batch_size // plan.split} x{plan.split}")
     if plan.compress:
         parts.append("bf16 activations")
+    if plan.state is not None:
+        parts.append(f"{plan.state} optimizer state")
     return "plan: " + " + ".join(parts)
 
 
@@ -271,8 +319,10 @@ def memory_plan_stage(ctx: StageContext) -> list[Candidate] | str:
     """Over the budget: every plan that should fit (``plans``), to be measured side by side."""
     not_needed = memory_not_needed(
         ctx,
-        "checkpointing, micro-batching and compression would only cost time",
-        "checkpointing, micro-batching and compression would only cost time",
+        "checkpointing, micro-batching, compression and smaller optimizer states would only "
+        "cost time or precision",
+        "checkpointing, micro-batching, compression and smaller optimizer states would only "
+        "cost time or precision",
     )
     if not_needed:
         return _compiled_replans(ctx) or not_needed
@@ -285,6 +335,7 @@ def memory_plan_stage(ctx: StageContext) -> list[Candidate] | str:
     # A plan's split is the whole batch's (the pieces a step cuts it into), never fewer than
     # the best's own ``micro_batches`` (``tune --find-batch`` may have set them).
     current = ctx.best.accumulation.micro_batches
+    states = optimizer_states(ctx, estimate)
     if ctx.best_memory_bytes is not None and same_batch:
         offset = ctx.best_memory_bytes - footprint(estimate, (), current, False)
     splits = (
@@ -301,10 +352,8 @@ def memory_plan_stage(ctx: StageContext) -> list[Candidate] | str:
         Candidate(
             plan_name(plan, count, estimate.batch_size),
             plan_config(ctx.best, plan, count),
-            evidence=(
-                f"estimated {plan.estimated_bytes / 2**20:.1f} MiB, recomputes "
-                f"{plan.recompute_s * 1e3:.0f} ms of forward per step"
-            ),
+            evidence=_evidence(plan, estimate, states),
+            one_time_s=0.0 if plan.state is None else states[plan.state].one_time_s,
         )
         for plan in plans(
             estimate,
@@ -313,8 +362,50 @@ def memory_plan_stage(ctx: StageContext) -> list[Candidate] | str:
             splits=splits,
             compression=compression,
             compiled=compiled,
+            states={name: state.bytes for name, state in states.items()},
         )
     ]
+
+
+def _evidence(plan: Plan, estimate: MemoryEstimate, states: Mapping[str, PlannedState]) -> str:
+    text = (
+        f"estimated {plan.estimated_bytes / 2**20:.1f} MiB, recomputes "
+        f"{plan.recompute_s * 1e3:.0f} ms of forward per step"
+    )
+    if plan.state is None:
+        return text
+    return (
+        f"{text}; optimizer state {states[plan.state].bytes / 2**20:.1f} MiB as {plan.state} "
+        f"instead of {estimate.optimizer_bytes / 2**20:.1f} MiB (its loss difference is measured)"
+    )
+
+
+@dataclass(frozen=True)
+class PlannedState:
+    """An optimizer state a plan may use: its bytes, and its first step's one-time cost."""
+
+    bytes: int
+    one_time_s: float
+
+
+def optimizer_states(ctx: StageContext, estimate: MemoryEstimate) -> dict[str, PlannedState]:
+    """The optimizer states a plan may use, with the bytes each would take: those the
+    recipe's optimizer can be rebuilt with, while the best keeps the optimizer's own."""
+    if ctx.best.optimizer.state != "as_built" or estimate.optimizer_bytes == 0:
+        return {}
+    model, optimizer = ctx.recipe.build()
+    parameters = list(model.parameters())
+    planned = {
+        state: PlannedState(
+            planned_state_bytes(parameters, state), step_compile_seconds(parameters, state)
+        )
+        for state in PLANNER_STATES
+        if state_unsupported(optimizer, state) is None
+    }
+    # torchao leaves tensors under 4,096 values in float32: on a small model a state may free
+    # next to nothing, and is then no plan.
+    limit = MIN_STATE_SHARE * estimate.optimizer_bytes
+    return {name: state for name, state in planned.items() if state.bytes < limit}
 
 
 def _compiled_graph(

@@ -26,6 +26,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from torchturbo.base.nhwc import has_2d_convolutions
+from torchturbo.base.repeated_blocks import traced_leaf_modules
 from torchturbo.data.bucketing import padding_fractions
 from torchturbo.measure.memory import activation_bytes
 from torchturbo.measure.native import emulated, gemm_speedup
@@ -66,6 +67,9 @@ class Facts:
     #: Share of a training step's time in dense maths (see the module docstring); None when the
     #: step time was not given.
     dense_share: float | None = None
+    #: Leaf modules regional compilation traces (one block of each repeated kind,
+    #: ``repeated_blocks``); None when the model repeats no block.
+    block_leaf_modules: int | None = None
 
 
 def gemm_speedups(device: torch.device) -> dict[str, float]:
@@ -174,4 +178,5 @@ def gather(
         logits_bytes=logits,
         activation_bytes=held,
         dense_share=dense,
+        block_leaf_modules=traced_leaf_modules(model),
     )

@@ -35,6 +35,14 @@ FLOAT8_GAIN = 1.2
 #: How many times faster the optimizer step itself runs rebuilt, from benchmarks/fused_optimizer.py
 #: on the 2-core CPU (Adam/AdamW: foreach 1.2-1.4x, fused 3.2-4.9x; SGD less).
 OPTIMIZER_STEP_SPEEDUP = {"foreach": 1.3, "fused": 3.0}
+#: torchao's low-bit optimizer steps over torch's AdamW (as built) on the 2-core CPU, a 4.5M
+#: parameter Llama (benchmarks/optimizer_state.py, load 5-6): per-parameter compiled graphs
+#: that (de)quantise run far slower than AdamW's loop there.
+OPTIMIZER_STATE_CPU_SPEED = {"8bit": 0.13, "4bit": 0.08, "fp8": 0.2}
+#: Bytes a fused AdamW step moves per parameter (read p, g, m, v; write p, m, v: 28) over what
+#: the state's step moves (8-bit and fp8 moments: 16; 4-bit: 14): the most a bandwidth-bound
+#: step could gain, not a measurement.
+OPTIMIZER_STATE_BYTES_BOUND = {"8bit": 1.75, "fp8": 1.75, "4bit": 2.0}
 
 
 @dataclass(frozen=True)
@@ -79,6 +87,22 @@ def compile_(facts: Facts) -> Expectation:
             "batch shapes vary: compiled graphs recompile or run with dynamic shapes",
         )
     return Expectation(COMPILE_GAIN, "fuses elementwise ops and removes Python overhead")
+
+
+def regional_compile(facts: Facts) -> Expectation:
+    """Compiling each repeated block once: compile's gain where the blocks are the work."""
+    if facts.block_leaf_modules is None:
+        return Expectation(
+            None,
+            "the model repeats no block (no nn.ModuleList of two or more modules of one "
+            "class): there is nothing to compile once and reuse",
+        )
+    whole = compile_(facts)
+    return Expectation(
+        whole.gain,
+        f"one block of each kind traced ({facts.block_leaf_modules} of {facts.leaf_modules} "
+        f"leaf modules), the other blocks reuse its code; {whole.evidence}",
+    )
 
 
 def length_buckets(facts: Facts) -> Expectation:
@@ -127,6 +151,29 @@ def optimizer(facts: Facts, implementation: str) -> Expectation:
         gain,
         f"the optimizer step is {facts.optimizer_share:.0%} of a step; {implementation} runs it "
         f"~{speedup:g}x faster",
+    )
+
+
+def optimizer_state(facts: Facts, state: str) -> Expectation:
+    """A torchao state's optimizer step. On a CPU it was measured slower than torch's AdamW
+    (not applicable); on a GPU, Amdahl's law over the optimizer's share with the bytes the
+    step moves as the bound (an AdamW step is memory-bound: unmeasured here, hence a bound)."""
+    measured = OPTIMIZER_STATE_CPU_SPEED.get(state)
+    if facts.device.startswith("cpu") and measured is not None:
+        return Expectation(
+            None,
+            f"torchao's compiled {state} step ran at {measured:g}x torch's AdamW step on a "
+            "2-core CPU (benchmarks/optimizer_state.py): a smaller state saves memory here, "
+            "never time",
+        )
+    bound = OPTIMIZER_STATE_BYTES_BOUND.get(state)
+    if bound is None or facts.optimizer_share is None:
+        return Expectation(SMALL_GAIN, f"the optimizer's moments kept as {state}")
+    gain = 1 / (1 - facts.optimizer_share * (1 - 1 / bound))
+    return Expectation(
+        gain,
+        f"the optimizer step is {facts.optimizer_share:.0%} of a step; {state} moments move "
+        f"1/{bound:g} of its bytes, an upper bound on its gain",
     )
 
 

@@ -26,7 +26,9 @@ class Candidate:
     ``expected_gain`` (None: no prior) orders the work; ``not_applicable`` says why it cannot
     help here, and then it is reported, not trained. Its batches are its config's batch plan;
     ``batches`` and ``recipe`` override the batches and the recipe outright (tests inject
-    techniques this way).
+    techniques this way). ``one_time_s`` is a one-time cost it brings besides compiling the
+    model (torchao compiling its optimizer step), in seconds on an idle machine, for the
+    tuner's cost estimate.
     """
 
     name: str
@@ -36,6 +38,7 @@ class Candidate:
     evidence: str = ""
     batches: list[Any] | None = None
     recipe: Recipe | None = None
+    one_time_s: float = 0.0
 
 
 @dataclass
