@@ -12,7 +12,7 @@ or the optimizer is touched.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +66,13 @@ def check_steps(requested: int, saved: int, path: Path) -> None:
             f"cannot train to optimizer step {requested} (--steps): the checkpoint resumed from, "
             f"{str(path)!r}, is already at step {saved}; ask for --steps {saved} or more"
         )
+
+
+def lacking_files(path: Path, names: Collection[str]) -> str | None:
+    """What checkpoint ``path``, whose manifest lists ``names``, lacks of the files every
+    checkpoint holds (``files.read_latest`` then falls back, as from a corrupt file)."""
+    problems = missing_files(dict.fromkeys(names), sharded=(path / SHARDS).is_dir())
+    return "; ".join(problems) or None
 
 
 def missing_files(files: Mapping[str, Any], *, sharded: bool = False) -> list[str]:

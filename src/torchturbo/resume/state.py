@@ -27,7 +27,7 @@ from torchturbo.config import ConfigError, TurboConfig
 from torchturbo.distributed.strategy import Strategy
 from torchturbo.reliability.epochs import EpochLoader, LoaderPosition
 from torchturbo.reliability.guard import refuse_nonfinite_state
-from torchturbo.resume.checks import STATE_VERSION, check_resumable
+from torchturbo.resume.checks import STATE_VERSION, check_resumable, lacking_files
 from torchturbo.resume.files import CheckpointError
 
 
@@ -108,7 +108,8 @@ def load_training_state(turbo: Resumable, directory: str | Path, scheduler: Any 
     """Restore the newest valid checkpoint under ``directory`` into ``turbo``; returns its path."""
     if turbo.model is None or turbo.optimizer is None or turbo.strategy is None:
         raise CheckpointError("Turbo.load needs Turbo.setup(model, optimizer, ...) first")
-    path, files = turbo.strategy.read_checkpoint(directory)
+    # A checkpoint whose manifest lacks a file every checkpoint holds is skipped as corrupt.
+    path, files = turbo.strategy.read_checkpoint(directory, required=lacking_files)
     # Before anything is restored: every way the checkpoint does not fit this run, at once.
     model = turbo.strategy.unwrap(turbo.model)
     check_resumable(path, files, model, turbo.optimizer, turbo.loader)
