@@ -7,13 +7,16 @@ non-blocking ``flock`` on ``<dir>/.lock`` and writes its owner there (pid, host,
 command); a second run is refused at once with a :class:`CheckpointError` that names the first.
 
 The kernel releases a ``flock`` when its process ends, however it ends (SIGKILL and power loss
-included: a lock is no state on disk), so a crashed run leaves nothing stuck; the file it
-leaves only names the last owner (a run that ends normally removes it). Why ``flock`` and not a pid file: a pid file outlives a crash
-and must be judged alive by a pid that may have been reused, and cannot be judged at all from
-another host; POSIX ``fcntl`` locks are dropped when *any* descriptor of the file closes in the
-process. On Linux, NFS clients emulate ``flock`` with byte-range locks, which the server sees
-from every host. A file system without locks (ENOLCK, EOPNOTSUPP) gets a warning and an
-unlocked run rather than no run.
+included: a lock is no state on disk), so a crashed run leaves nothing stuck; the file it leaves
+only names the last owner (a run that ends normally removes it). Forked children (DataLoader
+workers, which may outlive a killed parent by seconds) close their copy at once.
+
+Why ``flock`` and not a pid file: a pid file outlives a crash and must be judged alive by a pid
+that may have been reused, and cannot be judged at all from another host. Why not POSIX
+``fcntl`` locks: they are dropped when *any* descriptor of the file closes in the process. On
+Linux, NFS clients emulate ``flock`` with byte-range locks, which the server sees from every
+host. A file system without locks (ENOLCK, EOPNOTSUPP) gets a warning and an unlocked run rather
+than no run.
 """
 
 from __future__ import annotations

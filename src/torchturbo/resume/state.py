@@ -74,6 +74,10 @@ def save_training_state(turbo: Resumable, directory: str | Path, scheduler: Any 
             "skipped_steps": state["skipped_steps"],
             "micro_batch_split": state["micro_batch_split"],
             "loader": None if position is None else [position.epoch, position.batches],
+            # Where the ranks together got in the epoch's global order: what a resume on
+            # another number of ranks continues from (reliability/remap.py).
+            "loader_order": None if position is None else position.order,
+            "world_size": turbo.strategy.env.world_size,
         },
         "config.toml": turbo.config.to_toml(),
     }
@@ -112,7 +116,9 @@ def load_training_state(turbo: Resumable, directory: str | Path, scheduler: Any 
     path, files = turbo.strategy.read_checkpoint(directory, required=lacking_files)
     # Before anything is restored: every way the checkpoint does not fit this run, at once.
     model = turbo.strategy.unwrap(turbo.model)
-    check_resumable(path, files, model, turbo.optimizer, turbo.loader)
+    check_resumable(
+        path, files, model, turbo.optimizer, turbo.loader, turbo.strategy.env.world_size
+    )
     saved = files["state.json"]
     state = turbo.state_dict()  # the live state: what a sharded checkpoint is read into
     live = {"model": state["model"], "optimizer": state["optimizer"]}
@@ -144,6 +150,7 @@ def load_training_state(turbo: Resumable, directory: str | Path, scheduler: Any 
             rng["loader_generator"],
             rng["loader_torch"],
             files.get("loader_state.pt"),
+            saved.get("loader_order"),
         )
     turbo.load_state_dict(state)
     return path
