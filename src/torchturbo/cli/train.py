@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -105,8 +106,10 @@ def run(args: argparse.Namespace) -> int:
 
     # From here on, not only once training runs: importing torch and building the recipe take
     # seconds, and a SIGTERM then would kill the run instead of stopping it after one step.
+    # A torchrun worker whose agent dies stops (and saves) rather than train on unsupervised.
+    torchrun_worker = "TORCHELASTIC_RUN_ID" in os.environ
     try:
-        with stop_on_signals(args.checkpoint_dir is not None):
+        with stop_on_signals(args.checkpoint_dir is not None, watch_parent=torchrun_worker):
             return _train_command(args)
     except StopNow as stop:
         from torchturbo.distributed import main_print
