@@ -196,13 +196,15 @@ def stop_on_signals(
     grace_s: float = 0.0,
     announce: bool = True,
     watch_parent: bool = False,
+    take_over: tuple[str, ...] = (),
 ) -> Iterator[StopRequest]:
     """Within the block, the first of :data:`STOP_SIGNALS` sets the yielded request instead of
     stopping the process; a second one raises :class:`StopNow`.
 
     ``grace_s`` > 0: that long after the first signal, stop at once as a second signal would.
     ``announce`` writes one line to stderr on the first signal (rank 0 only). ``watch_parent``
-    (a torchrun worker) sets the request, as SIGHUP, once the parent process is gone. The
+    (a torchrun worker) sets the request, as SIGHUP, once the parent process is gone.
+    ``take_over`` names modules whose handlers are replaced too (a trainer's own). The
     previous handlers are back after the block. ``enabled=False`` yields a request nothing sets.
     Inside an open block (the CLI opens one before the slow imports, ``train`` another), a nested
     one yields the same request, with its own ``grace_s``: a signal that came before it counts.
@@ -233,7 +235,9 @@ def stop_on_signals(
     installed = {}
     for signum in STOP_SIGNALS:
         previous_handler = signal.getsignal(signum)
-        if _is_default(signum, previous_handler):
+        if _is_default(signum, previous_handler) or _module_of(previous_handler).startswith(
+            take_over
+        ):
             installed[signum] = previous_handler
             signal.signal(signum, stopper.on_signal)
     _OPEN.append(stopper)
@@ -291,6 +295,11 @@ def _is_default(signum: int, handler: Any) -> bool:
     return getattr(handler, "__qualname__", "") == "_terminate_process_handler" and getattr(
         handler, "__module__", ""
     ).startswith("torch.distributed.elastic")
+
+
+def _module_of(handler: Any) -> str:
+    """The module a handler (a function, a bound method, a callable object) comes from."""
+    return str(getattr(handler, "__module__", "") or "")
 
 
 def _announce(signum: int, grace_s: float, why: str = "") -> None:
