@@ -22,7 +22,7 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Tenso
 from torchturbo.data.bucketing import BucketBatchSampler
 from torchturbo.reliability import remap
 from torchturbo.reliability.epochs import EpochLoader, LoaderPosition
-from torchturbo.resume.checks import world_problems
+from torchturbo.reliability.remap import world_problems
 from torchturbo.resume.files import CheckpointError
 
 N, BATCH = 50, 4

@@ -53,9 +53,10 @@ def add_parser(commands: Any) -> None:
         "--checkpoint-dir",
         type=Path,
         metavar="DIR",
-        help="where checkpoints go; with it, SIGTERM, SIGUSR1, SIGUSR2 or Ctrl-C finishes the "
-        "step under way, saves it and exits with status 75 (a second signal, 2 s or more "
-        "later, stops at once)",
+        help="where checkpoints go, checked writable with room for one before the first step "
+        "and owned by this run (a second run on it is refused); with it, SIGTERM, SIGUSR1, "
+        "SIGUSR2 or Ctrl-C finishes the step under way, saves it and exits with status 75 (a "
+        "second signal, 2 s or more later, stops at once)",
     )
     train.add_argument(
         "--save-every",

@@ -15,6 +15,11 @@ thread be stuck in native code, the process exits 5 s later with ``os._exit``. A
 *same* signal within :data:`SAME_SIGNAL_S` counts as the first one: torchrun's agent forwards to
 its workers the signal that a terminal or a scheduler already sent to the whole job.
 
+A torchrun worker also watches its parent, the agent (``watch_parent``): torchrun dies of
+SIGUSR1 and SIGUSR2, and of SIGKILL like any process, leaving its workers to train on in their own
+sessions, where no terminal or scheduler signal reaches them; a worker whose parent is gone asks
+to stop as on SIGHUP.
+
 Handlers are installed only in the main thread and only over the default disposition (SIG_DFL,
 Python's Ctrl-C handler, or torchrun's own handler in a process that inherited it): an ignored
 signal or a user's handler is left alone. Why hand-written: Lightning and Composer do this

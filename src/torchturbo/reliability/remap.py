@@ -210,3 +210,35 @@ def world(loader: DataLoader) -> tuple[int, int]:
         if isinstance(sampler, DistributedSampler) or hasattr(sampler, "global_batches"):
             return int(sampler.num_replicas), int(sampler.rank)  # type: ignore[union-attr]
     return 1, 0
+
+
+def world_problems(state: Any, loader: Any, world_size: int) -> list[str]:
+    """Why the position of ``state.json`` (saved part way into an epoch by another number of
+    processes) cannot resume on ``loader`` (an ``EpochLoader``, None for a manual loop) with
+    ``world_size`` processes: only where the epoch's order can be rebuilt and dealt out anew.
+    At an epoch's start there is nothing to carry over; checkpoints saved before the world
+    size was recorded are not checked."""
+    if not isinstance(state, dict):
+        return []
+    saved, position = state.get("world_size"), state.get("loader")
+    whole = isinstance(saved, int) and not isinstance(saved, bool)
+    if not whole or saved == world_size or not isinstance(position, list):
+        return []
+    if len(position) != 2 or not position[1]:
+        return []
+    why = "a manual loop's" if loader is None else problem(loader.loader, state.get("loader_order"))
+    if why is None:
+        return []
+    return [
+        f"it was saved by {saved} process(es) at epoch {position[0]}, batch {position[1]}, and "
+        f"this run has {world_size}: the position cannot be carried over, as {why}; resume "
+        f"with {saved} process(es) (torchrun --nproc-per-node {saved}), or from a checkpoint "
+        "at the start of an epoch"
+    ]
+
+
+def carried_over_state(state: Any, loader: Any) -> bool:
+    """Whether the position of ``state.json`` resumes on ``loader`` (an ``EpochLoader``) by
+    being carried over from another number of ranks."""
+    order = state.get("loader_order") if isinstance(state, dict) else None
+    return loader is not None and carried_over(order, loader.loader)

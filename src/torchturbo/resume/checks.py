@@ -12,7 +12,7 @@ or the optimizer is touched.
 from __future__ import annotations
 
 import re
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,6 @@ import torch
 from torch import nn
 
 from torchturbo.data.length import length_or_none
-from torchturbo.reliability import remap
 from torchturbo.resume.files import SHARDS, CheckpointError
 
 #: The files every checkpoint of ``torchturbo.resume.state`` holds; ``WHOLE_STATE`` too unless the
@@ -42,18 +41,21 @@ def check_resumable(
     model: nn.Module,
     optimizer: Any,
     loader: Any,
-    world_size: int = 1,
+    *,
+    position_problems: Sequence[str] = (),
+    carried_over: bool = False,
 ) -> None:
     """Raise one :class:`CheckpointError` listing every way checkpoint ``path`` (its ``files``)
-    does not fit ``model``, ``optimizer`` and ``loader`` (None for a manual loop) on
-    ``world_size`` processes."""
+    does not fit ``model``, ``optimizer`` and ``loader`` (None for a manual loop), with
+    ``position_problems``, the ways its loader position does not fit this number of processes
+    (``reliability.remap.world_problems``). ``carried_over``: the position is carried onto
+    another number of ranks, so its per-rank batch count is not this loader's."""
     sharded = (path / SHARDS).is_dir()
     problems = missing_files(files, sharded=sharded)
     if not problems:
         state = files["state.json"]
-        moved = world_problems(state, loader, world_size)
-        carried = not moved and _carried_over(state, loader)
-        problems = moved + state_problems(state, None if carried else length_or_none(loader), path)
+        batches = None if carried_over else length_or_none(loader)
+        problems = [*position_problems, *state_problems(state, batches, path)]
         plain_random = files.get("random.json", state)  # version 1 kept it in state.json
         if isinstance(plain_random, dict):
             python, numpy = plain_random.get("python"), plain_random.get("numpy")
@@ -65,38 +67,6 @@ def check_resumable(
     if problems:
         count = f"{len(problems)} problems: " if len(problems) > 1 else ""
         raise CheckpointError(f"cannot resume from {str(path)!r}: {count}" + "; ".join(problems))
-
-
-def world_problems(state: Any, loader: Any, world_size: int) -> list[str]:
-    """A position saved part way into an epoch by another number of processes resumes only
-    where its loader's global order can be rebuilt and dealt out anew (``reliability.remap``);
-    at an epoch's start there is nothing to carry over. Checkpoints saved before the world
-    size was recorded are not checked."""
-    if not isinstance(state, dict):
-        return []
-    saved, position = state.get("world_size"), state.get("loader")
-    if not _is_int(saved) or saved == world_size or not isinstance(position, list):
-        return []
-    if len(position) != 2 or not position[1]:
-        return []
-    why = (
-        "a manual loop's"
-        if loader is None
-        else remap.problem(loader.loader, state.get("loader_order"))
-    )
-    if why is None:
-        return []
-    return [
-        f"it was saved by {saved} process(es) at epoch {position[0]}, batch {position[1]}, and "
-        f"this run has {world_size}: the position cannot be carried over, as {why}; resume "
-        f"with {saved} process(es) (torchrun --nproc-per-node {saved}), or from a checkpoint "
-        "at the start of an epoch"
-    ]
-
-
-def _carried_over(state: Any, loader: Any) -> bool:
-    order = state.get("loader_order") if isinstance(state, dict) else None
-    return loader is not None and remap.carried_over(order, loader.loader)
 
 
 def check_steps(requested: int, saved: int, path: Path) -> None:

@@ -25,6 +25,7 @@ from torch import nn
 
 from torchturbo.config import ConfigError, TurboConfig
 from torchturbo.distributed.strategy import Strategy
+from torchturbo.reliability import remap
 from torchturbo.reliability.epochs import EpochLoader, LoaderPosition
 from torchturbo.reliability.guard import refuse_nonfinite_state
 from torchturbo.resume.checks import STATE_VERSION, check_resumable, lacking_files
@@ -116,8 +117,17 @@ def load_training_state(turbo: Resumable, directory: str | Path, scheduler: Any 
     path, files = turbo.strategy.read_checkpoint(directory, required=lacking_files)
     # Before anything is restored: every way the checkpoint does not fit this run, at once.
     model = turbo.strategy.unwrap(turbo.model)
+    saved_state = files.get("state.json")
+    world = turbo.strategy.env.world_size
+    moved = remap.world_problems(saved_state, turbo.loader, world)
     check_resumable(
-        path, files, model, turbo.optimizer, turbo.loader, turbo.strategy.env.world_size
+        path,
+        files,
+        model,
+        turbo.optimizer,
+        turbo.loader,
+        position_problems=moved,
+        carried_over=not moved and remap.carried_over_state(saved_state, turbo.loader),
     )
     saved = files["state.json"]
     state = turbo.state_dict()  # the live state: what a sharded checkpoint is read into
