@@ -12,6 +12,7 @@ import dataclasses
 import errno
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -25,7 +26,7 @@ from torch import nn
 from torchturbo import TurboConfig
 from torchturbo.recipe import load_recipe
 from torchturbo.resume import directory as checkpoint_dir
-from torchturbo.resume.directory import estimate_state_bytes, prepare_directory, room_problem
+from torchturbo.resume.directory import estimate_state_bytes, room_problem
 from torchturbo.resume.files import CheckpointError
 from torchturbo.resume.lock import LOCK_NAME, hold_directory
 from torchturbo.runs.train import train
@@ -123,9 +124,9 @@ def test_a_path_under_a_file_is_refused_before_the_first_step(tmp_path):
 def test_a_directory_the_system_will_not_write_is_refused_before_the_first_step(
     tmp_path, monkeypatch, code, said
 ):
-    """The system's refusal, raised by the probe's open (as root, permissions and attributes
-    would not refuse; benchmarks/faults.py meets the real ones: a read-only mount, a directory
-    of mode 555 written by another user, chattr +i)."""
+    """The system's refusal, raised by the probe's open: a read-only file system needs a mount
+    (benchmarks/faults.py mounts a read-only tmpfs), an immutable directory chattr; the test
+    below meets a real permission denied."""
     real_open = os.open
 
     def refusing_open(path, flags, *args):
@@ -141,12 +142,28 @@ def test_a_directory_the_system_will_not_write_is_refused_before_the_first_step(
     assert [p.name for p in (tmp_path / "ckpt").iterdir()] == []  # no probe left behind
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root writes a directory of mode 555 anyway")
+@pytest.mark.slow
 def test_a_directory_without_write_permission_is_refused(tmp_path):
+    """For real: root is refused too once it lacks CAP_DAC_OVERRIDE (setpriv), as a user is."""
     target = tmp_path / "ckpt"
     target.mkdir(mode=0o555)
-    with pytest.raises(CheckpointError, match="is not writable: permission denied"):
-        prepare_directory(target, resume=False)
+    target.chmod(0o555)
+    prefix = []
+    if os.geteuid() == 0:
+        if shutil.which("setpriv") is None:
+            pytest.skip("root writes a directory of mode 555 anyway, and there is no setpriv")
+        dropped = "-dac_override,-dac_read_search"
+        prefix = ["setpriv", f"--bounding-set={dropped}", f"--inh-caps={dropped}", "--"]
+    probe = (
+        "import sys; from torchturbo.resume.directory import prepare_directory; "
+        "prepare_directory(sys.argv[1], resume=False)"
+    )
+    result = subprocess.run(
+        [*prefix, sys.executable, "-c", probe, str(target)], capture_output=True, text=True
+    )
+    assert result.returncode == 1 and "is not writable: permission denied" in result.stderr, (
+        result.stderr[-2000:]
+    )
 
 
 def test_resuming_from_a_directory_that_does_not_exist_is_refused_before_building(tmp_path):

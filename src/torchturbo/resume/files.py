@@ -231,7 +231,9 @@ def read_checkpoint(
 def _check_listing(path: Path, digests: Mapping[str, Any], required: Required | None) -> None:
     """Raise when the manifest does not list a file of the directory, or lacks a required one."""
     try:
-        held = {p.name for p in path.iterdir() if p.is_file()} - {MANIFEST}
+        # Hidden files (a file manager's .DS_Store) are no part of it.
+        held = {p.name for p in path.iterdir() if p.is_file() and not p.name.startswith(".")}
+        held.discard(MANIFEST)
     except OSError as err:
         raise CheckpointError(f"checkpoint {str(path)!r} cannot be listed: {err}") from err
     unlisted = sorted(held - set(digests))
