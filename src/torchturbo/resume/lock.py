@@ -142,8 +142,14 @@ def owner_record() -> dict[str, Any]:
         "pid": os.getpid(),
         "host": socket.gethostname(),
         "started": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime()),
-        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]) if sys.argv else "",
+        "command": " ".join([_program(), *sys.argv[1:]]),
     }
+
+
+def _program() -> str:
+    """``torchturbo`` for ``python -m torchturbo`` (whose argv[0] is its ``__main__.py``)."""
+    path = Path(sys.argv[0] if sys.argv and sys.argv[0] else "python")
+    return path.parent.name if path.name == "__main__.py" else path.name
 
 
 def describe_owner(record: dict[str, Any] | None) -> str:
