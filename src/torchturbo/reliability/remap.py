@@ -44,8 +44,10 @@ from torch.utils.data import (
 
 
 def spec(loader: DataLoader, epoch: int) -> dict[str, Any] | None:
-    """What epoch ``epoch``'s global order of ``loader`` is built from (JSON), with its world
-    size and the units one batch of one rank takes (``unit``); None when it cannot be rebuilt."""
+    """What epoch ``epoch``'s global order of ``loader`` is built from (JSON): its kind, the
+    dataset's ``size`` in samples, the world size, the units one batch of one rank takes
+    (``unit``: samples, or 1 batch of a plan); None when it cannot be rebuilt. Cheap: a plan is
+    not drawn here (it is on a resume that carries a position over)."""
     if type(loader) is not DataLoader or isinstance(loader.dataset, IterableDataset):
         return None
     batches: Any = loader.batch_sampler
@@ -57,7 +59,7 @@ def spec(loader: DataLoader, epoch: int) -> dict[str, Any] | None:
             "world_size": int(batches.num_replicas),
             "seed": int(batches.seed),
             "epoch": epoch,
-            "units": len(batches.global_batches()),
+            "size": len(loader.dataset),  # type: ignore[arg-type]  # map-style: it has one
             "unit": 1,
         }
     if type(batches) is not BatchSampler:
@@ -71,7 +73,7 @@ def spec(loader: DataLoader, epoch: int) -> dict[str, Any] | None:
             "seed": sampler.seed,
             "shuffle": sampler.shuffle,
             "epoch": epoch,
-            "units": size,
+            "size": size,
             "unit": batches.batch_size,
         }
     plain = type(sampler) is SequentialSampler or (
@@ -87,7 +89,7 @@ def spec(loader: DataLoader, epoch: int) -> dict[str, Any] | None:
         "world_size": 1,
         "shuffle": type(sampler) is RandomSampler,
         "epoch": epoch,
-        "units": size,
+        "size": size,
         "unit": batches.batch_size,
     }
 
@@ -112,9 +114,8 @@ def problem(loader: DataLoader, saved: dict[str, Any] | None) -> str | None:
         return "this run's loader cannot take a rebuilt order (a stream or a sampler of the user's)"
     if (saved["kind"] == "plan") != (here["kind"] == "plan"):
         return "one run batches by length and the other does not"
-    if here["units"] != saved["units"]:
-        unit = "batches" if saved["kind"] == "plan" else "samples"
-        return f"its epoch has {saved['units']} {unit}, this run's {here['units']}"
+    if here["size"] != saved.get("size"):
+        return f"its epoch has {saved.get('size')} samples, this run's {here['size']}"
     return None
 
 
@@ -153,7 +154,7 @@ def _global_order(
     torch_state: torch.Tensor,
 ) -> list[Any]:
     """The epoch's units in the order the ranks take them, rebuilt from ``saved``."""
-    kind, epoch, size = saved["kind"], int(saved["epoch"]), int(saved["units"])
+    kind, epoch, size = saved["kind"], int(saved["epoch"]), int(saved["size"])
     if kind == "plan":
         batches: Any = loader.batch_sampler
         previous = batches.epoch
