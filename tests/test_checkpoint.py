@@ -11,6 +11,7 @@ import argparse
 import errno
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -25,7 +26,13 @@ from torch import nn
 from torchturbo import Turbo, TurboConfig
 from torchturbo.reliability.epochs import LoaderPosition
 from torchturbo.resume import files as checkpoint
-from torchturbo.resume.files import MANIFEST, CheckpointError, read_checkpoint, write_checkpoint
+from torchturbo.resume.files import (
+    MANIFEST,
+    CheckpointError,
+    list_checkpoints,
+    read_checkpoint,
+    write_checkpoint,
+)
 
 TOTAL_STEPS = 9  # optimizer steps of 2-batch windows: more than two epochs of both datasets
 CONFIG = TurboConfig(device="cpu").replace(accumulation__steps=2)
@@ -296,6 +303,59 @@ def test_a_failed_write_removes_its_temporary_and_keeps_the_checkpoints_before(
     assert after == before  # no .tmp-ckpt-*, ckpt-2 and ckpt-3 as they were
 
 
+class _FullDisk:
+    """A file of a disk that has ``room`` bytes left: the write past it fails with ENOSPC."""
+
+    def __init__(self, handle, room: list[int]) -> None:
+        self.handle, self.room = handle, room
+
+    def write(self, data) -> int:
+        size = memoryview(data).nbytes
+        if size > self.room[0]:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self.room[0] -= size
+        return self.handle.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self.handle, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.handle.close()
+
+
+def test_a_disk_filling_inside_torch_save_names_the_directory_the_size_and_what_is_kept(
+    tmp_path, monkeypatch
+):
+    turbo = _train_and_save_two(tmp_path)
+    room = [3000]  # the disk fills in the middle of model.pt, inside torch.save
+
+    def full_disk_open(path, mode):
+        return _FullDisk(open(path, mode), room)
+
+    monkeypatch.setattr(checkpoint, "open", full_disk_open, raising=False)
+    with pytest.raises(CheckpointError) as raised:
+        turbo.save(tmp_path)
+    message = str(raised.value)
+    assert "unexpected pos" not in message  # torch's words for it, which name no reason
+    assert re.search(
+        rf"No space left on device in '{re.escape(str(tmp_path))}' \(the checkpoint needs about "
+        r"[\d.]+ KiB, [\d.]+ \w+ free\); nothing of it was kept, and the newest checkpoint kept "
+        rf"is '{re.escape(str(tmp_path / 'ckpt-0000000003'))}', intact",
+        message,
+    ), message
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["ckpt-0000000003", "ckpt-0000000002"]
+    assert not list(tmp_path.glob(".tmp-*"))
+
+
+def test_a_full_disk_at_the_first_save_says_no_checkpoint_was_saved_before(tmp_path, monkeypatch):
+    _failing_write(monkeypatch, "model.pt")
+    with pytest.raises(CheckpointError, match="no checkpoint was saved before it"):
+        write_checkpoint(tmp_path, 1, {"model.pt": {"w": torch.zeros(4)}}, keep_last=1)
+
+
 def test_saving_the_same_step_again_keeps_the_old_one_if_the_new_one_fails(tmp_path, monkeypatch):
     turbo = _train_and_save_two(tmp_path)
     write_checkpoint(tmp_path, 3, {"state.json": {"n": 1}}, keep_last=3)
@@ -417,11 +477,27 @@ def test_a_hand_edited_random_state_is_refused(tmp_path, edit, message):
     _refused(turbo, tmp_path, message)
 
 
-def test_a_manifest_missing_an_entry_is_refused(tmp_path):
+@pytest.mark.parametrize("name", ["model.pt", "rng.pt"])
+@pytest.mark.parametrize("file_too", [False, True], ids=["entry", "entry and file"])
+def test_a_manifest_missing_an_entry_falls_back_as_a_corrupt_file_does(tmp_path, name, file_too):
     _train_and_save_two(tmp_path)
-    edit_checkpoint_json(tmp_path / "ckpt-0000000003", MANIFEST, lambda m: m["files"].pop("rng.pt"))
+    newest = tmp_path / "ckpt-0000000003"
+    edit_checkpoint_json(newest, MANIFEST, lambda m: m["files"].pop(name))
+    if file_too:
+        (newest / name).unlink()
     turbo, *_ = _workload("shuffled", init_seed=0)
-    _refused(turbo, tmp_path, "its manifest lists no rng.pt")
+    said = "lists no" if file_too else "does not list"
+    with pytest.warns(RuntimeWarning, match=rf"{said} {re.escape(name)}.*falling back to "):
+        path = turbo.load(tmp_path)
+    assert path.name == "ckpt-0000000002" and turbo.optimizer_steps == 2
+
+
+def test_when_every_manifest_misses_an_entry_the_resume_is_refused(tmp_path):
+    _train_and_save_two(tmp_path)
+    for saved in list_checkpoints(tmp_path):
+        edit_checkpoint_json(saved, MANIFEST, lambda m: m["files"].pop("model.pt"))
+    turbo, *_ = _workload("shuffled", init_seed=0)
+    _refused(turbo, tmp_path, r"no checkpoint verifies: .*does not list model\.pt")
 
 
 # --- a real kill: SIGKILL in a subprocess at a random batch, resumed here ------------------

@@ -309,6 +309,10 @@ CASES: dict[str, Callable[[Path], tuple[list, str]]] = {
         "the collate function collate_raises.<locals>.collate (broken.py:",
     ),
     "empty dataset": lambda t: (train(broken("empty_dataset")), "the dataset is empty"),
+    "samples all of length 0": lambda t: (
+        train(broken("empty_texts")),
+        "all 16 samples have length 0 (lengths): there is no token to train on",
+    ),
     # --- non-finite training ---------------------------------------------------------------
     "NaN inputs, run shorter than the patience": lambda t: (
         train(broken("nan_inputs")),
@@ -341,7 +345,7 @@ CASES: dict[str, Callable[[Path], tuple[list, str]]] = {
     ),
     "manifest missing an entry": lambda t: (
         resume(edited(checkpointed(t), MANIFEST, lambda m: m["files"].pop("state.json"))),
-        "its manifest lists no state.json",
+        "no checkpoint verifies: checkpoint '",
     ),
     "counter is a string": lambda t: (
         resume(edited(checkpointed(t), "state.json", lambda s: s.update(skipped_steps="0"))),
@@ -360,6 +364,10 @@ CASES: dict[str, Callable[[Path], tuple[list, str]]] = {
     "checkpoint dir is a file": lambda t: (
         [*train(TINY), "--checkpoint-dir", file_at(t, "file")],
         "is not a directory (--checkpoint-dir)",
+    ),
+    "checkpoint dir under a file": lambda t: (
+        [*train(TINY), "--checkpoint-dir", file_at(t, "file") / "ckpt"],
+        "cannot create checkpoint directory '",
     ),
     "checkpoint dir is /dev/null": lambda t: (
         [*train(TINY), "--checkpoint-dir", "/dev/null"],
@@ -479,7 +487,9 @@ def test_a_failed_checkpoint_write_names_the_path_and_keeps_the_earlier_ones(tmp
     assert result.returncode == 2, result.stderr
     assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
     assert "File too large" in result.stderr and "(--checkpoint-dir)" in result.stderr
-    assert "checkpoints saved before are intact" in result.stderr
+    assert "the newest checkpoint kept is '" in result.stderr and "ckpt-0000000002', intact" in (
+        result.stderr
+    )
     after = {p.name: (p / "model.pt").read_bytes() for p in ckpt.iterdir()}
     assert after == before  # no temporary left, the earlier checkpoint untouched
 

@@ -121,17 +121,22 @@ def _check(words: list[str], made: set[str]) -> list[str]:
             return []
         return _check_script(words[1], words[2:])
     if program == "torchrun":
-        rest = words[1:]
-        while rest and rest[0].startswith("-") and rest[0] != "-m":
-            rest = rest[2:] if "=" not in rest[0] and rest[0] != "--standalone" else rest[1:]
-        if rest[:2] == ["-m", "torchturbo"]:
-            return _check_torchturbo(rest[2:], made)
-        # Otherwise the user's own training script (docs/distributed.md), or one of ours.
-        ours = rest and rest[0].startswith("benchmarks/")
-        return _check_script(rest[0], rest[1:]) if ours else []
+        return _check_torchrun(words[1:], made)
     if program == "torchturbo":
+        if "launch" in words[1:2]:  # torchrun's options and command, as torchrun takes them
+            return _check_torchrun(words[2:], made)
         return _check_torchturbo(words[1:], made)
     return [f"unknown program {words[0]!r}"]
+
+
+def _check_torchrun(rest: list[str], made: set[str]) -> list[str]:
+    while rest and rest[0].startswith("-") and rest[0] != "-m":
+        rest = rest[2:] if "=" not in rest[0] and rest[0] != "--standalone" else rest[1:]
+    if rest[:2] == ["-m", "torchturbo"]:
+        return _check_torchturbo(rest[2:], made)
+    # Otherwise the user's own training script (docs/distributed.md), or one of ours.
+    ours = rest and rest[0].startswith("benchmarks/")
+    return _check_script(rest[0], rest[1:]) if ours else []
 
 
 def _check_torchturbo(args: list[str], made: set[str]) -> list[str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import os
+import signal
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 pl = pytest.importorskip("lightning.pytorch")
 
-from conftest import run_two_ranks  # noqa: E402
+from conftest import run_two_ranks, terminal_stop_signals  # noqa: E402
 
 from torchturbo import Turbo, TurboConfig  # noqa: E402
 from torchturbo.integrations.lightning import (  # noqa: E402
@@ -22,6 +23,7 @@ from torchturbo.integrations.lightning import (  # noqa: E402
     recipe_from_lightning,
     trainer_kwargs,
 )
+from torchturbo.integrations.stopping import TrainerStopped  # noqa: E402
 from torchturbo.recipe import RecipeError  # noqa: E402
 from torchturbo.trials.variants import compare_configs  # noqa: E402
 from torchturbo.tune.files import write_trainer_settings  # noqa: E402
@@ -354,3 +356,90 @@ def test_recipe_from_lightning_plans_the_trainers_steps_or_the_ones_given():
     assert recipe_from_lightning(module, Images(), trainer=by_steps).planned_steps == 10
     given = recipe_from_lightning(module, Images(), trainer=by_steps, planned_steps=7)
     assert given.planned_steps == 7 and given.planned_steps_source == "planned_steps="
+
+
+# --- preemption: the step under way saved as Lightning's checkpoint, resumed exactly -----------
+
+
+class Dropping(Classifier):
+    """The classifier with dropout: a resume must also give back the random state."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(F.dropout(self.features(x).mean(dim=(2, 3)), 0.3, self.training))
+
+
+class ResumableLoader(DataLoader):
+    """A shuffled loader that Lightning can resume mid-epoch (its ``state_dict`` interface, as
+    torchdata's StatefulDataLoader has): Lightning restarts any other loader's epoch."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, generator=torch.Generator().manual_seed(0), **kwargs)
+        self.yielded, self.skip, self.start = 0, 0, self.generator.get_state()
+
+    def __iter__(self):
+        self.start, skip, self.skip = self.generator.get_state(), self.skip, 0
+        for index, batch in enumerate(super().__iter__()):
+            self.yielded = index + 1
+            if index >= skip:
+                yield batch
+
+    def state_dict(self) -> dict:
+        return {"start": self.start, "yielded": self.yielded}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.generator.set_state(state["start"])
+        self.skip = state["yielded"]
+
+
+class ShuffledImages(Images):
+    def train_dataloader(self) -> DataLoader:
+        return ResumableLoader(self.data, batch_size=8, shuffle=True)
+
+
+class SignalAt(pl.Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == self.step - 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _preemptible(root, *callbacks) -> pl.Trainer:
+    return pl.Trainer(
+        max_steps=6,
+        accelerator="cpu",
+        default_root_dir=root,
+        callbacks=[TurboLightningCallback(CPU), *callbacks],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=False,
+    )
+
+
+def _fitted(root, *callbacks, ckpt_path=None) -> dict[str, torch.Tensor]:
+    module = Dropping()
+    _preemptible(root, *callbacks).fit(module, ShuffledImages(), ckpt_path=ckpt_path)
+    return {name: value.clone() for name, value in module.state_dict().items()}
+
+
+@pytest.mark.slow
+def test_a_stop_signal_saves_the_step_under_way_and_fit_resumes_it_exactly(tmp_path):
+    full = _fitted(tmp_path / "full")
+    with terminal_stop_signals(), pytest.raises(TrainerStopped) as caught:
+        _fitted(tmp_path / "run", SignalAt(3))
+    assert caught.value.code == 75 and caught.value.step == 3
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["hpc_ckpt_1.ckpt"]
+    resumed = _fitted(tmp_path / "run", ckpt_path="hpc")
+    assert all(torch.equal(full[name], value) for name, value in resumed.items())
+
+
+@pytest.mark.slow
+def test_negative_control_without_the_random_state_the_resume_differs(tmp_path, monkeypatch):
+    full = _fitted(tmp_path / "full")
+    with terminal_stop_signals(), pytest.raises(TrainerStopped):
+        _fitted(tmp_path / "run", SignalAt(3))
+    monkeypatch.setattr(TurboLightningCallback, "load_state_dict", lambda self, state: None)
+    resumed = _fitted(tmp_path / "run", ckpt_path="hpc")
+    assert not all(torch.equal(full[name], value) for name, value in resumed.items())

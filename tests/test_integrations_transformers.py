@@ -9,6 +9,7 @@ import dataclasses
 import math
 import os
 import re
+import signal
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from conftest import run_two_ranks  # noqa: E402
+from conftest import run_two_ranks, terminal_stop_signals  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 from tokenizers.models import WordLevel  # noqa: E402
 from transformers import (  # noqa: E402
@@ -28,15 +29,19 @@ from transformers import (  # noqa: E402
     ResNetConfig,
     ResNetForImageClassification,
     Trainer,
+    TrainerCallback,
     TrainingArguments,
 )
 
 from torchturbo import TurboConfig  # noqa: E402
 from torchturbo.config import sections  # noqa: E402
 from torchturbo.data.bucketing import BucketBatchSampler  # noqa: E402
+from torchturbo.integrations.stopping import TrainerStopped  # noqa: E402
 from torchturbo.integrations.transformers import (  # noqa: E402
+    PreemptionCallback,
     TurboCallback,
     TurboTrainer,
+    last_complete_checkpoint,
     recipe_from_trainer,
     training_arguments,
 )
@@ -551,3 +556,70 @@ def test_recipe_from_trainer_plans_the_steps_the_trainer_will_run(tmp_path):
     # The Trainer's own count: the optimizer steps it runs are the planned batches over 2.
     trainer.train()
     assert trainer.state.global_step * 2 == recipe.planned_steps
+
+
+# --- preemption: the Trainer's own checkpoint of the step under way ---------------------------
+
+
+class _SignalDuring(TrainerCallback):
+    """Sends this process ``signum`` as optimizer step ``step`` begins (global_step step - 1)."""
+
+    def __init__(self, step: int, signum: int = signal.SIGTERM) -> None:
+        self.step, self.signum = step, signum
+
+    def on_step_begin(self, args, state, control, **kwargs) -> None:
+        if state.global_step == self.step - 1:
+            os.kill(os.getpid(), self.signum)
+
+
+def _stoppable(tmp_path, config, *callbacks, trainer_class=TurboTrainer) -> Trainer:
+    extra = {"turbo_config": config} if trainer_class is TurboTrainer else {}
+    return trainer_class(
+        model=tiny_bert(),  # dropout on: the resumed masks must be the uninterrupted ones
+        args=arguments(tmp_path, max_steps=6, **training_arguments(config).kwargs),
+        train_dataset=tagging_samples(),
+        data_collator=DataCollatorForTokenClassification(tokenizer()),
+        callbacks=list(callbacks),
+        **extra,
+    )
+
+
+def _weights(trainer: Trainer) -> dict[str, torch.Tensor]:
+    return {name: value.clone() for name, value in trainer.model.state_dict().items()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("trainer_class", "bucketing"),
+    [(TurboTrainer, True), (Trainer, False)],
+    ids=["TurboTrainer, length buckets", "Trainer with PreemptionCallback"],
+)
+def test_a_stop_signal_saves_the_step_under_way_as_the_trainers_checkpoint_and_resumes_exactly(
+    tmp_path, trainer_class, bucketing
+):
+    config = CPU.replace(data__bucketing=bucketing)
+    full = _stoppable(tmp_path / "full", config, trainer_class=trainer_class)
+    full.train()
+    expected = _weights(full)
+    plain = trainer_class is Trainer
+    stops = [_SignalDuring(3), *([PreemptionCallback()] if plain else [])]
+    stopped = _stoppable(tmp_path / "run", config, *stops, trainer_class=trainer_class)
+    with terminal_stop_signals(), pytest.raises(TrainerStopped) as caught:
+        stopped.train()
+    assert caught.value.code == 75 and caught.value.step == 3  # the step under way, saved
+    out = tmp_path / "run" / "out"
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-3"]
+    assert "SIGTERM: stopped after optimizer step 3 and saved it in " in caught.value.line
+    resumed = _stoppable(tmp_path / "run", config, trainer_class=trainer_class)
+    resumed.train(resume_from_checkpoint=True if not plain else str(out / "checkpoint-3"))
+    assert all(torch.equal(expected[k], v) for k, v in resumed.model.state_dict().items())
+
+
+def test_resuming_skips_a_checkpoint_that_a_kill_cut_short(tmp_path):
+    for step in (2, 4):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+    (tmp_path / "checkpoint-2" / "trainer_state.json").write_text("{}")
+    with pytest.warns(RuntimeWarning, match=r"checkpoint-4 has no trainer_state\.json"):
+        assert last_complete_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-2")
+    (tmp_path / "checkpoint-4" / "trainer_state.json").write_text("{}")
+    assert last_complete_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-4")

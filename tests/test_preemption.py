@@ -221,6 +221,67 @@ def test_under_torchrun_the_ranks_stop_after_the_same_step_and_resume_bit_identi
     _assert_bit_equal(_final_state(tmp_path), uninterrupted_two_ranks)
 
 
+LAUNCH = [sys.executable, "-m", "torchturbo", "launch", "--standalone", "--nproc-per-node", "2"]
+LAUNCH += ["-m", "torchturbo"]
+
+
+@pytest.mark.slow
+def test_sigusr1_to_torchturbo_launch_reaches_the_workers_and_it_exits_75(
+    tmp_path, uninterrupted_two_ranks
+):
+    """torchrun itself dies of SIGUSR1 (exit 138), its workers training on."""
+    at = random.Random().randint(2, 12)
+    run = _train(
+        *("--checkpoint-dir", str(tmp_path), "--save-every", str(SAVE_EVERY)),
+        launcher=LAUNCH,
+        env={"MARKED_STEP_S": "0.1"},
+    )
+    run.wait_for(rf"micro-step {at} rank 1 pid (\d+)")
+    os.kill(run.process.pid, signal.SIGUSR1)
+    assert run.finish() == EXIT_STOPPED, run.output[-4000:]
+    saved = int(run.wait_for(r"SIGUSR1: stopped after optimizer step (\d+) and saved it in ")[1])
+    assert at <= saved < STEPS
+    last = run.output.strip().splitlines()[-1]
+    assert last.startswith(
+        "torchturbo launch: the workers stopped on SIGUSR1 after saving their "
+        "last step (rank 0: exit 75"
+    ), last
+    assert "Traceback" not in run.output and "failed (exitcode" not in run.output
+    resumed = _train("--checkpoint-dir", str(tmp_path), "--resume", launcher=LAUNCH)
+    assert resumed.finish() == 0, resumed.output[-4000:]
+    _assert_bit_equal(_final_state(tmp_path), uninterrupted_two_ranks)
+
+
+@pytest.mark.slow
+def test_workers_whose_launcher_was_killed_stop_and_save(tmp_path):
+    at = random.Random().randint(2, 12)
+    run = _train("--checkpoint-dir", str(tmp_path), launcher=LAUNCH, env={"MARKED_STEP_S": "0.1"})
+    workers = {int(run.wait_for(rf"micro-step {at} rank {rank} pid (\d+)")[1]) for rank in (0, 1)}
+    os.kill(run.process.pid, signal.SIGKILL)  # the agent: its workers live on in their sessions
+    run.process.wait()
+    for pid in workers:  # they end on their own, having saved
+        for _ in range(int(TIMEOUT_S / 0.1)):
+            if not _alive(pid):
+                break
+            threading.Event().wait(0.1)
+        assert not _alive(pid), f"worker {pid} trains on"
+    run.reader.join(timeout=TIMEOUT_S)  # the workers' output, to the end
+    # Rank 0 says so when it saw the launcher gone first; else it stops with rank 1, agreeing.
+    stopped = re.search(r"SIGHUP: stopped after optimizer step (\d+) and saved it in ", run.output)
+    assert stopped is not None, run.output[-4000:]
+    saved = int(stopped[1])
+    assert at <= saved < STEPS and list_checkpoints(tmp_path)[0].name == f"ckpt-{saved:010d}"
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (an orphan that ended may stay a zombie in a container)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
 def test_an_ignored_or_custom_handler_is_left_alone():
     def custom(signum, frame):
         pass
@@ -298,3 +359,49 @@ def test_sigterm_to_the_whole_job_with_loader_workers_still_saves_the_step(tmp_p
     assert run.finish() == EXIT_STOPPED, run.output[-4000:]
     saved = int(run.wait_for(r"^SIGTERM: stopped after optimizer step (\d+) and saved it")[1])
     assert at <= saved < STEPS and list_checkpoints(ck)[0].name == f"ckpt-{saved:010d}"
+
+
+def test_the_launchers_line_says_what_the_workers_did():
+    from torchturbo.cli.launch import outcome
+
+    assert outcome({0: 75, 1: -15}, [signal.SIGUSR1], EXIT_STOPPED) == (
+        75,
+        "the workers stopped on SIGUSR1 after saving their last step (rank 0: exit 75, rank 1: "
+        "ended by torchrun after it); run the same command with --resume to go on",
+    )
+    assert outcome({0: 2, 1: -15}, [], EXIT_STOPPED)[0] == 2
+    assert outcome({1: -9}, [], EXIT_STOPPED) == (
+        137,
+        "worker rank 1 failed (rank 1: killed by SIGKILL); torchrun stopped the others",
+    )
+
+
+def test_the_launcher_finds_its_workers_among_its_children():
+    from torchturbo.distributed.agent import children
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert child.pid in children()
+        assert os.getpid() not in children()
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_a_worker_whose_parent_is_gone_asks_to_stop_as_on_sighup(monkeypatch):
+    from torchturbo.reliability import preemption
+
+    parents = iter([4321, 4321])  # then adopted: the launcher is gone
+    monkeypatch.setattr(preemption.os, "getppid", lambda: next(parents, 1))
+    monkeypatch.setattr(preemption, "PARENT_POLL_S", 0.01)
+    with terminal_stop_signals(), stop_on_signals(watch_parent=True, announce=False) as request:
+        for _ in range(500):
+            if request.is_set():
+                break
+            threading.Event().wait(0.01)
+    assert request.signal_name == "SIGHUP"
+    # The control: a parent that stays leaves the run alone.
+    monkeypatch.setattr(preemption.os, "getppid", lambda: 4321)
+    with terminal_stop_signals(), stop_on_signals(watch_parent=True, announce=False) as request:
+        threading.Event().wait(0.1)
+    assert not request.is_set()

@@ -111,6 +111,8 @@ class Recipe:
                 f"Recipe {self.name!r}: lengths has {len(self.lengths)} entries but the dataset "
                 f"has {samples}; give one length per sample"
             )
+        if self.lengths is not None:
+            _check_lengths(self.name, self.lengths)
         for attr in ("model", "optimizer", "loss_fn"):
             if not callable(getattr(self, attr)):
                 raise RecipeError(f"Recipe {self.name!r}: {attr} must be callable")
@@ -144,6 +146,25 @@ class Recipe:
                 f"returned {type(optimizer).__name__}, expected a torch.optim.Optimizer"
             )
         return model, optimizer
+
+
+def _check_lengths(name: str, lengths: Sequence[int]) -> None:
+    """Per-sample lengths are token counts, not all 0: a dataset of empty samples holds no token
+    to train on (its batches would be tensors of 0 elements, which no model can reshape)."""
+    if not len(lengths):
+        return
+    shortest, longest = min(lengths), max(lengths)
+    if shortest < 0:
+        index = list(lengths).index(shortest)
+        raise RecipeError(
+            f"Recipe {name!r}: lengths[{index}] = {shortest} is invalid: a length counts the "
+            "sample's tokens, >= 0"
+        )
+    if longest == 0:
+        raise RecipeError(
+            f"Recipe {name!r}: all {len(lengths)} samples have length 0 (lengths): there is no "
+            "token to train on; check the tokenizer's output or the text column"
+        )
 
 
 def _is_int(value: Any) -> bool:

@@ -127,3 +127,13 @@ def sgd():
 def adam():
     """:func:`sgd`'s model with Adam: its checkpoint cannot be resumed with SGD."""
     return dataclasses.replace(sgd(), optimizer=lambda params: torch.optim.Adam(params, lr=0.01))
+
+
+def empty_texts():
+    """A text dataset whose samples all tokenized to nothing (a wrong text column)."""
+    samples = [{"input_ids": torch.zeros(0, dtype=torch.long), "y": i % 2} for i in range(16)]
+
+    def loss(model, batch):
+        return nn.functional.cross_entropy(model(batch["input_ids"].float()), batch["y"])
+
+    return _recipe(dataset=samples, loss_fn=loss, lengths=[0] * 16)

@@ -4,7 +4,17 @@ from __future__ import annotations
 
 import argparse
 
-from torchturbo.cli import bench, completion, config, doctor, export, train, tune, version
+from torchturbo.cli import (
+    bench,
+    completion,
+    config,
+    doctor,
+    export,
+    launch,
+    train,
+    tune,
+    version,
+)
 from torchturbo.cli.arguments import CommandParser, HelpFormatter, Parser, global_options
 
 # The source article, named once here; the commands' help texts say "the article".
@@ -29,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"torchturbo {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=CommandParser)
 
-    for command in (version, bench, tune, doctor, export, train, config):
+    for command in (version, bench, tune, doctor, export, train, launch, config):
         command.add_parser(commands)
     completion.add_parser(commands, full_parser)
     return parser

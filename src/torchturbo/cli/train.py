@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -52,9 +53,10 @@ def add_parser(commands: Any) -> None:
         "--checkpoint-dir",
         type=Path,
         metavar="DIR",
-        help="where checkpoints go; with it, SIGTERM, SIGUSR1, SIGUSR2 or Ctrl-C finishes the "
-        "step under way, saves it and exits with status 75 (a second signal, 2 s or more "
-        "later, stops at once)",
+        help="where checkpoints go, checked writable with room for one before the first step "
+        "and owned by this run (a second run on it is refused); with it, SIGTERM, SIGUSR1, "
+        "SIGUSR2 or Ctrl-C finishes the step under way, saves it and exits with status 75 (a "
+        "second signal, 2 s or more later, stops at once)",
     )
     train.add_argument(
         "--save-every",
@@ -105,8 +107,10 @@ def run(args: argparse.Namespace) -> int:
 
     # From here on, not only once training runs: importing torch and building the recipe take
     # seconds, and a SIGTERM then would kill the run instead of stopping it after one step.
+    # A torchrun worker whose agent dies stops (and saves) rather than train on unsupervised.
+    torchrun_worker = "TORCHELASTIC_RUN_ID" in os.environ
     try:
-        with stop_on_signals(args.checkpoint_dir is not None):
+        with stop_on_signals(args.checkpoint_dir is not None, watch_parent=torchrun_worker):
             return _train_command(args)
     except StopNow as stop:
         from torchturbo.distributed import main_print

@@ -41,6 +41,7 @@ from torchturbo.distributed.normalize import Reference, global_count
 from torchturbo.resume.files import (
     SHARDS,
     CheckpointError,
+    Required,
     checkpoint_name,
     read_latest,
     write_checkpoint,
@@ -141,12 +142,15 @@ class Strategy:
         self._barrier()  # every rank returns once the checkpoint is complete
         return path
 
-    def read_checkpoint(self, root: str | Path) -> tuple[Path, dict[str, Any]]:
-        """(path, files) of the newest checkpoint under ``root`` that verifies, with this rank's
-        ``per_rank`` files under their plain names. Nothing is restored yet."""
+    def read_checkpoint(
+        self, root: str | Path, required: Required | None = None
+    ) -> tuple[Path, dict[str, Any]]:
+        """(path, files) of the newest checkpoint under ``root`` that verifies and holds what
+        ``required`` asks for, with this rank's ``per_rank`` files under their plain names.
+        Nothing is restored yet."""
         if not self.env.is_distributed:
-            return read_latest(root)
-        path, files = read_latest(root, self._files_read_here, self._any_rank_failed)
+            return read_latest(root, required=required)
+        path, files = read_latest(root, self._files_read_here, self._any_rank_failed, required)
         return path, self._own_rank_files(files)
 
     def _files_read_here(self, names: Collection[str]) -> set[str]:

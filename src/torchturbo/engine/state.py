@@ -25,9 +25,10 @@ from torch import nn
 
 from torchturbo.config import ConfigError, TurboConfig
 from torchturbo.distributed.strategy import Strategy
+from torchturbo.reliability import remap
 from torchturbo.reliability.epochs import EpochLoader, LoaderPosition
 from torchturbo.reliability.guard import refuse_nonfinite_state
-from torchturbo.resume.checks import STATE_VERSION, check_resumable
+from torchturbo.resume.checks import STATE_VERSION, check_resumable, lacking_files
 from torchturbo.resume.files import CheckpointError
 
 
@@ -74,6 +75,10 @@ def save_training_state(turbo: Resumable, directory: str | Path, scheduler: Any 
             "skipped_steps": state["skipped_steps"],
             "micro_batch_split": state["micro_batch_split"],
             "loader": None if position is None else [position.epoch, position.batches],
+            # Where the ranks together got in the epoch's global order: what a resume on
+            # another number of ranks continues from (reliability/remap.py).
+            "loader_order": None if position is None else position.order,
+            "world_size": turbo.strategy.env.world_size,
         },
         "config.toml": turbo.config.to_toml(),
     }
@@ -108,10 +113,22 @@ def load_training_state(turbo: Resumable, directory: str | Path, scheduler: Any 
     """Restore the newest valid checkpoint under ``directory`` into ``turbo``; returns its path."""
     if turbo.model is None or turbo.optimizer is None or turbo.strategy is None:
         raise CheckpointError("Turbo.load needs Turbo.setup(model, optimizer, ...) first")
-    path, files = turbo.strategy.read_checkpoint(directory)
+    # A checkpoint whose manifest lacks a file every checkpoint holds is skipped as corrupt.
+    path, files = turbo.strategy.read_checkpoint(directory, required=lacking_files)
     # Before anything is restored: every way the checkpoint does not fit this run, at once.
     model = turbo.strategy.unwrap(turbo.model)
-    check_resumable(path, files, model, turbo.optimizer, turbo.loader)
+    saved_state = files.get("state.json")
+    world = turbo.strategy.env.world_size
+    moved = remap.world_problems(saved_state, turbo.loader, world)
+    check_resumable(
+        path,
+        files,
+        model,
+        turbo.optimizer,
+        turbo.loader,
+        position_problems=moved,
+        carried_over=not moved and remap.carried_over_state(saved_state, turbo.loader),
+    )
     saved = files["state.json"]
     state = turbo.state_dict()  # the live state: what a sharded checkpoint is read into
     live = {"model": state["model"], "optimizer": state["optimizer"]}
@@ -143,6 +160,7 @@ def load_training_state(turbo: Resumable, directory: str | Path, scheduler: Any 
             rng["loader_generator"],
             rng["loader_torch"],
             files.get("loader_state.pt"),
+            saved.get("loader_order"),
         )
     turbo.load_state_dict(state)
     return path

@@ -12,7 +12,9 @@
   the tuner use (``techniques/registry.compose_model``), in its order; the techniques'
   process-wide switches held from setup to teardown; and the config's batch plan (length
   buckets, packed rows: ``registry.batch_plan``, as the engine and the tuner's trials build it)
-  in place of the train DataLoader's sampler and collate.
+  in place of the train DataLoader's sampler and collate; and preemption: on SIGTERM,
+  SIGUSR1, SIGUSR2 or Ctrl-C the step under way is saved as Lightning's ``hpc_ckpt_N.ckpt``,
+  which ``fit(ckpt_path="hpc")`` resumes, and the run exits 75.
 
 Needs ``pip install 'torchturbo[lightning]'`` (the ``lightning`` package; the standalone
 ``pytorch_lightning`` package has its own, incompatible Callback class).
@@ -47,12 +49,17 @@ from torchturbo.data.length import length_or_none
 from torchturbo.distributed.ddp import COMM_HOOKS, check_comm_hook
 from torchturbo.integrations.lengths import sample_lengths
 from torchturbo.integrations.optimizers import clone_optimizer, parameter_owner
+from torchturbo.integrations.stopping import StopWatch, TrainerStopped, announce
 from torchturbo.integrations.translate import DDPSpec, Translation, lightning_arguments
 from torchturbo.recipe import Recipe, RecipeError
+from torchturbo.reliability.random_state import capture_random_state, restore_random_state
 from torchturbo.techniques import registry
 from torchturbo.techniques.framework.result import TechniqueResult, applied, reasons
 
 __all__ = ["TurboLightningCallback", "recipe_from_lightning", "trainer_kwargs"]
+
+#: Lightning's signal handlers (``_SignalConnector``), which the callback replaces while fitting.
+_LIGHTNING_SIGNALS = "lightning.pytorch.trainer.connectors.signal_connector"
 
 
 def trainer_kwargs(config: TurboConfig) -> Translation:
@@ -109,12 +116,21 @@ class TurboLightningCallback(pl.Callback):
     whole batches: under DDP pass ``use_distributed_sampler=False`` (``trainer_kwargs`` does).
     """
 
-    def __init__(self, config: TurboConfig, *, seed: int = 0) -> None:
+    def __init__(self, config: TurboConfig, *, seed: int = 0, stop_on_signals: bool = True) -> None:
         self.config = config
         self.seed = seed
         self.results: dict[str, TechniqueResult] = {}
         self._switches = contextlib.ExitStack()
         self._restore: tuple[Any, Any] | None = None
+        # Lightning's own handlers stop after the batch (mid-window) and save nothing on
+        # SIGTERM, and save from inside the handler (mid-step) on SLURM's SIGUSR1: taken over.
+        self._watch = (
+            StopWatch(config.reliability.stop_grace_s, take_over=(_LIGHTNING_SIGNALS,))
+            if stop_on_signals
+            else None
+        )
+        self._stepped = 0
+        self._resumed_random: dict[str, Any] | None = None
 
     @property
     def applied(self) -> dict[str, str | None]:
@@ -199,6 +215,69 @@ class TurboLightningCallback(pl.Callback):
             else:
                 owner.train_dataloader = own
             self._restore = None
+        if self._watch is not None:
+            self._watch.close()
+
+    # -- preemption: the step under way saved as Lightning's own checkpoint ---------------------
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._watch is not None:
+            self._watch.start()  # after Lightning's signal connector registered its handlers
+        self._stepped = trainer.global_step
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self._resumed_random is not None:  # the first step after a resume
+            restore_random_state(self._resumed_random)
+            self._resumed_random = None
+
+    def on_train_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        if self._watch is None or trainer.global_step == self._stepped:
+            return  # inside an accumulation window: no optimizer step yet
+        self._stepped = trainer.global_step
+        if not self._watch.should_stop(trainer.strategy.root_device):
+            return
+        # Lightning's preemption checkpoint (its SLURM requeue writes the same), on every rank.
+        path = trainer.strategy.broadcast(
+            trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir)
+        )
+        trainer.save_checkpoint(path)
+        self._watch.close()
+        stopped = TrainerStopped(
+            self._watch.signal_name,
+            trainer.global_step,
+            str(path),
+            'run the same script with trainer.fit(..., ckpt_path="hpc")',
+        )
+        announce(stopped.line, trainer.global_rank)
+        raise stopped  # a SystemExit, as Lightning's own SIGTERMException
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._watch is not None:
+            self._watch.close()
+
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        # Lightning's teardown hooks do not run after an exception (a stop included).
+        self.teardown(trainer, pl_module, "fit")
+
+    def state_dict(self) -> dict[str, Any]:
+        """Saved in each of Lightning's checkpoints: the process's random state at the save
+        (Lightning keeps none), put back as the first step after a resume begins, so that its
+        dropout masks are the uninterrupted run's."""
+        return {"random": capture_random_state()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._resumed_random = state_dict.get("random")
 
 
 def recipe_from_lightning(

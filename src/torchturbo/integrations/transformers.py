@@ -11,7 +11,8 @@
   process-wide switches held while training runs.
 - :class:`TurboTrainer`: a ``Trainer`` that also replaces the sampler by token-budget length
   buckets or packed rows and registers the DDP comm hook, both of which live below the
-  Trainer's arguments.
+  Trainer's arguments, and stops on the stop signals after the step under way, saved as its own
+  checkpoint (:class:`PreemptionCallback`, which a plain Trainer can take too).
 
 Needs ``pip install 'torchturbo[transformers]'`` (transformers and accelerate).
 """
@@ -24,6 +25,9 @@ import functools
 import inspect
 import itertools
 import math
+import os
+import re
+import warnings
 import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -34,6 +38,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 try:
     from transformers import Trainer, TrainerCallback
+    from transformers.trainer_utils import TrainOutput
 except ImportError as err:  # pragma: no cover - exercised only without the extra
     raise ImportError(
         "torchturbo.integrations.transformers needs transformers and accelerate: "
@@ -46,12 +51,14 @@ from torchturbo.data.collate import IGNORE_INDEX
 from torchturbo.data.length import length_or_none
 from torchturbo.integrations.lengths import sample_lengths
 from torchturbo.integrations.optimizers import clone_optimizer, parameter_owner
+from torchturbo.integrations.stopping import StopWatch, TrainerStopped, announce
 from torchturbo.integrations.translate import Translation, hf_arguments
 from torchturbo.recipe import Recipe, RecipeError
 from torchturbo.techniques import registry
 from torchturbo.techniques.framework.result import TechniqueResult, reasons
 
 __all__ = [
+    "PreemptionCallback",
     "TurboCallback",
     "TurboTrainer",
     "recipe_from_trainer",
@@ -304,6 +311,49 @@ class TurboCallback(TrainerCallback):
         self.results |= registry.compose_model(model, self.config, device, "transformers")
 
 
+class PreemptionCallback(TrainerCallback):
+    """Stop on SIGTERM, SIGUSR1, SIGUSR2 or Ctrl-C after the optimizer step under way (every
+    rank the same one under torchrun), saved as the Trainer's own ``checkpoint-N``, which
+    ``trainer.train(resume_from_checkpoint=True)`` continues from; then ``train()`` raises
+    :class:`~torchturbo.integrations.stopping.TrainerStopped` (exit status 75).
+
+    The plain Trainer dies of SIGTERM (-15) and loses every step since its last ``save_steps``.
+    :class:`TurboTrainer` adds this callback; add it to a plain ``Trainer`` with
+    ``callbacks=[PreemptionCallback()]``. ``grace_s`` stops at once that long after the first
+    signal (``[reliability] stop_grace_s``). With ``enable_jit_checkpoint=True`` SIGTERM stays
+    the Trainer's own (its handler is left alone), which saves at the next step hook it meets,
+    also between backward and the optimizer step.
+    """
+
+    def __init__(self, grace_s: float = 0.0) -> None:
+        self.watch = StopWatch(grace_s)
+        self.stopped: TrainerStopped | None = None
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.stopped = None
+        self.watch.start()
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        # After the optimizer step (the Trainer calls on_substep_end inside a window) and before
+        # the Trainer's own save of this step: it saves when told to, whatever save_strategy.
+        if self.stopped is None and self.watch.should_stop(args.device):
+            control.should_save = True
+            control.should_training_stop = True
+            checkpoint = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+            self.stopped = TrainerStopped(
+                self.watch.signal_name,
+                state.global_step,
+                checkpoint,
+                "run the same script with trainer.train(resume_from_checkpoint=True)",
+            )
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.watch.close()
+        if self.stopped is not None:
+            announce(self.stopped.line, args.process_index)
+            raise self.stopped
+
+
 class TurboTrainer(Trainer):
     """A ``Trainer`` that applies a whole turbo.toml: pass ``turbo_config=`` and
     ``args=TrainingArguments(..., **training_arguments(config).kwargs)``.
@@ -316,12 +366,35 @@ class TurboTrainer(Trainer):
     comm hook and bucket view through accelerate.
     """
 
-    def __init__(self, *args: Any, turbo_config: TurboConfig, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, turbo_config: TurboConfig, stop_on_signals: bool = True, **kwargs: Any
+    ) -> None:
         # Set before Trainer.__init__, which creates the accelerator (see below).
         self.turbo_config = turbo_config
         self.turbo_callback = TurboCallback(turbo_config)
-        kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), self.turbo_callback]
+        callbacks = [*(kwargs.get("callbacks") or []), self.turbo_callback]
+        if stop_on_signals:
+            callbacks.append(PreemptionCallback(turbo_config.reliability.stop_grace_s))
+        kwargs["callbacks"] = callbacks
         super().__init__(*args, **kwargs)
+
+    def train(
+        self,
+        resume_from_checkpoint: str | bool | None = None,
+        trial: Any = None,
+        ignore_keys_for_eval: list[str] | None = None,
+    ) -> TrainOutput:
+        """``Trainer.train``; ``resume_from_checkpoint=True`` skips, with a warning, checkpoints
+        that a kill during the Trainer's save left without ``trainer_state.json`` (written last),
+        which the Trainer would pick as the newest and fail to read."""
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir or "")
+            if resume_from_checkpoint is None:
+                raise ValueError(
+                    f"resume_from_checkpoint=True: no complete checkpoint-* in "
+                    f"{self.args.output_dir!r} (one with a trainer_state.json)"
+                )
+        return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval)
 
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
@@ -365,6 +438,30 @@ class TurboTrainer(Trainer):
             persistent_workers=args.dataloader_persistent_workers,
             prefetch_factor=args.dataloader_prefetch_factor,
         )
+
+
+def last_complete_checkpoint(output_dir: str) -> str | None:
+    """The newest ``checkpoint-N`` of ``output_dir`` whose ``trainer_state.json`` (the file the
+    Trainer's save writes last) is there; each newer one without it is skipped with a warning."""
+    if not os.path.isdir(output_dir):
+        return None
+    steps = sorted(
+        (int(match[1]), name)
+        for name in os.listdir(output_dir)
+        if (match := re.fullmatch(r"checkpoint-(\d+)", name))
+        and os.path.isdir(os.path.join(output_dir, name))
+    )
+    for _, name in reversed(steps):
+        path = os.path.join(output_dir, name)
+        if os.path.isfile(os.path.join(path, "trainer_state.json")):
+            return path
+        warnings.warn(
+            f"{path} has no trainer_state.json (a save cut short): resuming from an earlier "
+            "checkpoint",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return None
 
 
 def configure_ddp_handler(accelerator: Any, config: DistributedConfig) -> None:

@@ -92,7 +92,7 @@ def hf_arguments(config: TurboConfig, fields: Collection[str] | None = None) -> 
     _micro_batches(config, notes, "per_device_train_batch_size")
     _clipping(config, kwargs, notes, "max_grad_norm", "Trainer clips at 1.0 unless told")
     _hf_data(config, kwargs, notes)
-    _reliability(config, notes, "save_total_limit")
+    _reliability(config, notes, "save_total_limit", f"{HF_TRAINER} (PreemptionCallback)")
     _hf_distributed(config, kwargs, notes)
     return Translation(kwargs, notes)
 
@@ -149,7 +149,9 @@ def _hf_data(config: TurboConfig, kwargs: dict[str, Any], notes: dict[str, str])
         )
 
 
-def _reliability(config: TurboConfig, notes: dict[str, str], keep_option: str) -> None:
+def _reliability(
+    config: TurboConfig, notes: dict[str, str], keep_option: str, stopper: str
+) -> None:
     reliability = config.reliability
     if reliability.keep_last != 3:
         notes[_key("reliability", "keep_last")] = (
@@ -170,8 +172,9 @@ def _reliability(config: TurboConfig, notes: dict[str, str], keep_option: str) -
         )
     if reliability.stop_grace_s:
         notes[_key("reliability", "stop_grace_s")] = (
-            "not carried: the trainer's own signal handling decides when a stop is forced "
-            "(Lightning's SLURM plugin; the Hugging Face Trainer saves nothing on SIGTERM)"
+            f"applied by {stopper}: on a stop signal it saves the step under way as the "
+            f"trainer's own checkpoint, and stops at once {reliability.stop_grace_s:g} s after "
+            "the signal"
         )
 
 
@@ -241,7 +244,7 @@ def lightning_arguments(config: TurboConfig) -> Translation:
         kwargs["gradient_clip_algorithm"] = "norm"
     _clipping(config, kwargs, notes, "gradient_clip_val", "Lightning does not clip unless told")
     _lightning_data(config, notes)
-    _reliability(config, notes, "ModelCheckpoint(save_top_k=...)")
+    _reliability(config, notes, "ModelCheckpoint(save_top_k=...)", LIGHTNING_CALLBACK)
     _lightning_distributed(config, kwargs, notes)
     return Translation(kwargs, notes)
 

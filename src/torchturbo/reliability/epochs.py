@@ -39,6 +39,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, Sampler
 
 from torchturbo.data.bucketing import BucketBatchSampler
+from torchturbo.reliability import remap
 
 
 @dataclass
@@ -55,6 +56,11 @@ class LoaderPosition:
     #: The ``state_dict()`` of a loader or stream that saves its own position, after the last
     #: trained batch (None for any other loader, and at the start of an epoch).
     source_state: Any = None
+    #: The epoch's global order (``reliability.remap.spec``) with ``consumed``, the units of it
+    #: all ranks trained, and ``remapped``, whether the epoch was carried over from another world
+    #: size; None where the order cannot be rebuilt. What a resume on another number of ranks
+    #: continues from.
+    order: dict[str, Any] | None = None
 
 
 class EpochLoader:
@@ -74,6 +80,11 @@ class EpochLoader:
         #: The state of a self-positioning source after the batch last handed out.
         self._source_state: Any = None
         self._stateful = _stateful_source(loader)
+        #: The epoch in progress: its global order, the units consumed before this process's
+        #: first batch of it (a carried-over epoch), and its batch count when carried over.
+        self._order: dict[str, Any] | None = None
+        self._base = 0
+        self._carried_batches: int | None = None
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -91,11 +102,31 @@ class EpochLoader:
         if self._in_epoch and not self._epoch_done():
             generator_state, torch_state = self._start_state
             return LoaderPosition(
-                self.epoch - 1, self.batches, generator_state, torch_state, self._source_state
+                self.epoch - 1,
+                self.batches,
+                generator_state,
+                torch_state,
+                self._source_state,
+                self._consumed(),
             )
         # Nothing of the next epoch has been drawn yet: its random state is today's.
         generator_state, torch_state = self._random_state()
-        return LoaderPosition(self.epoch, 0, generator_state, torch_state)
+        order = remap.spec(self.loader, self.epoch)
+        start = None if order is None else {**order, "consumed": 0, "remapped": False}
+        return LoaderPosition(self.epoch, 0, generator_state, torch_state, order=start)
+
+    def _consumed(self) -> dict[str, Any] | None:
+        """The epoch's order and how far into it all ranks got: this process's batches times
+        the units a batch of every rank takes, after those of a world it was carried over from."""
+        here = remap.spec(self.loader, self.epoch - 1)
+        if self._order is None or here is None:
+            return None
+        stride = here["unit"] * here["world_size"]
+        return {
+            **self._order,
+            "consumed": self._base + self.batches * stride,
+            "remapped": self._carried_batches is not None,
+        }
 
     def resume(self, position: LoaderPosition, after: Any = None) -> None:
         """Make the next ``iter()`` continue from ``position``; then call ``after()``.
@@ -114,6 +145,16 @@ class EpochLoader:
             epoch = "" if position is None else f"epoch {position.epoch}, "
             return f"{epoch}at the start of an epoch: nothing to skip"
         where = f"epoch {position.epoch}, {position.batches} batches in"
+        method = self._skip_method(position)
+        if method == "remap":
+            assert position.order is not None
+            unit = "batches" if position.order["kind"] == "plan" else "samples"
+            return (
+                f"{where} on {position.order['world_size']} rank(s): the "
+                f"{position.order['consumed']} {unit} all ranks trained of it carried over to "
+                f"{remap.world(self.loader)[0]} rank(s), the rest of the epoch dealt out to "
+                "them, no sample loaded"
+            )
         how = {
             "loader_state": "the loader's own load_state_dict(), no batch loaded",
             "stream_state": "the stream's own load_state_dict(), no batch loaded",
@@ -121,7 +162,7 @@ class EpochLoader:
             "indices": "the batch sampler's indices skipped, no sample loaded",
             "drain": f"drained: {position.batches} batches fetched again and discarded "
             f"({self._why_drained()})",
-        }[self._skip_method(position)]
+        }[method]
         return f"{where}: {how}"
 
     def _why_drained(self) -> str:
@@ -132,6 +173,8 @@ class EpochLoader:
         return "a stream without state_dict()/load_state_dict()"
 
     def _skip_method(self, position: LoaderPosition) -> str:
+        if remap.carried_over(position.order, self.loader):
+            return "remap"
         if position.source_state is not None and self._stateful is not None:
             return self._stateful
         if isinstance(self.loader.batch_sampler, BucketBatchSampler):
@@ -153,7 +196,18 @@ class EpochLoader:
         skip = resume.batches if resume is not None else 0
         method = self._skip_method(resume) if resume is not None and skip else None
         loader: Any = self.loader
-        if method in ("loader_state", "stream_state"):
+        self._order = remap.spec(self.loader, self.epoch)
+        self._base, self._carried_batches = 0, None
+        if method == "remap":
+            assert resume is not None and resume.order is not None
+            self._order = {k: v for k, v in resume.order.items() if k not in _PROGRESS}
+            self._base = resume.order["consumed"]
+            rest = remap.remainder_batches(
+                self.loader, resume.order, self._base, *self._start_state
+            )
+            self._carried_batches = len(rest)
+            loader, skip = _rebuilt(self.loader, {"batch_sampler": rest}), 0
+        elif method in ("loader_state", "stream_state"):
             assert resume is not None
             self._source().load_state_dict(resume.source_state)
         elif method == "bucket_sampler":
@@ -201,6 +255,8 @@ class EpochLoader:
         return self._source().state_dict() if self._stateful is not None else None
 
     def _epoch_done(self) -> bool:
+        if self._carried_batches is not None:
+            return self.batches >= self._carried_batches
         try:
             return self.batches >= len(self)
         except TypeError:  # an IterableDataset without __len__: done only once exhausted
@@ -264,6 +320,12 @@ def _fast_forwarded(loader: DataLoader, skip: int) -> DataLoader:
         if batched
         else {"sampler": _SkipFirst(loader.sampler, skip), "batch_size": None}
     )
+    return _rebuilt(loader, samplers)
+
+
+def _rebuilt(loader: DataLoader, samplers: dict[str, Any]) -> DataLoader:
+    """A DataLoader like ``loader`` (same dataset, workers, collate, generator) with other
+    ``samplers`` (``batch_sampler=``, or ``sampler=`` and ``batch_size=``)."""
     return DataLoader(
         loader.dataset,
         **samplers,
@@ -282,3 +344,5 @@ def _fast_forwarded(loader: DataLoader, skip: int) -> DataLoader:
 
 
 _END = object()
+#: The keys of a position's order that say how far it got, not what the order is.
+_PROGRESS = ("consumed", "remapped")

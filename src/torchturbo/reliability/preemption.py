@@ -15,6 +15,11 @@ thread be stuck in native code, the process exits 5 s later with ``os._exit``. A
 *same* signal within :data:`SAME_SIGNAL_S` counts as the first one: torchrun's agent forwards to
 its workers the signal that a terminal or a scheduler already sent to the whole job.
 
+A torchrun worker also watches its parent, the agent (``watch_parent``): torchrun dies of
+SIGUSR1 and SIGUSR2, and of SIGKILL like any process, leaving its workers to train on in their own
+sessions, where no terminal or scheduler signal reaches them; a worker whose parent is gone asks
+to stop as on SIGHUP.
+
 Handlers are installed only in the main thread and only over the default disposition (SIG_DFL,
 Python's Ctrl-C handler, or torchrun's own handler in a process that inherited it): an ignored
 signal or a user's handler is left alone. Why hand-written: Lightning and Composer do this
@@ -29,7 +34,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from torchturbo.base.stop_signals import STOP_SIGNALS
@@ -41,6 +46,8 @@ if TYPE_CHECKING:
 SAME_SIGNAL_S = 2.0
 #: How long the main thread has to unwind after a stop at once before the process exits.
 HARD_EXIT_S = 5.0
+#: Seconds between two looks at whether a torchrun worker's parent (the agent) is alive.
+PARENT_POLL_S = 0.5
 #: The exit status of a run that stopped on a signal after saving its last step: BSD's
 #: EX_TEMPFAIL, "try again later": a requeue script tests for it. Stopping at once exits with
 #: 128 + the signal's number, as a process killed by it would.
@@ -117,6 +124,9 @@ class _Stopper:
         self.first_at: float | None = None
         self.timers: list[threading.Timer] = []
         self.grace_over = threading.Event()
+        self.closed = threading.Event()
+        # The first request may come from the parent's watcher thread as well as a handler.
+        self._first_lock = threading.RLock()
 
     def set_grace(self, grace_s: float) -> None:
         """Limit the time from the first signal to the stop (also when it came already)."""
@@ -134,23 +144,37 @@ class _Stopper:
 
     def _end_grace(self, signum: int) -> None:
         self.grace_over.set()
-        _thread.interrupt_main(signal.Signals(signum))  # runs on_signal in the main thread
+        # Runs on_signal in the main thread (a handler of ours: SIGHUP, the launcher gone, has
+        # none, so the stop at once comes as the SIGTERM a scheduler would send).
+        handled = signum if signum in STOP_SIGNALS else signal.SIGTERM
+        _thread.interrupt_main(signal.Signals(handled))
 
     def on_signal(self, signum: int, frame: Any) -> None:
         now = time.monotonic()
-        if self.first_at is None:
-            self.first_at = now
-            self.request.set(signum)
-            if self.announce:
-                _announce(signum, self.grace_s)
-            if self.grace_s > 0:
-                self._start_grace(signum, self.grace_s)
+        if self._first(signum, now):
             return
+        assert self.first_at is not None  # set by the first request
         if self.grace_over.is_set():
             self._stop_at_once(signum, f"the grace period of {self.grace_s:g} s ran out")
         if signum == self.request.signum and now - self.first_at < SAME_SIGNAL_S:
             return  # the same request, forwarded (torchrun's agent) or repeated at once
         self._stop_at_once(signum, "a second stop signal")
+
+    def _first(self, signum: int, now: float, why: str = "") -> bool:
+        """Take ``signum`` as the first request, if none came before; whether it was."""
+        with self._first_lock:
+            if self.first_at is not None:
+                return False
+            self.first_at = now
+            self.request.set(signum)
+        if self.announce:
+            _announce(signum, self.grace_s, why)
+        if self.grace_s > 0:
+            self._start_grace(signum, self.grace_s)
+        return True
+
+    def parent_gone(self, parent: int) -> None:
+        self._first(signal.SIGHUP, time.monotonic(), f"the launcher (pid {parent}) is gone")
 
     def _stop_at_once(self, signum: int, why: str) -> None:
         # Should the main thread not unwind (stuck in native code), leave anyway.
@@ -161,6 +185,7 @@ class _Stopper:
         raise StopNow(signum, why)
 
     def cancel(self) -> None:
+        self.closed.set()
         for timer in self.timers:
             timer.cancel()
 
@@ -171,19 +196,33 @@ _OPEN: list[_Stopper] = []
 
 @contextlib.contextmanager
 def stop_on_signals(
-    enabled: bool = True, *, grace_s: float = 0.0, announce: bool = True
+    enabled: bool = True,
+    *,
+    grace_s: float = 0.0,
+    announce: bool = True,
+    watch_parent: bool = False,
+    take_over: tuple[str, ...] = (),
 ) -> Iterator[StopRequest]:
     """Within the block, the first of :data:`STOP_SIGNALS` sets the yielded request instead of
     stopping the process; a second one raises :class:`StopNow`.
 
     ``grace_s`` > 0: that long after the first signal, stop at once as a second signal would.
-    ``announce`` writes one line to stderr on the first signal (rank 0 only). The previous
-    handlers are back after the block. ``enabled=False`` yields a request nothing sets. Inside
-    an open block (the CLI opens one before the slow imports, ``train`` another), a nested one
-    yields the same request, with its own ``grace_s``: a signal that came before it counts.
+    ``announce`` writes one line to stderr on the first signal (rank 0 only). ``watch_parent``
+    (a torchrun worker) sets the request, as SIGHUP, once the parent process is gone.
+    ``take_over`` names modules whose handlers are replaced too (a trainer's own). The
+    previous handlers are back after the block. ``enabled=False`` yields a request nothing sets.
+    Inside an open block (the CLI opens one before the slow imports, ``train`` another), a nested
+    one yields the same request, with its own ``grace_s``: a signal that came before it counts.
     """
     if not (enabled and threading.current_thread() is threading.main_thread()):
-        yield StopRequest()
+        # Nothing to save: a worker whose launcher is gone ends as SIGHUP would end it.
+        closed = threading.Event()
+        if watch_parent:
+            _watch_parent(closed, lambda parent: os.kill(os.getpid(), signal.SIGHUP))
+        try:
+            yield StopRequest()
+        finally:
+            closed.set()
         return
     if _OPEN:
         outer = _OPEN[-1]
@@ -196,10 +235,14 @@ def stop_on_signals(
         return
     stopper = _Stopper(announce)
     stopper.set_grace(grace_s)
+    if watch_parent:
+        _watch_parent(stopper.closed, stopper.parent_gone)
     installed = {}
     for signum in STOP_SIGNALS:
         previous_handler = signal.getsignal(signum)
-        if _is_default(signum, previous_handler):
+        if _is_default(signum, previous_handler) or _module_of(previous_handler).startswith(
+            take_over
+        ):
             installed[signum] = previous_handler
             signal.signal(signum, stopper.on_signal)
     _OPEN.append(stopper)
@@ -212,6 +255,26 @@ def stop_on_signals(
             signal.signal(signum, previous_handler)
 
 
+def _watch_parent(closed: threading.Event, gone: Callable[[int], None]) -> None:
+    """Call ``gone(parent)`` once this process's parent is gone, until ``closed`` is set.
+
+    torchrun's agent killed (SIGKILL, out of memory, a signal it does not handle) leaves its
+    workers training on unsupervised, in sessions of their own where no terminal or scheduler
+    signal reaches them: each asks to stop, as on SIGHUP, instead. A parent's death is seen as a
+    change of ``getppid()`` (to the reaper that adopted the process), every PARENT_POLL_S."""
+    parent = os.getppid()
+    if parent == 1:  # an orphan already, or init's own child: nothing to watch
+        return
+
+    def watch() -> None:
+        while not closed.wait(PARENT_POLL_S):
+            if os.getppid() != parent:
+                gone(parent)
+                return
+
+    threading.Thread(target=watch, name="torchturbo-parent-watch", daemon=True).start()
+
+
 def _is_default(signum: int, handler: Any) -> bool:
     """SIG_DFL, Python's Ctrl-C handler, or torchrun's agent handler (inherited by a process
     that runs the agent's code itself): dispositions that would end the run mid-step."""
@@ -222,13 +285,20 @@ def _is_default(signum: int, handler: Any) -> bool:
     ).startswith("torch.distributed.elastic")
 
 
-def _announce(signum: int, grace_s: float) -> None:
+def _module_of(handler: Any) -> str:
+    """The module a handler (a function, a bound method, a callable object) comes from."""
+    return str(getattr(handler, "__module__", "") or "")
+
+
+def _announce(signum: int, grace_s: float, why: str = "") -> None:
     if os.environ.get("RANK", "0") != "0":
         return
     limit = f"; stopping at once after {grace_s:g} s" if grace_s > 0 else ""
+    name = signal.Signals(signum).name
+    cause, as_on = (why, f", as on {name}") if why else (name, "")
     line = (
-        f"{signal.Signals(signum).name}: stopping after the optimizer step under way and saving "
-        f"it (a second signal, {SAME_SIGNAL_S:g} s or more later, stops at once{limit})\n"
+        f"{cause}: stopping after the optimizer step under way and saving it{as_on} (a second "
+        f"signal, {SAME_SIGNAL_S:g} s or more later, stops at once{limit})\n"
     )
     # os.write, not print: a handler may run while the main thread is inside print itself.
     with contextlib.suppress(OSError):

@@ -12,7 +12,7 @@ or the optimizer is touched.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,15 +36,26 @@ _STEP_IN_NAME = re.compile(r"ckpt-(\d+)$")
 
 
 def check_resumable(
-    path: Path, files: Mapping[str, Any], model: nn.Module, optimizer: Any, loader: Any
+    path: Path,
+    files: Mapping[str, Any],
+    model: nn.Module,
+    optimizer: Any,
+    loader: Any,
+    *,
+    position_problems: Sequence[str] = (),
+    carried_over: bool = False,
 ) -> None:
     """Raise one :class:`CheckpointError` listing every way checkpoint ``path`` (its ``files``)
-    does not fit ``model``, ``optimizer`` and ``loader`` (None for a manual loop)."""
+    does not fit ``model``, ``optimizer`` and ``loader`` (None for a manual loop), with
+    ``position_problems``, the ways its loader position does not fit this number of processes
+    (``reliability.remap.world_problems``). ``carried_over``: the position is carried onto
+    another number of ranks, so its per-rank batch count is not this loader's."""
     sharded = (path / SHARDS).is_dir()
     problems = missing_files(files, sharded=sharded)
     if not problems:
         state = files["state.json"]
-        problems = state_problems(state, length_or_none(loader), path)
+        batches = None if carried_over else length_or_none(loader)
+        problems = [*position_problems, *state_problems(state, batches, path)]
         plain_random = files.get("random.json", state)  # version 1 kept it in state.json
         if isinstance(plain_random, dict):
             python, numpy = plain_random.get("python"), plain_random.get("numpy")
@@ -66,6 +77,13 @@ def check_steps(requested: int, saved: int, path: Path) -> None:
             f"cannot train to optimizer step {requested} (--steps): the checkpoint resumed from, "
             f"{str(path)!r}, is already at step {saved}; ask for --steps {saved} or more"
         )
+
+
+def lacking_files(path: Path, names: Collection[str]) -> str | None:
+    """What checkpoint ``path``, whose manifest lists ``names``, lacks of the files every
+    checkpoint holds (``files.read_latest`` then falls back, as from a corrupt file)."""
+    problems = missing_files(dict.fromkeys(names), sharded=(path / SHARDS).is_dir())
+    return "; ".join(problems) or None
 
 
 def missing_files(files: Mapping[str, Any], *, sharded: bool = False) -> list[str]:

@@ -25,6 +25,7 @@ nor checksums files; safetensors holds flat tensors only, not optimizer state.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -92,13 +93,60 @@ def write_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         if not isinstance(err, OSError):
             raise
-        raise CheckpointError(
-            f"cannot write checkpoint {str(final)!r}: {err.strerror or err}; nothing of it was "
-            "kept, and the checkpoints saved before are intact"
-        ) from err
+        raise CheckpointError(_failed_write(root, final, files, err)) from err
     _fsync_dir(root)
     _prune(root, keep_last)
     return final
+
+
+def _failed_write(root: Path, final: Path, files: Mapping[str, Any], err: OSError) -> str:
+    """One sentence for a write that failed: why, and for a full disk what it needed and had,
+    and the checkpoint that is kept."""
+    reason = err.strerror or str(err)
+    if err.errno in (errno.ENOSPC, errno.EDQUOT):
+        try:
+            free = f", {format_bytes(free_space(root))} free"
+        except OSError:
+            free = ""
+        needed = format_bytes(payload_bytes(files))
+        reason += f" in {str(root)!r} (the checkpoint needs about {needed}{free})"
+    kept = next((p for p in list_checkpoints(root) if p != final), None)
+    before = (
+        f"the newest checkpoint kept is {str(kept)!r}, intact"
+        if kept is not None
+        else "no checkpoint was saved before it"
+    )
+    return f"cannot write checkpoint {str(final)!r}: {reason}; nothing of it was kept, and {before}"
+
+
+def payload_bytes(files: Mapping[str, Any]) -> int:
+    """The bytes of the tensors in ``files`` (what a checkpoint of them is mostly made of)."""
+    total, pending = 0, list(files.values())
+    while pending:
+        item = pending.pop()
+        if isinstance(item, torch.Tensor):
+            total += item.numel() * item.element_size()
+        elif isinstance(item, Mapping):
+            pending.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            pending.extend(item)
+    return total
+
+
+def free_space(directory: str | Path) -> int:
+    """Bytes an unprivileged writer may still use on ``directory``'s file system."""
+    stats = os.statvfs(directory)
+    return stats.f_bavail * stats.f_frsize
+
+
+def format_bytes(count: int) -> str:
+    """``1.5 MiB``: sizes in messages (``output.tables`` would import rich for this)."""
+    value = float(count)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{count} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
 
 
 def _rename_into_place(tmp: Path, final: Path) -> None:
@@ -134,12 +182,17 @@ def list_checkpoints(root: str | Path) -> list[Path]:
 
 #: Chooses, from the names a manifest lists, those this process reads (all by default).
 Select = Callable[[Collection[str]], Collection[str]]
+#: Says what a checkpoint at a path, whose manifest lists these names, lacks (None: nothing).
+Required = Callable[[Path, Collection[str]], str | None]
 
 
-def read_checkpoint(path: str | Path, select: Select | None = None) -> dict[str, Any]:
+def read_checkpoint(
+    path: str | Path, select: Select | None = None, required: Required | None = None
+) -> dict[str, Any]:
     """Verify and read one checkpoint directory: ``{file name: object}`` (the manifest excluded;
     files under ``SHARDS/`` are verified, not returned). ``select`` limits both to the names it
-    returns: what this rank reads."""
+    returns: what this rank reads. A manifest that lacks a file the directory holds, or one that
+    ``required`` asks for, is damaged: the checkpoint fails as a corrupt file does."""
     path = Path(path)
     try:
         manifest = json.loads((path / MANIFEST).read_bytes())
@@ -155,6 +208,7 @@ def read_checkpoint(path: str | Path, select: Select | None = None) -> dict[str,
                 f"checkpoint {str(path)!r}: its manifest lists {name!r}, which is not a file "
                 "name of the checkpoint"
             )
+    _check_listing(path, digests, required)
     wanted = set(digests) if select is None else set(select(list(digests)))
     out: dict[str, Any] = {}
     for name, expected in digests.items():
@@ -172,6 +226,25 @@ def read_checkpoint(path: str | Path, select: Select | None = None) -> dict[str,
         if not name.startswith(f"{SHARDS}/"):
             out[name] = _decode(path / name)
     return out
+
+
+def _check_listing(path: Path, digests: Mapping[str, Any], required: Required | None) -> None:
+    """Raise when the manifest does not list a file of the directory, or lacks a required one."""
+    try:
+        # Hidden files (a file manager's .DS_Store) are no part of it.
+        held = {p.name for p in path.iterdir() if p.is_file() and not p.name.startswith(".")}
+        held.discard(MANIFEST)
+    except OSError as err:
+        raise CheckpointError(f"checkpoint {str(path)!r} cannot be listed: {err}") from err
+    unlisted = sorted(held - set(digests))
+    if unlisted:
+        raise CheckpointError(
+            f"checkpoint {str(path)!r}: its manifest does not list {', '.join(unlisted)}, which "
+            "the checkpoint holds: the manifest is damaged"
+        )
+    lacking = required(path, list(digests)) if required is not None else None
+    if lacking:
+        raise CheckpointError(f"checkpoint {str(path)!r}: {lacking}")
 
 
 def file_digest(path: Path) -> str:
@@ -196,17 +269,18 @@ def read_latest(
     root: str | Path,
     select: Select | None = None,
     any_failed: Callable[[bool], bool] = bool,
+    required: Required | None = None,
 ) -> tuple[Path, dict[str, Any]]:
     """The newest checkpoint under ``root`` that verifies, warning about each one skipped.
 
-    ``root`` may also be one checkpoint directory, which is then read strictly. ``select`` is
-    :func:`read_checkpoint`'s; ``any_failed`` turns this process's verdict on a checkpoint into
-    everyone's (under torchrun: whether any rank found its files corrupt), so that all ranks
-    fall back to the same one.
+    ``root`` may also be one checkpoint directory, which is then read strictly. ``select`` and
+    ``required`` are :func:`read_checkpoint`'s; ``any_failed`` turns this process's verdict on a
+    checkpoint into everyone's (under torchrun: whether any rank found its files corrupt), so
+    that all ranks fall back to the same one.
     """
     root = Path(root)
     if (root / MANIFEST).exists():
-        return root, read_checkpoint(root, select)
+        return root, read_checkpoint(root, select, required)
     candidates = list_checkpoints(root)
     if not candidates:
         where = "does not exist" if not root.exists() else "holds no checkpoint (ckpt-*/)"
@@ -215,7 +289,7 @@ def read_latest(
     for path in candidates:
         failure, state = None, {}
         try:
-            state = read_checkpoint(path, select)
+            state = read_checkpoint(path, select, required)
         except CheckpointError as err:
             failure = str(err)
         if any_failed(failure is not None):
@@ -230,15 +304,24 @@ def read_latest(
 
 
 class _HashingWriter:
-    """A binary file that hashes what it writes: ``torch.save`` streams into it."""
+    """A binary file that hashes what it writes: ``torch.save`` streams into it.
+
+    It keeps the error of a failed write: ``torch.save`` turns it into a RuntimeError about
+    its archive (``unexpected pos 1728 vs 1620``), which names no reason and no file.
+    """
 
     def __init__(self, handle: BinaryIO) -> None:
         self.handle = handle
         self.digest = hashlib.sha256()
+        self.error: OSError | None = None
 
     def write(self, data: Any) -> int:
         self.digest.update(data)
-        return self.handle.write(data)
+        try:
+            return self.handle.write(data)
+        except OSError as err:
+            self.error = err
+            raise
 
     def flush(self) -> None:
         self.handle.flush()
@@ -252,7 +335,12 @@ def _write_file(path: Path, obj: Any) -> str:
     with open(path, "wb") as handle:
         writer = _HashingWriter(handle)
         if path.suffix == ".pt":
-            torch.save(obj, writer)  # type: ignore[arg-type]  # any object with write()
+            try:
+                torch.save(obj, writer)  # type: ignore[arg-type]  # any object with write()
+            except RuntimeError:
+                if writer.error is None:
+                    raise
+                raise writer.error from None  # the system's reason (a full disk), not torch's
         else:
             text = json.dumps(obj, indent=1) if path.suffix == ".json" else str(obj)
             writer.write(text.encode())

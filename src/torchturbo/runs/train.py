@@ -9,12 +9,17 @@ memory, learning rate, skipped steps and micro-batch split are logged (``step_me
 checkpoint directory, a stop signal (SIGTERM, SIGUSR1, SIGUSR2, Ctrl-C:
 ``torchturbo.reliability.preemption``) finishes the optimizer step under way, on every rank the same
 one, and saves it before stopping (:class:`TrainInterrupted`); a second signal stops at once.
+Before the first step, the checkpoint directory is proven writable, with room for a checkpoint of
+this run, and locked for it (``resume.directory``, ``resume.lock``): a second run on it is
+refused, naming the first.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,7 +27,7 @@ import torch
 
 from torchturbo.config import INT64_MAX, ConfigError, TurboConfig
 from torchturbo.data.length import length_or_none
-from torchturbo.distributed.launch import current_env
+from torchturbo.distributed.launch import current_env, init_distributed
 from torchturbo.engine import Turbo
 from torchturbo.engine.loader import recipe_data
 from torchturbo.measure.timing import sync
@@ -30,7 +35,9 @@ from torchturbo.recipe import Recipe
 from torchturbo.reliability.oom import leading_size
 from torchturbo.reliability.preemption import StopRequest, stop_on_signals
 from torchturbo.resume.checks import check_steps
-from torchturbo.resume.files import checkpoint_name
+from torchturbo.resume.directory import estimate_state_bytes, prepare_directory, room_problem
+from torchturbo.resume.files import CheckpointError, checkpoint_name
+from torchturbo.resume.lock import hold_directory
 from torchturbo.runs.metrics_log import AnyLogger
 from torchturbo.runs.step_meter import recipe_meter
 
@@ -115,7 +122,10 @@ def train(
     """
     _check_arguments(steps, save_every, checkpoint_dir, resume)
     graceful = checkpoint_dir is not None
-    with stop_on_signals(graceful, grace_s=config.reliability.stop_grace_s) as stop:
+    with (
+        stop_on_signals(graceful, grace_s=config.reliability.stop_grace_s) as stop,
+        _owned_directory(checkpoint_dir, resume=resume, device=config.device),
+    ):
         return _train(
             recipe,
             config,
@@ -151,6 +161,8 @@ def _train(
     microbatcher = turbo.microbatcher
     world_size = current_env().world_size
     try:  # from here on turbo.close() restores what setup switched (TF32), whatever happens
+        if checkpoint_dir is not None:
+            _check_room(turbo, checkpoint_dir)
         batches_per_epoch = length_or_none(loader)  # None for a stream
         if batches_per_epoch is not None:
             _check_accumulation(config, recipe, batches_per_epoch)
@@ -225,6 +237,61 @@ def _train(
     )
 
 
+@contextlib.contextmanager
+def _owned_directory(
+    checkpoint_dir: str | Path | None, *, resume: bool, device: str
+) -> Iterator[None]:
+    """Before anything is built: the checkpoint directory made and proven writable (on every
+    rank: under FSDP each writes its shards), then owned by this run for the block (rank 0
+    holds the lock for the job). A refusal is raised on every rank alike."""
+    if checkpoint_dir is None:
+        yield
+        return
+    env = init_distributed(device)  # joins torchrun's group (setup would); the ranks agree
+    _on_every_rank(lambda: prepare_directory(checkpoint_dir, resume=resume))
+    with contextlib.ExitStack() as owned:
+        if env.rank == 0:
+            _on_every_rank(lambda: owned.enter_context(hold_directory(checkpoint_dir)))
+        else:
+            _on_every_rank(lambda: None)
+        yield
+
+
+def _check_room(turbo: Turbo, checkpoint_dir: str | Path) -> None:
+    """Room for one checkpoint of this run (rank 0 writes them), before the first step."""
+    assert turbo.model is not None and turbo.optimizer is not None and turbo.strategy is not None
+    needed = estimate_state_bytes(turbo.strategy.unwrap(turbo.model), turbo.optimizer)
+
+    def check() -> None:
+        if current_env().rank != 0:
+            return
+        error, warning = room_problem(checkpoint_dir, needed, turbo.config.reliability.keep_last)
+        if error:
+            raise CheckpointError(error)
+        if warning:
+            warnings.warn(warning, RuntimeWarning, stacklevel=4)
+
+    _on_every_rank(check)
+
+
+def _on_every_rank(check: Callable[[], object]) -> None:
+    """Run ``check`` on this rank; the first rank's :class:`CheckpointError` is raised on every
+    rank, so that none goes on into a collective that the failing one never enters."""
+    failure: CheckpointError | None = None
+    try:
+        check()
+    except CheckpointError as err:
+        failure = err
+    if current_env().is_distributed:
+        found: list[str | None] = [None] * current_env().world_size
+        torch.distributed.all_gather_object(found, None if failure is None else str(failure))
+        first = next((message for message in found if message is not None), None)
+        if failure is None and first is not None:
+            raise CheckpointError(first)
+    if failure is not None:
+        raise failure
+
+
 class _StepClock:
     """The first step's seconds apart from the others': one-time costs land in the first."""
 
@@ -263,9 +330,6 @@ def _check_arguments(
             )
     if (resume or save_every) and checkpoint_dir is None:
         raise ValueError("resume and save_every need a checkpoint directory (checkpoint_dir=)")
-    directory = Path(checkpoint_dir) if checkpoint_dir is not None else None
-    if directory is not None and directory.exists() and not directory.is_dir():
-        raise ValueError(f"checkpoint directory {str(directory)!r} is not a directory")
 
 
 def _check_accumulation(config: TurboConfig, recipe: Recipe, batches_per_epoch: int) -> None:
