@@ -300,6 +300,10 @@ CASES: dict[str, Callable[[Path], tuple[list, str]]] = {
         train(broken("model_shape_mismatch")),
         "raised RuntimeError: mat1 and mat2 shapes cannot be multiplied",
     ),
+    "the model cannot take the batch's shapes": lambda t: (
+        train(broken("model_shape_mismatch")),
+        "the model cannot take a batch of structure list(Tensor[8, 4] float32, Tensor[8] int64)",
+    ),
     "dataset item raises": lambda t: (
         train(broken("dataset_raises")),
         "the dataset's FlakyDataset.__getitem__ (broken.py:",
@@ -309,6 +313,56 @@ CASES: dict[str, Callable[[Path], tuple[list, str]]] = {
         "the collate function collate_raises.<locals>.collate (broken.py:",
     ),
     "empty dataset": lambda t: (train(broken("empty_dataset")), "the dataset is empty"),
+    # --- porting a training loop: each line names the fix ---------------------------------
+    "loss_fn runs backward": lambda t: (
+        train(broken("backward_in_loss_fn")),
+        "loss_fn calls backward() itself: return the loss",
+    ),
+    "loss_fn runs backward, doctor": lambda t: (
+        ["doctor", broken("backward_in_loss_fn"), "--steps", "1"],
+        "loss_fn calls backward() itself: return the loss",
+    ),
+    "loss_fn runs backward, bench": lambda t: (
+        ["bench", broken("backward_in_loss_fn"), "--steps", "2"],
+        "loss_fn calls backward() itself: return the loss",
+    ),
+    "a model instance": lambda t: (
+        train(broken("model_instance")),
+        "model is a Linear instance, and a recipe takes a factory (the tuner builds a fresh "
+        "model for every trial): pass model=Linear or model=lambda: Linear(...)",
+    ),
+    "an optimizer instance": lambda t: (
+        train(broken("optimizer_instance")),
+        "pass optimizer=lambda params: torch.optim.SGD(params, lr=0.1)",
+    ),
+    "a loss module as loss_fn": lambda t: (
+        train(broken("loss_module")),
+        "loss_fn is a CrossEntropyLoss module, which takes (output, target)",
+    ),
+    "a DataLoader as dataset": lambda t: (
+        train(broken("data_loader_as_dataset")),
+        "dataset=loader.dataset, batch_size=loader.batch_size",
+    ),
+    "a model class that needs arguments": lambda t: (
+        train(broken("model_class_needs_arguments")),
+        "cannot be called with no arguments: pass model=lambda: Classifier(classes=...)",
+    ),
+    "loss_fn of the batch alone": lambda t: (
+        train(broken("loss_fn_of_the_batch_only")),
+        "cannot be called as loss_fn(model, batch)",
+    ),
+    "a loss per sample": lambda t: (
+        train(broken("loss_per_sample")),
+        "it returned Tensor[8] float32: reduce it to the batch's mean",
+    ),
+    "loss.item()": lambda t: (
+        train(broken("loss_item")),
+        "return the loss tensor itself, not loss.item()",
+    ),
+    "the model given the whole batch": lambda t: (
+        train(broken("model_given_the_whole_batch")),
+        "loss_fn passed the whole batch (a list): unpack it, e.g. inputs, targets = batch",
+    ),
     # --- non-finite training ---------------------------------------------------------------
     "NaN inputs, run shorter than the patience": lambda t: (
         train(broken("nan_inputs")),

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -39,6 +40,7 @@ from torchturbo.measure.footprint import MemoryEstimate
 from torchturbo.measure.memory_estimate import estimate_recipe_memory
 from torchturbo.measure.trial import fixed_batches
 from torchturbo.recipe import Recipe
+from torchturbo.reliability.guard import call_loss_fn
 from torchturbo.techniques import levers, registry
 from torchturbo.techniques.facts import Facts, gather
 
@@ -165,13 +167,16 @@ def _inspect(
     model, _ = recipe.build()
     model.to(device)
     sample = to_device(batches[0], device, non_blocking=False)
-    facts = inspect_model(model, recipe.loss_fn, sample)
+    # Through the engine's call, so that a loss_fn that breaks the contract (runs backward
+    # itself, returns no scalar, cannot read the batch) gets the engine's one-line error here.
+    loss_fn = functools.partial(call_loss_fn, recipe.loss_fn)
+    facts = inspect_model(model, loss_fn, sample)
     say("measuring GEMM rates per precision")
-    machine = gather(recipe, model, batches, device, lambda: recipe.loss_fn(model, sample))
+    machine = gather(recipe, model, batches, device, lambda: loss_fn(model, sample))
     fold = None
     if facts.conv_bn_pairs:
         say("timing Conv→BatchNorm folding")
-        fold = fold_gain(model, recipe.loss_fn, sample, facts.conv_bn_pairs, device)
+        fold = fold_gain(model, loss_fn, sample, facts.conv_bn_pairs, device)
     return facts, fold, machine
 
 
