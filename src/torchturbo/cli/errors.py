@@ -40,8 +40,8 @@ def error_line(err: Exception, args: argparse.Namespace) -> str | None:
             "[reliability] auto_microbatch = true split it"
         )
     elif backward_inside(err) and (failure := user_code_failure(err)) is not None:
-        where = re.search(r"\(([^()]+:\d+[^()]*)\)$", failure)
-        line = BACKWARD_INSIDE + (f" ({where[1]})" if where else "")
+        located = re.search(r"\(([^()]+:\d+[^()]*)\)$", failure)
+        line = BACKWARD_INSIDE + (f" ({located[1]})" if located else "")
     elif (failure := user_code_failure(err)) is not None:
         line = f"{failure}; --debug shows the traceback"
     elif isinstance(err, OSError):
