@@ -182,7 +182,7 @@ CASES: dict[str, Callable[[Path], tuple[list, str]]] = {
     ),
     "activation budget negative": lambda t: (
         [*train(TINY), "--activation-budget=-1G"],
-        "'-1G': the size must be at least 1 byte",
+        "argument --activation-budget: '-1G' is negative: a size is at least 1 byte",
     ),
     "activation budget overflow": lambda t: (
         [*train(TINY), "--activation-budget", "99999999999999999999T"],
@@ -220,12 +220,25 @@ CASES: dict[str, Callable[[Path], tuple[list, str]]] = {
     ),
     "loss tolerance nan": lambda t: (
         ["tune", TINY, "--loss-tolerance", "nan", "--out", t / "report"],
-        "loss_tolerance = nan",
+        "argument --loss-tolerance: 'nan' is out of range: expected a fraction between 0 and 1",
     ),
-    "doctor steps zero": lambda t: (["doctor", TINY, "--steps", "0"], "--steps 0 is too few"),
-    "steps zero": lambda t: ([*train(TINY)[:-1], "0"], "--steps 0 is invalid"),
-    "steps not a number": lambda t: ([*train(TINY)[:-1], "ten"], "invalid int value: 'ten'"),
-    "save-every negative": lambda t: ([*train(TINY), "--save-every", "-1"], "--save-every -1"),
+    "doctor steps zero": lambda t: (
+        ["doctor", TINY, "--steps", "0"],
+        "argument --steps: 0 is out of range: expected an int >= 1 (profiled steps)",
+    ),
+    "steps zero": lambda t: (
+        [*train(TINY)[:-1], "0"],
+        "argument --steps: 0 is out of range: expected an int >= 1 (optimizer steps)",
+    ),
+    "steps not a number": lambda t: (
+        [*train(TINY)[:-1], "ten"],
+        "argument --steps: 'ten' is not an int: expected an int >= 1",
+    ),
+    "steps beyond int64": lambda t: ([*train(TINY)[:-1], str(2**63)], "is out of range"),
+    "save-every negative": lambda t: (
+        [*train(TINY), "--save-every", "-1"],
+        "argument --save-every: -1 is out of range: expected an int >= 0",
+    ),
     "save-every without a directory": lambda t: (
         [*train(TINY), "--save-every", "2"],
         "--save-every needs --checkpoint-dir",
@@ -234,12 +247,63 @@ CASES: dict[str, Callable[[Path], tuple[list, str]]] = {
         [*train(TINY), "--resume"],
         "--resume needs --checkpoint-dir",
     ),
-    "unknown option": lambda t: ([*train(TINY), "--fast"], "unrecognized arguments: --fast"),
+    "unknown option": lambda t: ([*train(TINY), "--fast"], "unknown option --fast"),
     "unknown method": lambda t: (
         ["export", TINY, "--out", t / "m.pt2", "--method", "onnx"],
         "argument --method: invalid choice: 'onnx'",
     ),
-    "bench steps": lambda t: (["bench", TINY, "--steps", "1"], "--steps 1 is too few"),
+    "bench steps": lambda t: (
+        ["bench", TINY, "--steps", "1"],
+        "argument --steps: 1 is out of range: expected an int >= 2",
+    ),
+    # --- misspelt options and values: the closest one, before anything else is checked ----
+    "misspelt option, dash for dot": lambda t: (
+        ["bench", TINY, "--precision-dtype", "bf16"],
+        "unknown option --precision-dtype (did you mean --precision.dtype?)",
+    ),
+    "misspelt option before a missing required one": lambda t: (
+        ["train", TINY, "--stpes", "3"],
+        "unknown option --stpes (did you mean --steps?)",
+    ),
+    "misspelt global option": lambda t: (
+        ["--debgu", "bench"],
+        "unknown option --debgu (did you mean --debug?)",
+    ),
+    "misspelt command": lambda t: (["bnech", TINY], "(did you mean 'bench'?)"),
+    "misspelt preset": lambda t: (["bench", TINY, "--preset", "fsat"], "(did you mean 'fast'?)"),
+    "misspelt size": lambda t: (["bench", TINY, "--size", "lage"], "(did you mean 'large'?)"),
+    "misspelt config value": lambda t: (
+        ["bench", TINY, "--precision.dtype", "bf61"],
+        "expected one of 'fp32', 'tf32', 'bf16', 'fp16' (did you mean 'bf16'?)",
+    ),
+    "misspelt config value in a file": lambda t: (
+        ["bench", TINY, "--config", toml(t, '[compile]\nmode = "max_autotune"')],
+        "(did you mean 'max-autotune'?)",
+    ),
+    "misspelt workload": lambda t: (
+        ["bench", "--workload", "visoin"],
+        "unknown workload 'visoin' (did you mean 'vision'?)",
+    ),
+    "misspelt stage": lambda t: (
+        ["tune", TINY, "--only", "precison", "--out", t / "report"],
+        "--only precison: no such stage (did you mean 'precision'?)",
+    ),
+    "a flag given a word it does not take": lambda t: (
+        [*train(TINY), "--resume=maybe"],
+        "--resume=maybe: a flag takes true or false",
+    ),
+    "a config flag given a word it does not take": lambda t: (
+        [*train(TINY), "--data.bucketing=maybe"],
+        "argument --data.bucketing/--no-data.bucketing: 'maybe' is not one of true, false",
+    ),
+    "a negative size after a space": lambda t: (
+        ["tune", TINY, "--memory-budget", "-1GiB"],
+        "argument --memory-budget: '-1GiB' is negative",
+    ),
+    "planned steps zero": lambda t: (
+        ["tune", TINY, "--planned-steps", "0"],
+        "argument --planned-steps: 0 is out of range: expected an int >= 1",
+    ),
     # --- recipe code and data --------------------------------------------------------------
     "missing recipe file": lambda t: (train("missing.py:recipe"), "does not exist"),
     "missing recipe function": lambda t: (train(broken("nope")), "has no 'nope'"),

@@ -8,7 +8,12 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from torchturbo.cli.arguments import DEFAULT_PRESETS, add_config_arguments, add_target_arguments
+from torchturbo.cli.arguments import (
+    DEFAULT_PRESETS,
+    add_config_arguments,
+    add_target_arguments,
+    count,
+)
 from torchturbo.cli.shared import (
     check_output_file,
     chosen_config,
@@ -37,7 +42,13 @@ def add_parser(commands: Any) -> None:
     )
     add_target_arguments(bench)
     add_config_arguments(bench, default_preset=DEFAULT_PRESETS["bench"])
-    bench.add_argument("--steps", type=int, default=15, metavar="N", help="timed steps per variant")
+    bench.add_argument(
+        "--steps",
+        type=count(2, what="timed steps per variant"),
+        default=15,
+        metavar="N",
+        help="timed steps per variant",
+    )
     bench.add_argument("--json", type=Path, metavar="FILE", help="also write the rows as JSON here")
     bench.set_defaults(run=run)
 
@@ -47,8 +58,6 @@ def run(args: argparse.Namespace) -> int:
     from torchturbo.distributed import is_main_process, launched
     from torchturbo.measure.variants import compare_configs
 
-    if args.steps < 2:
-        raise ValueError(f"--steps {args.steps} is too few: give at least 2 timed steps")
     if args.json:
         check_output_file(args.json, "--json")
     chosen = chosen_config(args)

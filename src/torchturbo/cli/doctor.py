@@ -8,7 +8,12 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from torchturbo.cli.arguments import DEFAULT_PRESETS, add_config_arguments, add_target_arguments
+from torchturbo.cli.arguments import (
+    DEFAULT_PRESETS,
+    add_config_arguments,
+    add_target_arguments,
+    count,
+)
 from torchturbo.cli.shared import (
     check_output_file,
     check_writable,
@@ -39,7 +44,13 @@ def add_parser(commands: Any) -> None:
     doctor.add_argument(
         "--trace", type=Path, metavar="DIR", help="write a Perfetto/chrome://tracing trace here"
     )
-    doctor.add_argument("--steps", type=int, default=5, metavar="N", help="profiled steps")
+    doctor.add_argument(
+        "--steps",
+        type=count(1, what="profiled steps"),
+        default=5,
+        metavar="N",
+        help="profiled steps",
+    )
     doctor.add_argument(
         "--json", type=Path, metavar="FILE", help="also write the diagnosis as JSON here"
     )
@@ -50,8 +61,6 @@ def run(args: argparse.Namespace) -> int:
     from torchturbo.distributed import is_main_process, launched
     from torchturbo.doctor import diagnose, render
 
-    if args.steps < 1:
-        raise ValueError(f"--steps {args.steps} is too few: profile at least 1 step")
     # Without --config, --preset or a config option the doctor diagnoses the fp32 baseline.
     chosen = args.config or args.preset or args.config_overrides
     config = chosen_config(args) if chosen else None

@@ -86,29 +86,45 @@ def say_emulated(device: str, formats: Sequence[str], show: Callable[[str], None
 
 
 def check_writable(directory: Path, option: str = "--out") -> None:
-    """Fail before hours of tuning, not after, when the output directory cannot be written.
+    """Fail before hours of tuning, not after, when ``directory`` could not be written.
 
-    The directory (and its parents) is created if missing; errors name ``option`` and the path.
+    Nothing is left behind: a directory that does not exist yet is not created (the command
+    creates it when it writes), its nearest existing parent is checked instead. Errors name
+    ``option`` and the path.
     """
     import os
     import tempfile
 
     where = f"{option} {str(directory)!r}"
-    if directory.exists() and not directory.is_dir():
-        raise ValueError(f"{where} is not a directory; give a directory to write into")
+    existing = directory
+    while not existing.exists() and existing != existing.parent:
+        if existing.is_symlink():  # a dangling link: writing through it needs its target
+            raise ValueError(f"{where} is a link to {os.readlink(existing)!r}, which is missing")
+        existing = existing.parent
+    if not existing.is_dir():
+        name = (
+            "is not a directory" if existing == directory else f"is under {str(existing)!r}, a file"
+        )
+        raise ValueError(f"{where} {name}; give a directory to write into")
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        if not os.access(directory, os.W_OK):
+        if not os.access(existing, os.W_OK | os.X_OK):
             raise PermissionError(13, os.strerror(13))
-        with tempfile.TemporaryFile(dir=directory):
-            pass
+        # access() does not see read-only mounts or /proc; a probe removed at once does.
+        if existing == directory:
+            with tempfile.TemporaryFile(dir=directory):
+                pass
+        else:
+            os.rmdir(tempfile.mkdtemp(dir=existing))
     except OSError as err:
         raise ValueError(f"{where} cannot be written: {err.strerror or err}") from err
 
 
 def check_output_file(path: Path, option: str) -> None:
-    """Fail before the work, not after, when ``path`` cannot be written as a file."""
+    """Fail before the work, not after, when ``path`` cannot be written as a file (``-``:
+    standard output, always writable)."""
     where = f"{option} {str(path)!r}"
+    if str(path) == "-":
+        return
     if path.is_dir():
         raise ValueError(f"{where} is a directory; give a file name")
     check_writable(path.parent, option=f"the directory of {option}")

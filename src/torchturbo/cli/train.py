@@ -15,6 +15,7 @@ from torchturbo.cli.arguments import (
     LOGGERS,
     add_config_arguments,
     add_target_arguments,
+    count,
 )
 from torchturbo.cli.shared import chosen_config, load_target
 from torchturbo.output.units import parse_size
@@ -46,7 +47,11 @@ def add_parser(commands: Any) -> None:
     add_target_arguments(train)
     add_config_arguments(train, default_preset=DEFAULT_PRESETS["train"])
     train.add_argument(
-        "--steps", type=int, required=True, metavar="N", help="optimizer steps to train"
+        "--steps",
+        type=count(1, what="optimizer steps"),
+        required=True,
+        metavar="N",
+        help="optimizer steps to train",
     )
     train.add_argument(
         "--checkpoint-dir",
@@ -58,7 +63,7 @@ def add_parser(commands: Any) -> None:
     )
     train.add_argument(
         "--save-every",
-        type=int,
+        type=count(0, what="steps between checkpoints, 0: at the end only"),
         default=0,
         metavar="N",
         help="steps between checkpoints; 0 saves at the end only",
@@ -119,17 +124,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _train_command(args: argparse.Namespace) -> int:
-    from torchturbo.config import INT64_MAX
     from torchturbo.distributed import is_main_process, launched, main_print
     from torchturbo.reliability.preemption import EXIT_STOPPED
     from torchturbo.runs.train import TrainInterrupted, train
 
-    if not 1 <= args.steps <= INT64_MAX:
-        raise ValueError(f"--steps {args.steps} is invalid: expected 1 to 2**63 - 1 steps")
-    if not 0 <= args.save_every <= INT64_MAX:
-        raise ValueError(
-            f"--save-every {args.save_every} is invalid: expected >= 0 (0 = at the end only)"
-        )
     if args.resume and args.checkpoint_dir is None:
         raise ValueError("--resume needs --checkpoint-dir to know where to resume from")
     if args.save_every and args.checkpoint_dir is None:

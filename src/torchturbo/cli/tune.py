@@ -4,10 +4,12 @@ report."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from torchturbo.cli.arguments import add_target_arguments
+from torchturbo.cli.arguments import add_target_arguments, count, fraction
 from torchturbo.cli.shared import check_writable, live_on_rank_zero, load_target, say_emulated
 from torchturbo.output.units import parse_duration, parse_size
 
@@ -77,7 +79,7 @@ def add_parser(commands: Any) -> None:
     )
     tune.add_argument(
         "--planned-steps",
-        type=int,
+        type=count(1, what="steps of your real job"),
         default=None,
         metavar="N",
         help=(
@@ -89,7 +91,7 @@ def add_parser(commands: Any) -> None:
     )
     tune.add_argument(
         "--loss-tolerance",
-        type=float,
+        type=fraction,
         default=0.05,
         metavar="FRACTION",
         help="largest relative loss difference from fp32 over the first steps",
@@ -127,6 +129,19 @@ def estimate_accuracy(record: dict[str, Any]) -> str | None:
     )
 
 
+@contextlib.contextmanager
+def _nothing_left_on_failure(out: Path, fresh: bool) -> Iterator[None]:
+    """A run that fails leaves no empty folders behind: the compile cache the tuner pointed
+    inductor at before anything compiled, and ``out`` itself when this run made it."""
+    try:
+        yield
+    except BaseException:
+        for folder in (out / COMPILE_CACHE, *((out,) if fresh else ())):
+            with contextlib.suppress(OSError):  # not empty, or gone: leave it
+                folder.rmdir()
+        raise
+
+
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.text import Text
@@ -142,8 +157,8 @@ def run(args: argparse.Namespace) -> int:
         read_previous,
         write_report,
     )
-    from torchturbo.tune.search import TuneInterrupted, TuneOptions, tune
-    from torchturbo.tune.stages import PRECISION_FORMATS
+    from torchturbo.tune.search import TuneInterrupted, TuneOptions, select_stages, tune
+    from torchturbo.tune.stages import PRECISION_FORMATS, STAGES
     from torchturbo.tune.summary import batch_line, headline
 
     options = TuneOptions(
@@ -156,7 +171,9 @@ def run(args: argparse.Namespace) -> int:
         skip=args.skip,
         compile_cache_dir=str(args.out / COMPILE_CACHE),
         find_batch=args.find_batch,
+        refuse_impossible=True,
     )
+    select_stages(STAGES, options)  # a misspelt stage is refused before anything runs
     check_writable(args.out)
     previous = read_previous(args.out)
     recipe = load_target(args)
@@ -173,7 +190,8 @@ def run(args: argparse.Namespace) -> int:
             for text in describe(estimate):
                 console.print(Text(text))
 
-    with launched(args.device or "auto"):
+    fresh = not args.out.exists()
+    with launched(args.device or "auto"), _nothing_left_on_failure(args.out, fresh):
         try:
             with live_on_rank_zero(line):
                 config, result = tune(
