@@ -611,3 +611,21 @@ def test_an_export_that_cannot_be_written_names_the_file(tmp_path):
     assert result.returncode == 2, result.stderr[-3000:]
     assert result.stderr == f"torchturbo export: error: File too large: {str(out)!r} (--out)\n"
     assert list(tmp_path.iterdir()) == []  # no partial file, no temporary
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [TINY, "--only", "precison"],
+        [TINY, "--planned-steps", "0"],
+        [TINY, "--memory-budget", "-1GiB"],
+        [TINY, "--precision-dtype", "bf16"],
+        [broken("model_instance")],
+        [broken("backward_in_loss_fn"), "--device", "cpu"],
+    ],
+    ids=["stage", "range", "negative size", "option", "recipe shape", "loss_fn contract"],
+)
+def test_a_refused_tune_leaves_nothing_behind(argv, tmp_path, capsys):
+    out = tmp_path / "report"
+    assert main(["tune", *argv, "--out", str(out)]) == 2
+    assert not out.exists(), sorted(out.rglob("*"))
