@@ -179,9 +179,13 @@ def test_train_prints_plain_progress_lines_when_its_output_is_no_terminal(monkey
 
     monkeypatch.setattr(train_command, "PROGRESS_EVERY_S", 0.0)  # every step, for the test
     assert main(["train", TINY, "--device", "cpu", "--steps", "3"]) == 0
-    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("train ")]
-    assert [line.split(" · ")[0] for line in lines] == [f"train tiny step {n}/3" for n in (1, 2, 3)]
+    captured = capsys.readouterr()
+    lines = [line for line in captured.err.splitlines() if line.startswith("train ")]
+    steps = [line.split(" · ")[0] for line in lines]  # stderr: stdout keeps the results
+    assert steps[-3:] == [f"train tiny step {n}/3" for n in (1, 2, 3)]
     assert " samples/s · ETA 0:00 · saved nothing" in lines[-1]
+    assert "resumed from" not in captured.out  # not resumed: not said
+    assert "no checkpoint (give --checkpoint-dir to keep one)" in captured.out
 
 
 @pytest.mark.parametrize(

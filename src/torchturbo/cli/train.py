@@ -171,12 +171,17 @@ def _train_command(args: argparse.Namespace) -> int:
         later = "" if result.later_step_s is None else f", then {result.later_step_s:.3f} s a step"
         print(f"first step {result.first_step_s:.2f} s (one-time costs included){later}")
     loss = "n/a" if result.last_loss is None else f"{result.last_loss:.4f}"
+    resumed = "" if result.resumed_from is None else f"; resumed from {result.resumed_from}"
+    saved = (
+        f"; last checkpoint {result.saved}"
+        if result.saved is not None
+        else "; no checkpoint (give --checkpoint-dir to keep one)"
+    )
     print(
         f"trained to optimizer step {result.optimizer_steps}, last loss {loss}"
         + (f" ({result.skipped_steps} steps skipped)" if result.skipped_steps else "")
         + ", micro-batch "
-        f"split {result.micro_batch_split} (size {result.micro_batch_size}); "
-        f"resumed from {result.resumed_from}; last checkpoint {result.saved}"
+        f"split {result.micro_batch_split} (size {result.micro_batch_size})" + resumed + saved
     )
 
     return 0
@@ -184,25 +189,24 @@ def _train_command(args: argparse.Namespace) -> int:
 
 @contextlib.contextmanager
 def _train_progress(title: str, steps: int) -> Iterator[Callable[[Any], None]]:
-    """``train``'s ``on_progress`` on rank 0: a live line on a terminal, else a plain line every
-    :data:`PROGRESS_EVERY_S` seconds (and nothing on other ranks)."""
-    from rich.console import Console
-
+    """``train``'s ``on_progress`` on rank 0: a live line on a terminal, else a plain line on
+    stderr every :data:`PROGRESS_EVERY_S` seconds, checked at each step and by a heartbeat
+    between them (and nothing on other ranks)."""
     from torchturbo.distributed import is_main_process
     from torchturbo.output.live import TrainLine, live
 
     line = TrainLine(title, steps)
     if not is_main_process():
         yield lambda progress: None
-    elif Console(stderr=True).is_terminal:
-        with live(line):
+        return
+    with live(line, every_s=PROGRESS_EVERY_S) as plain:
+        if plain is None:
             yield line.report
-    else:
+            return
 
         def report(progress: Any) -> None:
             line.report(progress)
-            if line.due(PROGRESS_EVERY_S):
-                print(line.plain(), flush=True)
+            plain.tick()
 
         yield report
 

@@ -86,17 +86,17 @@ def diagnose(
         )
     saved_benchmark = torch.backends.cudnn.benchmark
     try:
-        say("inspecting the model")
+        say("1/4 inspecting the model")
         batches = fixed_batches(recipe, _SAMPLE_BATCHES)
         facts, fold, machine = _inspect(recipe, batches, run_device, say)
-        say("estimating the memory of a step")
+        say("2/4 estimating the memory of a step")
         memory, memory_note = _memory_estimate(recipe, batches[0], run_device)
-        say(f"profiling {2 * profile_steps + 3} training steps")
+        say(f"3/4 profiling {2 * profile_steps + 3} training steps")
         trace = Path(trace_dir) if trace_dir is not None else None
         profile = profile_training(recipe, config, loader, steps=profile_steps, trace_dir=trace)
         variant, reason = _precision_variant(config, run_device, machine)
         speedups, comparison_error = None, None
-        say("timing variants side by side")
+        say("4/4 timing variants side by side")
         try:
             speedups = _measure_variants(recipe, config, facts, variant, batches)
         except RuntimeError as err:  # e.g. an op without a bf16 kernel: report it, go on
@@ -171,11 +171,11 @@ def _inspect(
     # itself, returns no scalar, cannot read the batch) gets the engine's one-line error here.
     loss_fn = functools.partial(call_loss_fn, recipe.loss_fn)
     facts = inspect_model(model, loss_fn, sample)
-    say("measuring GEMM rates per precision")
+    say("1/4 inspecting the model: GEMM rates per precision")
     machine = gather(recipe, model, batches, device, lambda: loss_fn(model, sample))
     fold = None
     if facts.conv_bn_pairs:
-        say("timing Conv→BatchNorm folding")
+        say("1/4 inspecting the model: timing Conv→BatchNorm folding")
         fold = fold_gain(model, loss_fn, sample, facts.conv_bn_pairs, device)
     return facts, fold, machine
 
