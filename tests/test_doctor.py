@@ -352,3 +352,34 @@ def test_an_lm_heads_logits_are_reported_in_memory_analysis_and_as_a_lever(misal
     assert "logits" not in misaligned.item("memory analysis").evidence
     lever = next(lever for lever in misaligned.levers if lever.name == "chunked loss")
     assert lever.expected_gain is None and "no [tokens x vocab] logits" in lever.evidence
+
+
+_PROFILE = r"""
+import sys
+import torch
+from torch.profiler import ProfilerActivity, profile
+from torchturbo.doctor.profiling import quiet_kineto
+
+if sys.argv[1] == "quiet":
+    quiet_kineto()
+with profile(activities=[ProfilerActivity.CPU]):
+    torch.ones(4) + 1
+"""
+
+
+@pytest.mark.slow
+def test_kinetos_own_log_lines_stay_out_of_the_output():
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"}
+
+    def stderr(mode: str) -> str:
+        run = [sys.executable, "-c", _PROFILE, mode]
+        return subprocess.run(run, capture_output=True, text=True, env=env, timeout=120).stderr
+
+    assert "profiler_start" not in stderr("quiet")
+    loud = stderr("loud")  # negative control: the lines this torch prints without it
+    if "profiler_start" not in loud:
+        pytest.skip("this torch's kineto prints no profiler_start line")
