@@ -20,6 +20,7 @@ from torchturbo.cli.shared import (
     config_label,
     format_of,
     load_target,
+    notice_printer,
     say_emulated,
     with_status,
 )
@@ -49,7 +50,12 @@ def add_parser(commands: Any) -> None:
         metavar="N",
         help="timed steps per variant",
     )
-    bench.add_argument("--json", type=Path, metavar="FILE", help="also write the rows as JSON here")
+    bench.add_argument(
+        "--json",
+        type=Path,
+        metavar="FILE",
+        help="also write the rows as JSON here (-: to stdout, and the table to stderr)",
+    )
     bench.set_defaults(run=run)
 
 
@@ -68,7 +74,11 @@ def run(args: argparse.Namespace) -> int:
         configs[name] = chosen
     recipe = load_target(args)
     steps_per_repeat = 3 if args.steps >= 6 else 1
-    say_emulated(chosen.device, [format_of(config) for config in configs.values()])
+    say_emulated(
+        chosen.device,
+        [format_of(config) for config in configs.values()],
+        show=notice_printer(args.json),
+    )
     with launched(chosen.device) as env:
         rows = with_status(
             f"bench {recipe.name}",
@@ -86,9 +96,13 @@ def run(args: argparse.Namespace) -> int:
     title = f"torchturbo bench: {recipe.name}"
     if env.is_distributed:
         title += f" ({env.world_size} processes, {env.backend})"
+    from rich.console import Console
+
+    from torchturbo.output.results_file import STDOUT
     from torchturbo.output.tables import print_rows
 
-    print_rows(title, rows)
+    # With --json -, stdout is the JSON alone (for jq and pipes): the table goes to stderr.
+    print_rows(title, rows, Console(stderr=str(args.json) == STDOUT))
     if args.json:
         from torchturbo.output.results_file import write_results
 

@@ -20,6 +20,7 @@ from torchturbo.cli.shared import (
     chosen_config,
     format_of,
     load_target,
+    notice_printer,
     say_emulated,
     with_status,
 )
@@ -52,7 +53,10 @@ def add_parser(commands: Any) -> None:
         help="profiled steps",
     )
     doctor.add_argument(
-        "--json", type=Path, metavar="FILE", help="also write the diagnosis as JSON here"
+        "--json",
+        type=Path,
+        metavar="FILE",
+        help="also write the diagnosis as JSON here (-: to stdout, and the checklist to stderr)",
     )
     doctor.set_defaults(run=run)
 
@@ -71,7 +75,9 @@ def run(args: argparse.Namespace) -> int:
     recipe = load_target(args)
     device = args.device or (config.device if config else "auto")
     # bf16: the precision the doctor times against the config where it is native.
-    say_emulated(device, ["bf16", format_of(config)] if config else ["bf16"])
+    say_emulated(
+        device, ["bf16", format_of(config)] if config else ["bf16"], show=notice_printer(args.json)
+    )
     with launched(device):
         diagnosis = with_status(
             f"doctor {recipe.name}",
@@ -86,7 +92,12 @@ def run(args: argparse.Namespace) -> int:
         )
         if not is_main_process():
             return 0
-    render(diagnosis)
+    from rich.console import Console
+
+    from torchturbo.output.results_file import STDOUT
+
+    # With --json -, stdout is the JSON alone (for jq and pipes): the checklist goes to stderr.
+    render(diagnosis, Console(stderr=str(args.json) == STDOUT))
     if args.json:
         from torchturbo.output.results_file import write_results
 

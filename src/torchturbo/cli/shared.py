@@ -85,6 +85,13 @@ def say_emulated(device: str, formats: Sequence[str], show: Callable[[str], None
         show(notice)
 
 
+def notice_printer(json_path: Path | None) -> Callable[[str], None]:
+    """Where a command's notes go: stdout, or stderr when ``--json -`` makes stdout the JSON."""
+    if json_path is not None and str(json_path) == "-":
+        return lambda text: print(text, file=sys.stderr)
+    return print
+
+
 def check_writable(directory: Path, option: str = "--out") -> None:
     """Fail before hours of tuning, not after, when ``directory`` could not be written.
 

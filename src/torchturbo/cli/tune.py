@@ -181,14 +181,14 @@ def run(args: argparse.Namespace) -> int:
     say_emulated(
         args.device or "auto",
         PRECISION_FORMATS,
-        lambda notice: console.print(notice, markup=False, highlight=False),
+        lambda notice: console.print(notice, markup=False, highlight=False, soft_wrap=True),
     )
     line = TuneLine(f"tune {recipe.name}", options.time_budget_s)
 
     def print_estimate(estimate: MemoryEstimate) -> None:
         if is_main_process():
             for text in describe(estimate):
-                console.print(Text(text))
+                console.print(Text(text), soft_wrap=True)
 
     fresh = not args.out.exists()
     with launched(args.device or "auto"), _nothing_left_on_failure(args.out, fresh):
@@ -208,7 +208,8 @@ def run(args: argparse.Namespace) -> int:
                     Text(
                         f"interrupted: {interrupted.measured} measured candidate(s) kept in "
                         f"{kept}; the same command measures the rest"
-                    )
+                    ),
+                    soft_wrap=True,
                 )
             raise
         if not is_main_process():
@@ -220,15 +221,18 @@ def run(args: argparse.Namespace) -> int:
         config = config.replace(compile__cache_dir=COMPILE_CACHE)
     paths = write_report(args.out, results, config.to_toml())
     if result.reuse_note:
-        console.print(Text(result.reuse_note))
+        console.print(Text(result.reuse_note), soft_wrap=True)
     if (left_out := plots_left_out()) is not None:
-        console.print(Text(f"plots left out of the report: {left_out}"))
+        console.print(Text(f"plots left out of the report: {left_out}"), soft_wrap=True)
     print_table(console, incremental_table(results))
     if (accuracy := estimate_accuracy(results.get("memory_estimate") or {})) is not None:
-        console.print(Text(accuracy))
-    console.print(Text(headline(results)))
+        console.print(Text(accuracy), soft_wrap=True)
+    console.print(Text(headline(results)), soft_wrap=True)
     if chosen := batch_line(results):
-        console.print(Text(chosen))
-    console.print(Text(f"report: {paths['html']}"))
-    console.print(Text(f"use it: torchturbo bench {results['recipe']} --config {paths['config']}"))
+        console.print(Text(chosen), soft_wrap=True)
+    console.print(Text(f"report: {paths['html']}"), soft_wrap=True)
+    console.print(
+        Text(f"use it: torchturbo bench {results['recipe']} --config {paths['config']}"),
+        soft_wrap=True,
+    )
     return 0

@@ -30,9 +30,10 @@ from torchturbo.doctor.data_facts import (
     loader_facts,
     varying_shapes,
 )
-from torchturbo.doctor.diagnosis import Diagnosis, Lever
+from torchturbo.doctor.diagnosis import Diagnosis
 from torchturbo.doctor.findings import Findings
 from torchturbo.doctor.gains import Gain, fold_gain, measure_variants
+from torchturbo.doctor.levers import with_measurements
 from torchturbo.doctor.model_facts import ModelFacts, inspect_model
 from torchturbo.doctor.profiling import profile_training
 from torchturbo.engine import resolve_device
@@ -138,10 +139,7 @@ def diagnose(
         processes=current_env().world_size,
         comm_bytes_per_step=profile.comm_bytes_per_step,
         comm_seconds_per_step=profile.comm_seconds_per_step,
-        levers=[
-            Lever(lever.name, lever.expectation.gain, lever.expectation.evidence)
-            for lever in registry.ranked_levers(machine)
-        ],
+        levers=with_measurements(registry.ranked_levers(machine), speedups),
         memory_estimate=memory,
         memory_estimate_note=memory_note,
     )

@@ -32,40 +32,49 @@ def render(diagnosis: Diagnosis, console: Console | None = None) -> None:
     console.print(_operators_table(diagnosis))
     console.print(
         f"[bold]peak memory[/] {format_bytes(diagnosis.peak_memory_bytes)} "
-        f"({diagnosis.peak_memory_kind})"
+        f"({diagnosis.peak_memory_kind})",
+        soft_wrap=True,
     )
     if diagnosis.memory_estimate is not None:
         for line in describe(diagnosis.memory_estimate):
-            console.print(Text(line))
+            console.print(Text(line), soft_wrap=True)
     elif diagnosis.memory_estimate_note:
-        console.print(Text(diagnosis.memory_estimate_note))
+        console.print(Text(diagnosis.memory_estimate_note), soft_wrap=True)
     share = diagnosis.breakdown["input_wait"] / diagnosis.step_seconds
     console.print(
         f"[bold]verdict[/] {diagnosis.bound}: input wait is {share:.0%} of a "
-        f"{diagnosis.step_seconds * 1e3:.1f} ms step"
+        f"{diagnosis.step_seconds * 1e3:.1f} ms step",
+        soft_wrap=True,
     )
     recommended = [i.name for i in diagnosis.items if i.state == "recommended"]
     if recommended:
-        console.print(f"[bold]recommended[/] {', '.join(recommended)}")
+        console.print(f"[bold]recommended[/] {', '.join(recommended)}", soft_wrap=True)
     _print_levers(diagnosis, console)
     if diagnosis.trace_path is not None:
         console.print(
             f"[bold]trace[/] {diagnosis.trace_path} (open in https://ui.perfetto.dev or "
-            "chrome://tracing)"
+            "chrome://tracing)",
+            soft_wrap=True,
         )
 
 
 def _print_levers(diagnosis: Diagnosis, console: Console) -> None:
-    """The levers by expected gain: the order torchturbo tune measures them in, cost permitting."""
+    """The levers by their one figure: measured here where the doctor timed them, else
+    expected (``doctor.levers``)."""
     useful = [lever for lever in diagnosis.levers if lever.expected_gain is not None]
     if useful:
-        console.print("[bold]levers by expected gain[/] (torchturbo tune measures them first):")
+        console.print(
+            "[bold]levers by gain[/], measured here where timed, else expected from the facts "
+            "(torchturbo tune measures the expected ones, most promising first):",
+            soft_wrap=True,
+        )
     # A grid, so that a lever's text wraps under itself rather than under its number.
     levers = Table.grid(padding=(0, 1))
     levers.add_column(justify="right", no_wrap=True)
     levers.add_column(overflow="fold")
     for rank, lever in enumerate(useful, 1):
-        text = f"{lever.name} ~{lever.expected_gain:.2f}x: {lever.evidence}"
+        figure = f"{lever.expected_gain:.2f}x" if lever.measured else f"~{lever.expected_gain:.2f}x"
+        text = f"{lever.name} {figure}: {lever.evidence}"
         levers.add_row(f"  {rank}.", Text(text))
     for lever in diagnosis.levers:
         if lever.expected_gain is None:

@@ -78,7 +78,7 @@ class TuneLine:
 
     def topic(self) -> str:
         """What it does, without the clocks: a new topic is worth a line in a log."""
-        return f"{self.title} [{self.stage}] {self.candidate}"
+        return f"{self.title} [{self.stage}] {self.candidate}".rstrip()
 
     def plain(self) -> str:
         spent = fmt_clock(self.budget_s - self.seconds_left())
