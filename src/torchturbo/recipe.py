@@ -244,7 +244,8 @@ def _is_int(value: Any) -> bool:
 def load_recipe(spec: str) -> Recipe:
     """Load ``path/to/file.py:function`` or ``package.module:function`` and call it.
 
-    The function takes no arguments and returns a :class:`Recipe`.
+    The function takes no arguments and returns a :class:`Recipe`. A file's folder goes on
+    ``sys.path`` first, as for a script: the recipe may import from the modules beside it.
     """
     if ":" not in spec:
         raise RecipeError(
@@ -277,6 +278,11 @@ def _import_file(path_str: str) -> Any:
         raise RecipeError(f"recipe file {path_str!r} cannot be imported as Python")
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module  # dataclasses and pickling in workers need the module
+    # As `python my_recipe.py` would: the recipe's folder is importable, so that it can import
+    # the model and dataset from the training script beside it.
+    folder = str(path.resolve().parent)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
     try:
         spec.loader.exec_module(module)
     except Exception as err:

@@ -32,25 +32,23 @@ def render(diagnosis: Diagnosis, console: Console | None = None) -> None:
     console.print(_operators_table(diagnosis))
     console.print(
         f"[bold]peak memory[/] {format_bytes(diagnosis.peak_memory_bytes)} "
-        f"({diagnosis.peak_memory_kind})",
-        soft_wrap=True,
+        f"({diagnosis.peak_memory_kind})"
     )
     if diagnosis.memory_estimate is not None:
         for line in describe(diagnosis.memory_estimate):
-            console.print(Text(line), soft_wrap=True)
+            console.print(Text(line))
     elif diagnosis.memory_estimate_note:
-        console.print(Text(diagnosis.memory_estimate_note), soft_wrap=True)
+        console.print(Text(diagnosis.memory_estimate_note))
     share = diagnosis.breakdown["input_wait"] / diagnosis.step_seconds
     console.print(
         f"[bold]verdict[/] {diagnosis.bound}: input wait is {share:.0%} of a "
-        f"{diagnosis.step_seconds * 1e3:.1f} ms step",
-        soft_wrap=True,
+        f"{diagnosis.step_seconds * 1e3:.1f} ms step"
     )
     recommended = [i.name for i in diagnosis.items if i.state == "recommended"]
     if recommended:
-        console.print(f"[bold]recommended[/] {', '.join(recommended)}", soft_wrap=True)
+        console.print(f"[bold]recommended[/] {', '.join(recommended)}")
     _print_levers(diagnosis, console)
-    if diagnosis.trace_path is not None:
+    if diagnosis.trace_path is not None:  # a path to copy: never wrapped
         console.print(
             f"[bold]trace[/] {diagnosis.trace_path} (open in https://ui.perfetto.dev or "
             "chrome://tracing)",
@@ -65,8 +63,7 @@ def _print_levers(diagnosis: Diagnosis, console: Console) -> None:
     if useful:
         console.print(
             "[bold]levers by gain[/], measured here where timed, else expected from the facts "
-            "(torchturbo tune measures the expected ones, most promising first):",
-            soft_wrap=True,
+            "(torchturbo tune measures the expected ones, most promising first):"
         )
     # A grid, so that a lever's text wraps under itself rather than under its number.
     levers = Table.grid(padding=(0, 1))
