@@ -288,6 +288,11 @@ CASES: dict[str, Callable[[Path], tuple[list, str]]] = {
         ["tune", TINY, "--only", "precison", "--out", t / "report"],
         "--only precison: no such stage (did you mean 'precision'?)",
     ),
+    "misspelt logger": lambda t: (
+        [*train(TINY), "--logger", "csv,wandbb"],
+        "'csv,wandbb' (did you mean 'wandb'?)",
+    ),
+    "misspelt device": lambda t: (["bench", TINY, "--device", "cdua"], "(did you mean 'cuda'?)"),
     "a flag given a word it does not take": lambda t: (
         [*train(TINY), "--resume=maybe"],
         "--resume=maybe: a flag takes true or false",

@@ -195,7 +195,7 @@ def device_argument(text: str) -> str:
 
     problem = device_problem(text, name="")
     if problem is not None:
-        raise argparse.ArgumentTypeError(problem)
+        raise argparse.ArgumentTypeError(problem + did_you_mean(text, ("auto", "cpu", "cuda")))
     return text
 
 

@@ -18,6 +18,7 @@ from torchturbo.cli.arguments import (
     count,
 )
 from torchturbo.cli.shared import chosen_config, load_target
+from torchturbo.output.suggest import did_you_mean
 from torchturbo.output.units import parse_size
 
 #: Seconds between plain progress lines of ``train`` when its output is not a terminal.
@@ -98,9 +99,11 @@ def add_parser(commands: Any) -> None:
 def logger_list(text: str) -> tuple[str, ...]:
     """``wandb,csv`` as a tuple of logger names, each one torchturbo.runs.metrics_log can open."""
     names = tuple(name.strip() for name in text.split(",") if name.strip())
-    if not names or any(name not in LOGGERS for name in names):
+    unknown = [name for name in names if name not in LOGGERS]
+    if not names or unknown:
+        guess = did_you_mean(unknown[0], LOGGERS) if unknown else ""
         raise argparse.ArgumentTypeError(
-            f"{text!r}: give logger names separated by commas, of {', '.join(LOGGERS)}"
+            f"{text!r}{guess}: give logger names separated by commas, of {', '.join(LOGGERS)}"
         )
     return names
 
