@@ -257,12 +257,14 @@ def _plain_lines(lines: PlainLines) -> Iterator[PlainLines]:
 
     lines.tick()  # what it starts with
     thread = threading.Thread(target=beat, name="torchturbo-progress", daemon=True)
-    thread.start()
+    if lines.every_s > 0:  # at 0 every report prints, and the caller ticks on each one
+        thread.start()
     try:
         yield lines
     finally:
         stop.set()
-        thread.join(timeout=2.0)
+        if thread.is_alive():
+            thread.join(timeout=2.0)
 
 
 @contextlib.contextmanager
