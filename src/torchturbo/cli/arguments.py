@@ -12,7 +12,7 @@ import argparse
 import math
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -203,7 +203,7 @@ def device_argument(text: str) -> str:
 INT64_MAX = 2**63 - 1
 
 
-def count(low: int, high: int = INT64_MAX, *, what: str = "") -> Any:
+def count(low: int, high: int = INT64_MAX, *, what: str = "") -> Callable[[str], int]:
     """An argparse ``type`` for an int option from ``low`` to ``high``: a value out of range
     is refused with the range (argparse adds the option's name), ``what`` saying what it
     counts: ``argument --planned-steps: 0 is out of range: expected an int >= 1 (...)``."""
