@@ -90,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
                 steps_per_repeat=steps_per_repeat,
                 on_progress=say,
             ),
+            args.json,
         )
         if not is_main_process():
             return 0

@@ -89,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
                 profile_steps=args.steps,
                 on_progress=say,
             ),
+            args.json,
         )
         if not is_main_process():
             return 0

@@ -137,20 +137,25 @@ def check_output_file(path: Path, option: str) -> None:
     check_writable(path.parent, option=f"the directory of {option}")
 
 
-def with_status(title: str, work: Callable[[Callable[[str], None]], Any]) -> Any:
-    """Run ``work(say)`` under a live status line that ``say`` updates (rank 0 only)."""
+def with_status(
+    title: str, work: Callable[[Callable[[str], None]], Any], json_path: Path | None = None
+) -> Any:
+    """Run ``work(say)`` under a live status line that ``say`` updates (rank 0 only); its
+    plain lines go to stderr when ``--json -`` makes stdout the JSON."""
     from torchturbo.output.live import StatusLine
 
     line = StatusLine(title)
-    with live_on_rank_zero(line):
+    stream = sys.stderr if json_path is not None and str(json_path) == "-" else None
+    with live_on_rank_zero(line, stream):
         return work(line.report)
 
 
 @contextlib.contextmanager
-def live_on_rank_zero(line: Any) -> Iterator[None]:
-    """The live line on rank 0; other ranks draw nothing."""
+def live_on_rank_zero(line: Any, stream: Any = None) -> Iterator[None]:
+    """The live line on rank 0 (plain lines on ``stream`` where there is no terminal); other
+    ranks draw nothing."""
     from torchturbo.distributed import is_main_process
     from torchturbo.output.live import live
 
-    with live(line) if is_main_process() else contextlib.nullcontext():
+    with live(line, stream=stream) if is_main_process() else contextlib.nullcontext():
         yield

@@ -192,9 +192,9 @@ def _train_command(args: argparse.Namespace) -> int:
 
 @contextlib.contextmanager
 def _train_progress(title: str, steps: int) -> Iterator[Callable[[Any], None]]:
-    """``train``'s ``on_progress`` on rank 0: a live line on a terminal, else a plain line on
-    stderr every :data:`PROGRESS_EVERY_S` seconds, checked at each step and by a heartbeat
-    between them (and nothing on other ranks)."""
+    """``train``'s ``on_progress`` on rank 0: a live line on a terminal, else a plain line
+    every :data:`PROGRESS_EVERY_S` seconds, checked at each step and by a heartbeat between
+    them (and nothing on other ranks)."""
     from torchturbo.distributed import is_main_process
     from torchturbo.output.live import TrainLine, live
 

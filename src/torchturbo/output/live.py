@@ -2,10 +2,11 @@
 own clock, third-party output above them.
 
 On a terminal (stderr is one) the line is drawn live with rich. Piped to a file, as on a
-cluster, the same words are printed as plain lines to stderr (stdout keeps the results, and
-``--json -`` its JSON): one when what the command does changes, at most one per
-:data:`MIN_GAP_S`, and one every :data:`EVERY_S` while it does the same thing, from a thread,
-since a step or a compile can take minutes (:class:`PlainLines`).
+cluster, the same words are printed as plain lines to stdout, with the command's other output
+(stderr keeps the one-line errors; a command whose stdout is JSON, ``--json -``, passes stderr):
+one when what the command does changes, at most one per :data:`MIN_GAP_S`, and one every
+:data:`EVERY_S` while it does the same thing, from a thread, since a step or a compile can take
+minutes (:class:`PlainLines`).
 
 The tuner reports progress only between candidates, and a candidate can train for minutes, so a
 line redrawn only on reports freezes ("90 s left" for a minute). These lines keep the time of
@@ -220,15 +221,19 @@ class PlainLines:
 
 
 @contextlib.contextmanager
-def live(line: Line, *, every_s: float = EVERY_S) -> Iterator[PlainLines | None]:
-    """Draw ``line`` on stderr while the block runs: live when stderr is a terminal (yields
-    None), else as :class:`PlainLines` every ``every_s`` seconds (yields them).
+def live(
+    line: Line, *, every_s: float = EVERY_S, stream: TextIO | None = None
+) -> Iterator[PlainLines | None]:
+    """Draw ``line`` while the block runs: live on stderr when it is a terminal (yields None),
+    else as :class:`PlainLines` on ``stream`` (default stdout) every ``every_s`` seconds
+    (yields them).
 
     The live line is transient: it disappears when the block ends, leaving what was printed
     above it.
     """
     if not Console(stderr=True).is_terminal:
-        with _plain_lines(PlainLines(line, sys.stderr, every_s=every_s)) as lines:
+        plain = PlainLines(line, stream or sys.stdout, every_s=every_s)
+        with _plain_lines(plain) as lines:
             yield lines
         return
     # stdout is only taken over when it is the same terminal: `tune > log.txt` keeps its file.
