@@ -174,9 +174,13 @@ def test_train_prints_plain_progress_lines_when_its_output_is_no_terminal(monkey
 
     monkeypatch.setattr(train_command, "PROGRESS_EVERY_S", 0.0)  # every step, for the test
     assert main(["train", TINY, "--device", "cpu", "--steps", "3"]) == 0
-    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("train ")]
-    assert [line.split(" · ")[0] for line in lines] == [f"train tiny step {n}/3" for n in (1, 2, 3)]
+    captured = capsys.readouterr()
+    lines = [line for line in captured.out.splitlines() if line.startswith("train ")]
+    steps = [line.split(" · ")[0] for line in lines]
+    assert steps[-3:] == [f"train tiny step {n}/3" for n in (1, 2, 3)]
     assert " samples/s · ETA 0:00 · saved nothing" in lines[-1]
+    assert "resumed from" not in captured.out  # not resumed: not said
+    assert "no checkpoint (give --checkpoint-dir to keep one)" in captured.out
 
 
 @pytest.mark.parametrize(
@@ -186,7 +190,7 @@ def test_train_prints_plain_progress_lines_when_its_output_is_no_terminal(monkey
         (["bench", TINY.replace(":recipe", ":nope")], "has no 'nope'"),
         (["bench", TINY.replace(":recipe", ":not_a_recipe")], "returned int"),
         (["bench", "--workload", "imagenet"], "imagenet"),
-        (["bench", TINY, "--steps", "1"], "--steps 1"),
+        (["bench", TINY, "--steps", "1"], "argument --steps: 1 is out of range"),
         (["bench", TINY, "--device", "cuda:7"], "no CUDA device"),
         (["train", TINY, "--steps", "2", "--resume"], "--resume needs --checkpoint-dir"),
     ],

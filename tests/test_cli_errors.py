@@ -182,7 +182,7 @@ CASES: dict[str, Callable[[Path], tuple[list, str]]] = {
     ),
     "activation budget negative": lambda t: (
         [*train(TINY), "--activation-budget=-1G"],
-        "'-1G': the size must be at least 1 byte",
+        "argument --activation-budget: '-1G' is negative: a size is at least 1 byte",
     ),
     "activation budget overflow": lambda t: (
         [*train(TINY), "--activation-budget", "99999999999999999999T"],
@@ -220,12 +220,25 @@ CASES: dict[str, Callable[[Path], tuple[list, str]]] = {
     ),
     "loss tolerance nan": lambda t: (
         ["tune", TINY, "--loss-tolerance", "nan", "--out", t / "report"],
-        "loss_tolerance = nan",
+        "argument --loss-tolerance: 'nan' is out of range: expected a fraction between 0 and 1",
     ),
-    "doctor steps zero": lambda t: (["doctor", TINY, "--steps", "0"], "--steps 0 is too few"),
-    "steps zero": lambda t: ([*train(TINY)[:-1], "0"], "--steps 0 is invalid"),
-    "steps not a number": lambda t: ([*train(TINY)[:-1], "ten"], "invalid int value: 'ten'"),
-    "save-every negative": lambda t: ([*train(TINY), "--save-every", "-1"], "--save-every -1"),
+    "doctor steps zero": lambda t: (
+        ["doctor", TINY, "--steps", "0"],
+        "argument --steps: 0 is out of range: expected an int >= 1 (profiled steps)",
+    ),
+    "steps zero": lambda t: (
+        [*train(TINY)[:-1], "0"],
+        "argument --steps: 0 is out of range: expected an int >= 1 (optimizer steps)",
+    ),
+    "steps not a number": lambda t: (
+        [*train(TINY)[:-1], "ten"],
+        "argument --steps: 'ten' is not an int: expected an int >= 1",
+    ),
+    "steps beyond int64": lambda t: ([*train(TINY)[:-1], str(2**63)], "is out of range"),
+    "save-every negative": lambda t: (
+        [*train(TINY), "--save-every", "-1"],
+        "argument --save-every: -1 is out of range: expected an int >= 0",
+    ),
     "save-every without a directory": lambda t: (
         [*train(TINY), "--save-every", "2"],
         "--save-every needs --checkpoint-dir",
@@ -234,12 +247,68 @@ CASES: dict[str, Callable[[Path], tuple[list, str]]] = {
         [*train(TINY), "--resume"],
         "--resume needs --checkpoint-dir",
     ),
-    "unknown option": lambda t: ([*train(TINY), "--fast"], "unrecognized arguments: --fast"),
+    "unknown option": lambda t: ([*train(TINY), "--fast"], "unknown option --fast"),
     "unknown method": lambda t: (
         ["export", TINY, "--out", t / "m.pt2", "--method", "onnx"],
         "argument --method: invalid choice: 'onnx'",
     ),
-    "bench steps": lambda t: (["bench", TINY, "--steps", "1"], "--steps 1 is too few"),
+    "bench steps": lambda t: (
+        ["bench", TINY, "--steps", "1"],
+        "argument --steps: 1 is out of range: expected an int >= 2",
+    ),
+    # --- misspelt options and values: the closest one, before anything else is checked ----
+    "misspelt option, dash for dot": lambda t: (
+        ["bench", TINY, "--precision-dtype", "bf16"],
+        "unknown option --precision-dtype (did you mean --precision.dtype?)",
+    ),
+    "misspelt option before a missing required one": lambda t: (
+        ["train", TINY, "--stpes", "3"],
+        "unknown option --stpes (did you mean --steps?)",
+    ),
+    "misspelt global option": lambda t: (
+        ["--debgu", "bench"],
+        "unknown option --debgu (did you mean --debug?)",
+    ),
+    "misspelt command": lambda t: (["bnech", TINY], "(did you mean 'bench'?)"),
+    "misspelt preset": lambda t: (["bench", TINY, "--preset", "fsat"], "(did you mean 'fast'?)"),
+    "misspelt size": lambda t: (["bench", TINY, "--size", "lage"], "(did you mean 'large'?)"),
+    "misspelt config value": lambda t: (
+        ["bench", TINY, "--precision.dtype", "bf61"],
+        "expected one of 'fp32', 'tf32', 'bf16', 'fp16' (did you mean 'bf16'?)",
+    ),
+    "misspelt config value in a file": lambda t: (
+        ["bench", TINY, "--config", toml(t, '[compile]\nmode = "max_autotune"')],
+        "(did you mean 'max-autotune'?)",
+    ),
+    "misspelt workload": lambda t: (
+        ["bench", "--workload", "visoin"],
+        "unknown workload 'visoin' (did you mean 'vision'?)",
+    ),
+    "misspelt stage": lambda t: (
+        ["tune", TINY, "--only", "precison", "--out", t / "report"],
+        "--only precison: no such stage (did you mean 'precision'?)",
+    ),
+    "misspelt logger": lambda t: (
+        [*train(TINY), "--logger", "csv,wandbb"],
+        "'csv,wandbb' (did you mean 'wandb'?)",
+    ),
+    "misspelt device": lambda t: (["bench", TINY, "--device", "cdua"], "(did you mean 'cuda'?)"),
+    "a flag given a word it does not take": lambda t: (
+        [*train(TINY), "--resume=maybe"],
+        "--resume=maybe: a flag takes true or false",
+    ),
+    "a config flag given a word it does not take": lambda t: (
+        [*train(TINY), "--data.bucketing=maybe"],
+        "argument --data.bucketing/--no-data.bucketing: 'maybe' is not one of true, false",
+    ),
+    "a negative size after a space": lambda t: (
+        ["tune", TINY, "--memory-budget", "-1GiB"],
+        "argument --memory-budget: '-1GiB' is negative",
+    ),
+    "planned steps zero": lambda t: (
+        ["tune", TINY, "--planned-steps", "0"],
+        "argument --planned-steps: 0 is out of range: expected an int >= 1",
+    ),
     # --- recipe code and data --------------------------------------------------------------
     "missing recipe file": lambda t: (train("missing.py:recipe"), "does not exist"),
     "missing recipe function": lambda t: (train(broken("nope")), "has no 'nope'"),
@@ -300,6 +369,10 @@ CASES: dict[str, Callable[[Path], tuple[list, str]]] = {
         train(broken("model_shape_mismatch")),
         "raised RuntimeError: mat1 and mat2 shapes cannot be multiplied",
     ),
+    "the model cannot take the batch's shapes": lambda t: (
+        train(broken("model_shape_mismatch")),
+        "the model cannot take a batch of structure list(Tensor[8, 4] float32, Tensor[8] int64)",
+    ),
     "dataset item raises": lambda t: (
         train(broken("dataset_raises")),
         "the dataset's FlakyDataset.__getitem__ (broken.py:",
@@ -312,6 +385,56 @@ CASES: dict[str, Callable[[Path], tuple[list, str]]] = {
     "samples all of length 0": lambda t: (
         train(broken("empty_texts")),
         "all 16 samples have length 0 (lengths): there is no token to train on",
+    ),
+    # --- porting a training loop: each line names the fix ---------------------------------
+    "loss_fn runs backward": lambda t: (
+        train(broken("backward_in_loss_fn")),
+        "loss_fn calls backward() itself: return the loss",
+    ),
+    "loss_fn runs backward, doctor": lambda t: (
+        ["doctor", broken("backward_in_loss_fn"), "--steps", "1"],
+        "loss_fn calls backward() itself: return the loss",
+    ),
+    "loss_fn runs backward, bench": lambda t: (
+        ["bench", broken("backward_in_loss_fn"), "--steps", "2"],
+        "loss_fn calls backward() itself: return the loss",
+    ),
+    "a model instance": lambda t: (
+        train(broken("model_instance")),
+        "model is a Linear instance, and a recipe takes a factory (the tuner builds a fresh "
+        "model for every trial): pass model=Linear or model=lambda: Linear(...)",
+    ),
+    "an optimizer instance": lambda t: (
+        train(broken("optimizer_instance")),
+        "pass optimizer=lambda params: torch.optim.SGD(params, lr=0.1)",
+    ),
+    "a loss module as loss_fn": lambda t: (
+        train(broken("loss_module")),
+        "loss_fn is a CrossEntropyLoss module, which takes (output, target)",
+    ),
+    "a DataLoader as dataset": lambda t: (
+        train(broken("data_loader_as_dataset")),
+        "dataset=loader.dataset, batch_size=loader.batch_size",
+    ),
+    "a model class that needs arguments": lambda t: (
+        train(broken("model_class_needs_arguments")),
+        "cannot be called with no arguments: pass model=lambda: Classifier(classes=...)",
+    ),
+    "loss_fn of the batch alone": lambda t: (
+        train(broken("loss_fn_of_the_batch_only")),
+        "cannot be called as loss_fn(model, batch)",
+    ),
+    "a loss per sample": lambda t: (
+        train(broken("loss_per_sample")),
+        "it returned Tensor[8] float32: reduce it to the batch's mean",
+    ),
+    "loss.item()": lambda t: (
+        train(broken("loss_item")),
+        "return the loss tensor itself, not loss.item()",
+    ),
+    "the model given the whole batch": lambda t: (
+        train(broken("model_given_the_whole_batch")),
+        "loss_fn passed the whole batch (a list): unpack it, e.g. inputs, targets = batch",
     ),
     # --- non-finite training ---------------------------------------------------------------
     "NaN inputs, run shorter than the patience": lambda t: (
@@ -503,3 +626,21 @@ def test_an_export_that_cannot_be_written_names_the_file(tmp_path):
     assert result.returncode == 2, result.stderr[-3000:]
     assert result.stderr == f"torchturbo export: error: File too large: {str(out)!r} (--out)\n"
     assert list(tmp_path.iterdir()) == []  # no partial file, no temporary
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [TINY, "--only", "precison"],
+        [TINY, "--planned-steps", "0"],
+        [TINY, "--memory-budget", "-1GiB"],
+        [TINY, "--precision-dtype", "bf16"],
+        [broken("model_instance")],
+        [broken("backward_in_loss_fn"), "--device", "cpu"],
+    ],
+    ids=["stage", "range", "negative size", "option", "recipe shape", "loss_fn contract"],
+)
+def test_a_refused_tune_leaves_nothing_behind(argv, tmp_path, capsys):
+    out = tmp_path / "report"
+    assert main(["tune", *argv, "--out", str(out)]) == 2
+    assert not out.exists(), sorted(out.rglob("*"))

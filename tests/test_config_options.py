@@ -62,6 +62,12 @@ READ_AS_IN_THE_FILE = [
     (["--compile.mode=max-autotune"], {"compile.mode": "max-autotune"}),
     (["--data.bucketing"], {"data.bucketing": True}),
     (["--no-data.non_blocking"], {"data.non_blocking": False}),
+    # a flag also says which: --flag=true|false (yes/no, on/off, 1/0), and --no-flag=false
+    (["--data.bucketing=true"], {"data.bucketing": True}),
+    (["--data.bucketing=false"], {"data.bucketing": False}),
+    (["--data.bucketing=Off"], {"data.bucketing": False}),
+    (["--data.pin_memory=1"], {"data.pin_memory": True}),
+    (["--no-data.non_blocking=false"], {"data.non_blocking": True}),
     (
         ["--checkpointing.mode", "selective", "--checkpointing.module_types", "Block, Layer"],
         {"checkpointing.mode": "selective", "checkpointing.module_types": ("Block", "Layer")},
@@ -171,6 +177,17 @@ def test_a_flag_that_may_be_none_takes_none_true_or_false_but_never_the_next_wor
         )
     args = build_parser().parse_args(["bench", "--compile.dynamic", TINY])
     assert args.recipe == TINY and [o.value for o in args.config_overrides] == [True]
+
+
+def test_a_flag_that_cannot_be_none_never_takes_the_next_word_either():
+    args = build_parser().parse_args(["bench", "--data.bucketing", TINY])
+    assert args.recipe == TINY and [o.value for o in args.config_overrides] == [True]
+
+
+@pytest.mark.parametrize(("typed", "read"), [("true", True), ("false", False), ("no", False)])
+def test_a_plain_flag_takes_true_and_false_too(typed, read):
+    args = build_parser().parse_args(["train", TINY, "--steps", "2", f"--resume={typed}"])
+    assert args.resume is read
 
 
 def test_negative_control_argparse_alone_takes_a_misspelt_option_as_an_abbreviation():

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from torchturbo.output.live import StatusLine, TrainLine, TuneLine, fmt_clock
+from torchturbo.output.live import PlainLines, StatusLine, TrainLine, TuneLine, fmt_clock
 
 
 class _Clock:
@@ -81,9 +81,58 @@ def test_the_train_line_shows_step_loss_throughput_eta_and_the_last_checkpoint()
     )  # 19 steps in 10 s: 280 steps left take 147 s
     text = _render(line)
     assert len(text.rstrip("\n").splitlines()) == 1 and len(text.rstrip("\n")) <= 80
-    assert line.due(30) is False
-    clock.now += 30
-    assert line.due(30) is True and line.due(30) is False  # once per period
+
+
+def test_in_a_log_a_line_follows_each_new_topic_and_a_heartbeat_every_30_s() -> None:
+    clock, log = _Clock(), io.StringIO()
+    line = TuneLine("tune big", 300, clock=clock)
+    plain = PlainLines(line, log, clock=clock)
+    assert plain.tick()  # what it starts with
+    line.report("precision", "bf16", 290)
+    assert not plain.tick()  # a new topic, but within 2 s of the last line
+    clock.now += 2
+    assert plain.tick() and not plain.tick()
+    clock.now += 29  # one candidate for half a minute: silent ...
+    assert not plain.tick()
+    clock.now += 1  # ... then the heartbeat
+    assert plain.tick()
+    lines = log.getvalue().splitlines()
+    assert lines[0].startswith("tune big [starting]")
+    assert lines[1] == "tune big [precision] bf16 · 0:12 of 5:00 · 4:48 left · 0:02 on it"
+    assert lines[2] == "tune big [precision] bf16 · 0:42 of 5:00 · 4:18 left · 0:32 on it"
+
+
+def test_a_status_line_in_a_log_says_what_it_does_and_for_how_long() -> None:
+    clock, log = _Clock(), io.StringIO()
+    line = StatusLine("bench vision", clock=clock)
+    plain = PlainLines(line, log, clock=clock)
+    line.report("timing (interleaved), round 2/5")
+    clock.now += 3
+    assert plain.tick()
+    assert log.getvalue() == "bench vision: timing (interleaved), round 2/5 · 0:03\n"
+
+
+_PIPED = r"""
+import sys, time
+import torchturbo.output.live as live_module
+
+live_module.EVERY_S = float(sys.argv[1])
+line = live_module.StatusLine("tune slow")
+with live_module.live(line, every_s=live_module.EVERY_S):
+    line.report("one long step")
+    time.sleep(3.5)
+print("result")
+"""
+
+
+def test_piped_the_heartbeat_comes_from_a_thread_while_one_step_runs() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", _PIPED, "1"], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    beats = [line for line in done.stdout.splitlines() if line.startswith("tune slow")]
+    assert len(beats) >= 3, done.stdout  # a line a second during one 3.5-s call
+    assert done.stdout.endswith("result\n") and not done.stderr  # stderr keeps errors only
 
 
 _SCRIPT = r"""

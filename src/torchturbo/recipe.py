@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
+import inspect
 import re
 import site
 import sys
@@ -113,9 +114,9 @@ class Recipe:
             )
         if self.lengths is not None:
             _check_lengths(self.name, self.lengths)
-        for attr in ("model", "optimizer", "loss_fn"):
-            if not callable(getattr(self, attr)):
-                raise RecipeError(f"Recipe {self.name!r}: {attr} must be callable")
+        problem = _shape_problem(self)
+        if problem is not None:
+            raise RecipeError(f"Recipe {self.name!r}: {problem}")
 
     def collate_fn(self) -> Callable[[list[Any]], Any]:
         """The recipe's collate, else the padding collate (``torchturbo.data.collate``), which
@@ -134,6 +135,11 @@ class Recipe:
         """
         torch.manual_seed(self.seed)
         model = call_user("the model factory", self.model)
+        if isinstance(model, type) and issubclass(model, nn.Module):
+            raise RecipeError(
+                f"Recipe {self.name!r}: the model factory {describe_callable(self.model)} "
+                f"returned the class {model.__name__}, not a model: return {model.__name__}(...)"
+            )
         if not isinstance(model, nn.Module):
             raise RecipeError(
                 f"Recipe {self.name!r}: the model factory {describe_callable(self.model)} "
@@ -167,6 +173,91 @@ def _check_lengths(name: str, lengths: Sequence[int]) -> None:
         )
 
 
+#: How each function of a recipe is called: (positional arguments, in words, the fix).
+_CALLED_AS = {
+    "model": (0, "with no arguments", "model=MyModel or model=lambda: MyModel(...)"),
+    "optimizer": (
+        1,
+        "with the model's parameters",
+        "optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3)",
+    ),
+    "loss_fn": (2, "as loss_fn(model, batch)", "def loss_fn(model, batch): ... return loss"),
+}
+
+
+def _shape_problem(recipe: Recipe) -> str | None:
+    """What is wrong with the kind of thing each field holds, in the words that fix it, or
+    None: the mistakes of porting a training loop (an instance where a factory goes, a loss
+    module where ``loss_fn(model, batch)`` goes, a DataLoader where its dataset goes)."""
+    model, optimizer, loss_fn = recipe.model, recipe.optimizer, recipe.loss_fn
+    if isinstance(model, nn.Module):
+        name = type(model).__name__
+        return (
+            f"model is {_a(name)} instance, and a recipe takes a factory (the tuner builds a fresh "
+            f"model for every trial): pass model={name} or model=lambda: {name}(...)"
+        )
+    if isinstance(optimizer, torch.optim.Optimizer):
+        name = type(optimizer).__name__
+        lr = optimizer.defaults.get("lr")
+        return (
+            f"optimizer is {_a(name)} instance, and a recipe takes a factory of the parameters "
+            "(each trial's model has its own): pass "
+            f"optimizer=lambda params: torch.optim.{name}(params, lr={lr})"
+        )
+    if isinstance(loss_fn, nn.Module):
+        name = type(loss_fn).__name__
+        return (
+            f"loss_fn is {_a(name)} module, which takes (output, target); a recipe's loss_fn takes "
+            "(model, batch) and returns the loss: def loss_fn(model, batch): inputs, targets = "
+            f"batch; return nn.{name}()(model(inputs), targets)"
+        )
+    if isinstance(recipe.dataset, torch.utils.data.DataLoader):
+        return (
+            "dataset is a DataLoader; pass what it loads and torchturbo builds the loader "
+            "(workers, pinning, length buckets): dataset=loader.dataset, "
+            "batch_size=loader.batch_size, collate=loader.collate_fn"
+        )
+    for attr, (arguments, called, fix) in _CALLED_AS.items():
+        function = getattr(recipe, attr)
+        name = describe_callable(function)
+        if not callable(function):
+            return f"{attr} must be callable, got {type(function).__name__}: pass {fix}"
+        missing = _unbound(function, arguments)
+        if missing is None:
+            continue
+        if attr == "model":
+            given = ", ".join(f"{parameter}=..." for parameter in missing) or "..."
+            fix = f"model=lambda: {getattr(function, '__name__', 'MyModel')}({given})"
+        return f"{attr} {name} cannot be called {called}: pass {fix}"
+    return None
+
+
+def _a(name: str) -> str:
+    """``an Adam``, ``a SmallCNN``."""
+    return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"
+
+
+def _unbound(function: Callable[..., Any], count: int) -> list[str] | None:
+    """The required parameters of ``function`` that ``count`` positional arguments leave
+    without a value, or None when such a call binds (or the signature cannot be read:
+    builtins and C extensions are given the benefit of the doubt)."""
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):
+        return None
+    try:
+        signature.bind(*range(count))
+    except TypeError:
+        required = [
+            name
+            for name, parameter in signature.parameters.items()
+            if parameter.default is parameter.empty
+            and parameter.kind not in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD)
+        ]
+        return required[count:]
+    return None
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -174,7 +265,8 @@ def _is_int(value: Any) -> bool:
 def load_recipe(spec: str) -> Recipe:
     """Load ``path/to/file.py:function`` or ``package.module:function`` and call it.
 
-    The function takes no arguments and returns a :class:`Recipe`.
+    The function takes no arguments and returns a :class:`Recipe`. A file's folder goes on
+    ``sys.path`` first, as for a script: the recipe may import from the modules beside it.
     """
     if ":" not in spec:
         raise RecipeError(
@@ -207,6 +299,11 @@ def _import_file(path_str: str) -> Any:
         raise RecipeError(f"recipe file {path_str!r} cannot be imported as Python")
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module  # dataclasses and pickling in workers need the module
+    # As `python my_recipe.py` would: the recipe's folder is importable, so that it can import
+    # the model and dataset from the training script beside it.
+    folder = str(path.resolve().parent)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
     try:
         spec.loader.exec_module(module)
     except Exception as err:

@@ -137,3 +137,65 @@ def empty_texts():
         return nn.functional.cross_entropy(model(batch["input_ids"].float()), batch["y"])
 
     return _recipe(dataset=samples, loss_fn=loss, lengths=[0] * 16)
+
+
+# --- the mistakes of porting a training loop into a recipe ---------------------------------
+
+
+def backward_in_loss_fn():
+    def loss_fn(model, batch):
+        loss = nn.functional.cross_entropy(model(batch[0]), batch[1])
+        loss.backward()  # as the loop it came from did
+        return loss
+
+    return _recipe(loss_fn=loss_fn)
+
+
+def model_instance():
+    return _recipe(model=nn.Linear(4, 2))
+
+
+def optimizer_instance():
+    return _recipe(optimizer=torch.optim.SGD(nn.Linear(4, 2).parameters(), lr=0.1))
+
+
+def loss_module():
+    return _recipe(loss_fn=nn.CrossEntropyLoss())
+
+
+def data_loader_as_dataset():
+    loader = torch.utils.data.DataLoader(_recipe().dataset, batch_size=8)
+    return _recipe(dataset=loader)
+
+
+def model_class_needs_arguments():
+    class Classifier(nn.Module):
+        def __init__(self, classes):
+            super().__init__()
+            self.linear = nn.Linear(4, classes)
+
+        def forward(self, x):
+            return self.linear(x)
+
+    return _recipe(model=Classifier)
+
+
+def loss_fn_of_the_batch_only():
+    return _recipe(loss_fn=lambda batch: batch[0].sum())
+
+
+def loss_per_sample():
+    def loss_fn(model, batch):
+        return nn.functional.cross_entropy(model(batch[0]), batch[1], reduction="none")
+
+    return _recipe(loss_fn=loss_fn)
+
+
+def loss_item():
+    return _recipe(
+        loss_fn=lambda model, batch: nn.functional.cross_entropy(model(batch[0]), batch[1]).item()
+    )
+
+
+def model_given_the_whole_batch():
+    return _recipe(loss_fn=lambda model, batch: nn.functional.cross_entropy(model(batch), batch[1]))

@@ -3,7 +3,9 @@
 Each command has a module here (``bench``, ``tune``, ``doctor``, ``export``, ``train``,
 ``config``, ``completion``, ``version``) that adds its arguments to the parser (``parser``) and
 maps them onto the library, where the work lives; ``arguments`` holds what several commands
-share, ``shared`` what they do around their work, ``errors`` the error classifier. An error the
+share, ``tokens`` what the command line is made into before argparse reads it (did-you-mean
+for any misspelt option, ``--flag=true``, negative values), ``shared`` what they do around
+their work, ``errors`` the error classifier. An error the
 user can fix (bad argument, config, recipe code or data, checkpoint, file system) prints one
 readable line, ``torchturbo CMD: error: ...``, and exits with code 2; warnings print one line
 each. ``--debug`` shows the traceback instead; a bug of torchturbo always shows it (exit 1).

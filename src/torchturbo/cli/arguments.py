@@ -9,10 +9,15 @@ that takes a config gets its ``--section.field`` options when it parses or shows
 from __future__ import annotations
 
 import argparse
+import math
+import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
+
+from torchturbo.cli.tokens import TokenError, prepared
+from torchturbo.output.suggest import did_you_mean
 
 EXIT_USAGE = 2
 
@@ -44,21 +49,42 @@ class Parser(argparse.ArgumentParser):
         return super().format_help()
 
     def error(self, message: str) -> NoReturn:
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        self.exit(
+            EXIT_USAGE, f"{self.prog}: error: {_suggesting(message)} (see {self.prog} --help)\n"
+        )
 
     def parse_known_args(  # type: ignore[override]  # typeshed overloads it on the namespace
         self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
     ) -> tuple[argparse.Namespace, list[str]]:
         tokens = list(sys.argv[1:] if args is None else args)
+        known = self.with_config_options()._option_string_actions
+        commands = {
+            name
+            for action in self._actions
+            if isinstance(action, argparse._SubParsersAction)
+            for name in action.choices
+        }
+        try:
+            tokens = prepared(tokens, known, commands)
+        except TokenError as err:
+            self.error(str(err))
         if self.takes_config:
-            from torchturbo.config.options import explicit, unknown_option
+            from torchturbo.config.options import explicit
 
-            known = self.with_config_options()._option_string_actions
-            problem = unknown_option(tokens, known)
-            if problem is not None:
-                self.error(problem)
             tokens = explicit(tokens, known)
         return super().parse_known_args(tokens, namespace)
+
+
+_INVALID_CHOICE = re.compile(r"invalid choice: '(?P<value>[^']*)' \(choose from (?P<choices>.*)\)")
+
+
+def _suggesting(message: str) -> str:
+    """argparse's "invalid choice: 'fsat' (choose from ...)" with the closest choice."""
+    match = _INVALID_CHOICE.search(message)
+    if match is None:
+        return message
+    choices = [choice.strip().strip("'") for choice in match["choices"].split(",")]
+    return message + did_you_mean(match["value"], choices)
 
 
 # Names from torchturbo.workloads.WORKLOADS, torchturbo.techniques.tools.export.METHODS and
@@ -169,8 +195,44 @@ def device_argument(text: str) -> str:
 
     problem = device_problem(text, name="")
     if problem is not None:
-        raise argparse.ArgumentTypeError(problem)
+        raise argparse.ArgumentTypeError(problem + did_you_mean(text, ("auto", "cpu", "cuda")))
     return text
+
+
+#: The largest count an int option takes: torch counts steps in int64.
+INT64_MAX = 2**63 - 1
+
+
+def count(low: int, high: int = INT64_MAX, *, what: str = "") -> Callable[[str], int]:
+    """An argparse ``type`` for an int option from ``low`` to ``high``: a value out of range
+    is refused with the range (argparse adds the option's name), ``what`` saying what it
+    counts: ``argument --planned-steps: 0 is out of range: expected an int >= 1 (...)``."""
+    shown = f"an int >= {low}" if high == INT64_MAX else f"an int from {low} to {high}"
+    shown += f" ({what})" if what else ""
+
+    def read(text: str) -> int:
+        try:
+            value = int(text.strip().replace("_", ""))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an int: expected {shown}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{value} is out of range: expected {shown}")
+        return value
+
+    return read
+
+
+def fraction(text: str) -> float:
+    """An argparse ``type`` for a fraction strictly between 0 and 1 (``0.05``)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is out of range: expected a fraction between 0 and 1, e.g. 0.05 for 5%"
+        )
+    return value
 
 
 def add_config_arguments(parser: argparse.ArgumentParser, *, default_preset: str | None) -> None:

@@ -8,13 +8,19 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from torchturbo.cli.arguments import DEFAULT_PRESETS, add_config_arguments, add_target_arguments
+from torchturbo.cli.arguments import (
+    DEFAULT_PRESETS,
+    add_config_arguments,
+    add_target_arguments,
+    count,
+)
 from torchturbo.cli.shared import (
     check_output_file,
     chosen_config,
     config_label,
     format_of,
     load_target,
+    notice_printer,
     say_emulated,
     with_status,
 )
@@ -37,8 +43,19 @@ def add_parser(commands: Any) -> None:
     )
     add_target_arguments(bench)
     add_config_arguments(bench, default_preset=DEFAULT_PRESETS["bench"])
-    bench.add_argument("--steps", type=int, default=15, metavar="N", help="timed steps per variant")
-    bench.add_argument("--json", type=Path, metavar="FILE", help="also write the rows as JSON here")
+    bench.add_argument(
+        "--steps",
+        type=count(2, what="timed steps per variant"),
+        default=15,
+        metavar="N",
+        help="timed steps per variant",
+    )
+    bench.add_argument(
+        "--json",
+        type=Path,
+        metavar="FILE",
+        help="also write the rows as JSON here (-: to stdout, and the table to stderr)",
+    )
     bench.set_defaults(run=run)
 
 
@@ -47,8 +64,6 @@ def run(args: argparse.Namespace) -> int:
     from torchturbo.distributed import is_main_process, launched
     from torchturbo.trials.variants import compare_configs
 
-    if args.steps < 2:
-        raise ValueError(f"--steps {args.steps} is too few: give at least 2 timed steps")
     if args.json:
         check_output_file(args.json, "--json")
     chosen = chosen_config(args)
@@ -59,7 +74,11 @@ def run(args: argparse.Namespace) -> int:
         configs[name] = chosen
     recipe = load_target(args)
     steps_per_repeat = 3 if args.steps >= 6 else 1
-    say_emulated(chosen.device, [format_of(config) for config in configs.values()])
+    say_emulated(
+        chosen.device,
+        [format_of(config) for config in configs.values()],
+        show=notice_printer(args.json),
+    )
     with launched(chosen.device) as env:
         rows = with_status(
             f"bench {recipe.name}",
@@ -71,15 +90,20 @@ def run(args: argparse.Namespace) -> int:
                 steps_per_repeat=steps_per_repeat,
                 on_progress=say,
             ),
+            args.json,
         )
         if not is_main_process():
             return 0
     title = f"torchturbo bench: {recipe.name}"
     if env.is_distributed:
         title += f" ({env.world_size} processes, {env.backend})"
+    from rich.console import Console
+
+    from torchturbo.output.results_file import STDOUT
     from torchturbo.output.tables import print_rows
 
-    print_rows(title, rows)
+    # With --json -, stdout is the JSON alone (for jq and pipes): the table goes to stderr.
+    print_rows(title, rows, Console(stderr=str(args.json) == STDOUT))
     if args.json:
         from torchturbo.output.results_file import write_results
 

@@ -8,13 +8,19 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from torchturbo.cli.arguments import DEFAULT_PRESETS, add_config_arguments, add_target_arguments
+from torchturbo.cli.arguments import (
+    DEFAULT_PRESETS,
+    add_config_arguments,
+    add_target_arguments,
+    count,
+)
 from torchturbo.cli.shared import (
     check_output_file,
     check_writable,
     chosen_config,
     format_of,
     load_target,
+    notice_printer,
     say_emulated,
     with_status,
 )
@@ -39,9 +45,18 @@ def add_parser(commands: Any) -> None:
     doctor.add_argument(
         "--trace", type=Path, metavar="DIR", help="write a Perfetto/chrome://tracing trace here"
     )
-    doctor.add_argument("--steps", type=int, default=5, metavar="N", help="profiled steps")
     doctor.add_argument(
-        "--json", type=Path, metavar="FILE", help="also write the diagnosis as JSON here"
+        "--steps",
+        type=count(1, what="profiled steps"),
+        default=5,
+        metavar="N",
+        help="profiled steps",
+    )
+    doctor.add_argument(
+        "--json",
+        type=Path,
+        metavar="FILE",
+        help="also write the diagnosis as JSON here (-: to stdout, and the checklist to stderr)",
     )
     doctor.set_defaults(run=run)
 
@@ -50,8 +65,6 @@ def run(args: argparse.Namespace) -> int:
     from torchturbo.distributed import is_main_process, launched
     from torchturbo.doctor import diagnose, render
 
-    if args.steps < 1:
-        raise ValueError(f"--steps {args.steps} is too few: profile at least 1 step")
     # Without --config, --preset or a config option the doctor diagnoses the fp32 baseline.
     chosen = args.config or args.preset or args.config_overrides
     config = chosen_config(args) if chosen else None
@@ -62,7 +75,9 @@ def run(args: argparse.Namespace) -> int:
     recipe = load_target(args)
     device = args.device or (config.device if config else "auto")
     # bf16: the precision the doctor times against the config where it is native.
-    say_emulated(device, ["bf16", format_of(config)] if config else ["bf16"])
+    say_emulated(
+        device, ["bf16", format_of(config)] if config else ["bf16"], show=notice_printer(args.json)
+    )
     with launched(device):
         diagnosis = with_status(
             f"doctor {recipe.name}",
@@ -74,10 +89,16 @@ def run(args: argparse.Namespace) -> int:
                 profile_steps=args.steps,
                 on_progress=say,
             ),
+            args.json,
         )
         if not is_main_process():
             return 0
-    render(diagnosis)
+    from rich.console import Console
+
+    from torchturbo.output.results_file import STDOUT
+
+    # With --json -, stdout is the JSON alone (for jq and pipes): the checklist goes to stderr.
+    render(diagnosis, Console(stderr=str(args.json) == STDOUT))
     if args.json:
         from torchturbo.output.results_file import write_results
 

@@ -30,6 +30,7 @@ def error_line(err: Exception, args: argparse.Namespace) -> str | None:
     import torch
 
     from torchturbo.recipe import describe_exception, is_torchturbo_error, user_code_failure
+    from torchturbo.reliability.guard import BACKWARD_INSIDE, backward_inside
 
     if is_torchturbo_error(err):
         line = str(err)
@@ -38,6 +39,9 @@ def error_line(err: Exception, args: argparse.Namespace) -> str | None:
             f"out of memory: {describe_exception(err)}; lower the batch size, or let "
             "[reliability] auto_microbatch = true split it"
         )
+    elif backward_inside(err) and (failure := user_code_failure(err)) is not None:
+        located = re.search(r"\(([^()]+:\d+[^()]*)\)$", failure)
+        line = BACKWARD_INSIDE + (f" ({located[1]})" if located else "")
     elif (failure := user_code_failure(err)) is not None:
         line = f"{failure}; --debug shows the traceback"
     elif isinstance(err, OSError):

@@ -85,49 +85,77 @@ def say_emulated(device: str, formats: Sequence[str], show: Callable[[str], None
         show(notice)
 
 
-def check_writable(directory: Path, option: str = "--out") -> None:
-    """Fail before hours of tuning, not after, when the output directory cannot be written.
+def notice_printer(json_path: Path | None) -> Callable[[str], None]:
+    """Where a command's notes go: stdout, or stderr when ``--json -`` makes stdout the JSON."""
+    if json_path is not None and str(json_path) == "-":
+        return lambda text: print(text, file=sys.stderr)
+    return print
 
-    The directory (and its parents) is created if missing; errors name ``option`` and the path.
+
+def check_writable(directory: Path, option: str = "--out") -> None:
+    """Fail before hours of tuning, not after, when ``directory`` could not be written.
+
+    Nothing is left behind: a directory that does not exist yet is not created (the command
+    creates it when it writes), its nearest existing parent is checked instead. Errors name
+    ``option`` and the path.
     """
     import os
     import tempfile
 
     where = f"{option} {str(directory)!r}"
-    if directory.exists() and not directory.is_dir():
-        raise ValueError(f"{where} is not a directory; give a directory to write into")
+    existing = directory
+    while not existing.exists() and existing != existing.parent:
+        if existing.is_symlink():  # a dangling link: writing through it needs its target
+            raise ValueError(f"{where} is a link to {os.readlink(existing)!r}, which is missing")
+        existing = existing.parent
+    if not existing.is_dir():
+        name = (
+            "is not a directory" if existing == directory else f"is under {str(existing)!r}, a file"
+        )
+        raise ValueError(f"{where} {name}; give a directory to write into")
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        if not os.access(directory, os.W_OK):
+        if not os.access(existing, os.W_OK | os.X_OK):
             raise PermissionError(13, os.strerror(13))
-        with tempfile.TemporaryFile(dir=directory):
-            pass
+        # access() does not see read-only mounts or /proc; a probe removed at once does.
+        if existing == directory:
+            with tempfile.TemporaryFile(dir=directory):
+                pass
+        else:
+            os.rmdir(tempfile.mkdtemp(dir=existing))
     except OSError as err:
         raise ValueError(f"{where} cannot be written: {err.strerror or err}") from err
 
 
 def check_output_file(path: Path, option: str) -> None:
-    """Fail before the work, not after, when ``path`` cannot be written as a file."""
+    """Fail before the work, not after, when ``path`` cannot be written as a file (``-``:
+    standard output, always writable)."""
     where = f"{option} {str(path)!r}"
+    if str(path) == "-":
+        return
     if path.is_dir():
         raise ValueError(f"{where} is a directory; give a file name")
     check_writable(path.parent, option=f"the directory of {option}")
 
 
-def with_status(title: str, work: Callable[[Callable[[str], None]], Any]) -> Any:
-    """Run ``work(say)`` under a live status line that ``say`` updates (rank 0 only)."""
+def with_status(
+    title: str, work: Callable[[Callable[[str], None]], Any], json_path: Path | None = None
+) -> Any:
+    """Run ``work(say)`` under a live status line that ``say`` updates (rank 0 only); its
+    plain lines go to stderr when ``--json -`` makes stdout the JSON."""
     from torchturbo.output.live import StatusLine
 
     line = StatusLine(title)
-    with live_on_rank_zero(line):
+    stream = sys.stderr if json_path is not None and str(json_path) == "-" else None
+    with live_on_rank_zero(line, stream):
         return work(line.report)
 
 
 @contextlib.contextmanager
-def live_on_rank_zero(line: Any) -> Iterator[None]:
-    """The live line on rank 0; other ranks draw nothing."""
+def live_on_rank_zero(line: Any, stream: Any = None) -> Iterator[None]:
+    """The live line on rank 0 (plain lines on ``stream`` where there is no terminal); other
+    ranks draw nothing."""
     from torchturbo.distributed import is_main_process
     from torchturbo.output.live import live
 
-    with live(line) if is_main_process() else contextlib.nullcontext():
+    with live(line, stream=stream) if is_main_process() else contextlib.nullcontext():
         yield

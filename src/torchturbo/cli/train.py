@@ -16,8 +16,10 @@ from torchturbo.cli.arguments import (
     LOGGERS,
     add_config_arguments,
     add_target_arguments,
+    count,
 )
 from torchturbo.cli.shared import chosen_config, load_target
+from torchturbo.output.suggest import did_you_mean
 from torchturbo.output.units import parse_size
 
 #: Seconds between plain progress lines of ``train`` when its output is not a terminal.
@@ -47,7 +49,11 @@ def add_parser(commands: Any) -> None:
     add_target_arguments(train)
     add_config_arguments(train, default_preset=DEFAULT_PRESETS["train"])
     train.add_argument(
-        "--steps", type=int, required=True, metavar="N", help="optimizer steps to train"
+        "--steps",
+        type=count(1, what="optimizer steps"),
+        required=True,
+        metavar="N",
+        help="optimizer steps to train",
     )
     train.add_argument(
         "--checkpoint-dir",
@@ -60,7 +66,7 @@ def add_parser(commands: Any) -> None:
     )
     train.add_argument(
         "--save-every",
-        type=int,
+        type=count(0, what="steps between checkpoints, 0: at the end only"),
         default=0,
         metavar="N",
         help="steps between checkpoints; 0 saves at the end only",
@@ -95,9 +101,11 @@ def add_parser(commands: Any) -> None:
 def logger_list(text: str) -> tuple[str, ...]:
     """``wandb,csv`` as a tuple of logger names, each one torchturbo.runs.metrics_log can open."""
     names = tuple(name.strip() for name in text.split(",") if name.strip())
-    if not names or any(name not in LOGGERS for name in names):
+    unknown = [name for name in names if name not in LOGGERS]
+    if not names or unknown:
+        guess = did_you_mean(unknown[0], LOGGERS) if unknown else ""
         raise argparse.ArgumentTypeError(
-            f"{text!r}: give logger names separated by commas, of {', '.join(LOGGERS)}"
+            f"{text!r}{guess}: give logger names separated by commas, of {', '.join(LOGGERS)}"
         )
     return names
 
@@ -123,17 +131,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _train_command(args: argparse.Namespace) -> int:
-    from torchturbo.config import INT64_MAX
     from torchturbo.distributed import is_main_process, launched, main_print
     from torchturbo.reliability.preemption import EXIT_STOPPED
     from torchturbo.runs.train import TrainInterrupted, train
 
-    if not 1 <= args.steps <= INT64_MAX:
-        raise ValueError(f"--steps {args.steps} is invalid: expected 1 to 2**63 - 1 steps")
-    if not 0 <= args.save_every <= INT64_MAX:
-        raise ValueError(
-            f"--save-every {args.save_every} is invalid: expected >= 0 (0 = at the end only)"
-        )
     if args.resume and args.checkpoint_dir is None:
         raise ValueError("--resume needs --checkpoint-dir to know where to resume from")
     if args.save_every and args.checkpoint_dir is None:
@@ -177,12 +178,17 @@ def _train_command(args: argparse.Namespace) -> int:
         later = "" if result.later_step_s is None else f", then {result.later_step_s:.3f} s a step"
         print(f"first step {result.first_step_s:.2f} s (one-time costs included){later}")
     loss = "n/a" if result.last_loss is None else f"{result.last_loss:.4f}"
+    resumed = "" if result.resumed_from is None else f"; resumed from {result.resumed_from}"
+    saved = (
+        f"; last checkpoint {result.saved}"
+        if result.saved is not None
+        else "; no checkpoint (give --checkpoint-dir to keep one)"
+    )
     print(
         f"trained to optimizer step {result.optimizer_steps}, last loss {loss}"
         + (f" ({result.skipped_steps} steps skipped)" if result.skipped_steps else "")
         + ", micro-batch "
-        f"split {result.micro_batch_split} (size {result.micro_batch_size}); "
-        f"resumed from {result.resumed_from}; last checkpoint {result.saved}"
+        f"split {result.micro_batch_split} (size {result.micro_batch_size})" + resumed + saved
     )
 
     return 0
@@ -190,25 +196,24 @@ def _train_command(args: argparse.Namespace) -> int:
 
 @contextlib.contextmanager
 def _train_progress(title: str, steps: int) -> Iterator[Callable[[Any], None]]:
-    """``train``'s ``on_progress`` on rank 0: a live line on a terminal, else a plain line every
-    :data:`PROGRESS_EVERY_S` seconds (and nothing on other ranks)."""
-    from rich.console import Console
-
+    """``train``'s ``on_progress`` on rank 0: a live line on a terminal, else a plain line
+    every :data:`PROGRESS_EVERY_S` seconds, checked at each step and by a heartbeat between
+    them (and nothing on other ranks)."""
     from torchturbo.distributed import is_main_process
     from torchturbo.output.live import TrainLine, live
 
     line = TrainLine(title, steps)
     if not is_main_process():
         yield lambda progress: None
-    elif Console(stderr=True).is_terminal:
-        with live(line):
+        return
+    with live(line, every_s=PROGRESS_EVERY_S) as plain:
+        if plain is None:
             yield line.report
-    else:
+            return
 
         def report(progress: Any) -> None:
             line.report(progress)
-            if line.due(PROGRESS_EVERY_S):
-                print(line.plain(), flush=True)
+            plain.tick()
 
         yield report
 

@@ -4,10 +4,12 @@ report."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from torchturbo.cli.arguments import add_target_arguments
+from torchturbo.cli.arguments import add_target_arguments, count, fraction
 from torchturbo.cli.shared import check_writable, live_on_rank_zero, load_target, say_emulated
 from torchturbo.output.units import parse_duration, parse_size
 
@@ -77,7 +79,7 @@ def add_parser(commands: Any) -> None:
     )
     tune.add_argument(
         "--planned-steps",
-        type=int,
+        type=count(1, what="steps of your real job"),
         default=None,
         metavar="N",
         help=(
@@ -89,7 +91,7 @@ def add_parser(commands: Any) -> None:
     )
     tune.add_argument(
         "--loss-tolerance",
-        type=float,
+        type=fraction,
         default=0.05,
         metavar="FRACTION",
         help="largest relative loss difference from fp32 over the first steps",
@@ -127,6 +129,19 @@ def estimate_accuracy(record: dict[str, Any]) -> str | None:
     )
 
 
+@contextlib.contextmanager
+def _nothing_left_on_failure(out: Path, fresh: bool) -> Iterator[None]:
+    """A run that fails leaves no empty folders behind: the compile cache the tuner pointed
+    inductor at before anything compiled, and ``out`` itself when this run made it."""
+    try:
+        yield
+    except BaseException:
+        for folder in (out / COMPILE_CACHE, *((out,) if fresh else ())):
+            with contextlib.suppress(OSError):  # not empty, or gone: leave it
+                folder.rmdir()
+        raise
+
+
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.text import Text
@@ -142,8 +157,8 @@ def run(args: argparse.Namespace) -> int:
         read_previous,
         write_report,
     )
-    from torchturbo.tune.search import TuneInterrupted, TuneOptions, tune
-    from torchturbo.tune.stages import PRECISION_FORMATS
+    from torchturbo.tune.search import TuneInterrupted, TuneOptions, select_stages, tune
+    from torchturbo.tune.stages import PRECISION_FORMATS, STAGES
     from torchturbo.tune.summary import batch_line, headline
 
     options = TuneOptions(
@@ -156,7 +171,9 @@ def run(args: argparse.Namespace) -> int:
         skip=args.skip,
         compile_cache_dir=str(args.out / COMPILE_CACHE),
         find_batch=args.find_batch,
+        refuse_impossible=True,
     )
+    select_stages(STAGES, options)  # a misspelt stage is refused before anything runs
     check_writable(args.out)
     previous = read_previous(args.out)
     recipe = load_target(args)
@@ -164,16 +181,17 @@ def run(args: argparse.Namespace) -> int:
     say_emulated(
         args.device or "auto",
         PRECISION_FORMATS,
-        lambda notice: console.print(notice, markup=False, highlight=False),
+        lambda notice: console.print(notice, markup=False, highlight=False, soft_wrap=True),
     )
     line = TuneLine(f"tune {recipe.name}", options.time_budget_s)
 
     def print_estimate(estimate: MemoryEstimate) -> None:
         if is_main_process():
             for text in describe(estimate):
-                console.print(Text(text))
+                console.print(Text(text), soft_wrap=True)
 
-    with launched(args.device or "auto"):
+    fresh = not args.out.exists()
+    with launched(args.device or "auto"), _nothing_left_on_failure(args.out, fresh):
         try:
             with live_on_rank_zero(line):
                 config, result = tune(
@@ -190,7 +208,8 @@ def run(args: argparse.Namespace) -> int:
                     Text(
                         f"interrupted: {interrupted.measured} measured candidate(s) kept in "
                         f"{kept}; the same command measures the rest"
-                    )
+                    ),
+                    soft_wrap=True,
                 )
             raise
         if not is_main_process():
@@ -202,15 +221,18 @@ def run(args: argparse.Namespace) -> int:
         config = config.replace(compile__cache_dir=COMPILE_CACHE)
     paths = write_report(args.out, results, config.to_toml())
     if result.reuse_note:
-        console.print(Text(result.reuse_note))
+        console.print(Text(result.reuse_note), soft_wrap=True)
     if (left_out := plots_left_out()) is not None:
-        console.print(Text(f"plots left out of the report: {left_out}"))
+        console.print(Text(f"plots left out of the report: {left_out}"), soft_wrap=True)
     print_table(console, incremental_table(results))
     if (accuracy := estimate_accuracy(results.get("memory_estimate") or {})) is not None:
-        console.print(Text(accuracy))
-    console.print(Text(headline(results)))
+        console.print(Text(accuracy), soft_wrap=True)
+    console.print(Text(headline(results)), soft_wrap=True)
     if chosen := batch_line(results):
-        console.print(Text(chosen))
-    console.print(Text(f"report: {paths['html']}"))
-    console.print(Text(f"use it: torchturbo bench {results['recipe']} --config {paths['config']}"))
+        console.print(Text(chosen), soft_wrap=True)
+    console.print(Text(f"report: {paths['html']}"), soft_wrap=True)
+    console.print(
+        Text(f"use it: torchturbo bench {results['recipe']} --config {paths['config']}"),
+        soft_wrap=True,
+    )
     return 0

@@ -7,7 +7,7 @@ field the file may leave out (``--x=none`` for a boolean one); ``*_bytes`` field
 sizes such as ``64MiB``. The text is only converted to the field's type here: what a value
 may be is decided by the config's own validation (:func:`torchturbo.config.resolve.resolve`),
 so an option and a file get the same one-line errors. A misspelt ``--section.field`` is
-refused with the closest name (:func:`unknown_option`): argparse alone would take
+refused with the closest name (``torchturbo.cli.tokens``): argparse alone would take
 ``--precision.dtyp`` as an abbreviation.
 
 Why hand-written: the options must be argparse options like the rest of the command (argparse
@@ -21,19 +21,17 @@ place; generating the options from the dataclasses is the ~150 lines below.
 from __future__ import annotations
 
 import argparse
-import difflib
 import re
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, get_origin
 
 from torchturbo.config.fields import ConfigField, config_fields
-from torchturbo.output.units import UnitError, parse_size
+from torchturbo.output.units import BOOLEAN_WORDS, UnitError, parse_size
 
 #: Where the parsed options go in the namespace: a list of :class:`Override`, in command order.
 DEST = "config_overrides"
 _INT = re.compile(r"[+-]?[0-9][0-9_]*")
-_BOOLEANS = {"true": True, "false": False, "none": None}
 #: The longest ``--option METAVAR`` that --help prints within 80 columns (indented by 2).
 _HELP_WIDTH = 76
 
@@ -80,13 +78,14 @@ class _SetValue(argparse.Action):
 
 
 class FlagOption(_SetValue):
-    """``--section.field`` sets a boolean field, ``--no-section.field`` clears it. A field that
-    may be absent (None: "as needed") also takes ``--section.field=none``; :func:`explicit`
-    writes its bare flags as ``=true``, so that the flag never takes the next word as its value.
+    """``--section.field`` sets a boolean field, ``--no-section.field`` clears it, and
+    ``--section.field=true|false`` (or yes/no, on/off, 1/0) says which. A field that may be
+    absent (None: "as needed") also takes ``--section.field=none``. :func:`explicit` writes
+    bare flags as ``=true``, so that a flag never takes the next word as its value.
     """
 
     def __init__(self, *args: Any, field: ConfigField, **kwargs: Any) -> None:
-        super().__init__(*args, nargs="?" if field.optional else 0, field=field, **kwargs)
+        super().__init__(*args, nargs="?", field=field, **kwargs)
         #: How --help shows the pair: one line, ``--[no-]data.bucketing``.
         self.invocation = f"--[no-]{field.key}" + "[=none]" * field.optional
 
@@ -98,8 +97,12 @@ class FlagOption(_SetValue):
         option_string: str | None = None,
     ) -> None:
         negated = str(option_string).startswith("--no-")
-        # nargs=0 gives [] and a bare flag of nargs="?" None: both mean true.
-        value: Any = _BOOLEANS.get(values.lower(), values) if isinstance(values, str) else True
+        words = {**BOOLEAN_WORDS, **({"none": None} if self.field.optional else {})}
+        text = "true" if values is None else str(values).strip().lower()
+        if text not in words:
+            allowed = "true, false" + ", none" * self.field.optional
+            raise argparse.ArgumentError(self, f"{values!r} is not one of {allowed}")
+        value = words[text]
         if negated and isinstance(value, bool):
             value = not value
         shown = "none" if value is None else str(value).lower()
@@ -108,14 +111,12 @@ class FlagOption(_SetValue):
 
 
 def explicit(tokens: Sequence[str], actions: Mapping[str, argparse.Action]) -> list[str]:
-    """``tokens`` with each bare flag of a field that may be absent written ``--flag=true``: such
-    a flag takes an optional value (``=none``), and argparse would otherwise read the word after
-    it (a recipe) as that value."""
+    """``tokens`` with each bare config flag written ``--flag=true``: a flag takes an optional
+    value (``=false``, ``=none``), and argparse would otherwise read the word after it (a
+    recipe) as that value."""
     out = []
     for token in tokens:
-        action = actions.get(token)
-        takes_value = isinstance(action, FlagOption) and action.nargs == "?"
-        out.append(f"{token}=true" if takes_value else token)
+        out.append(f"{token}=true" if isinstance(actions.get(token), FlagOption) else token)
         if token == "--":
             out.extend(tokens[len(out) :])
             break
@@ -188,21 +189,3 @@ def convert(field: ConfigField, text: str) -> Any:
         except ValueError:
             return text
     return text
-
-
-def unknown_option(tokens: Sequence[str], known: Collection[str]) -> str | None:
-    """Why the first ``--section.field`` of ``tokens`` that names no option is refused, with
-    the closest option, or None. Dotted names must be exact: argparse would otherwise read
-    ``--precision.dtyp`` as an abbreviation of ``--precision.dtype``."""
-    dotted = sorted(name for name in known if "." in name)
-    for token in tokens if dotted else ():
-        if token == "--":
-            break
-        name = token.split("=", 1)[0]
-        if not name.startswith("--") or "." not in name or name in known:
-            continue
-        close = difflib.get_close_matches(name, dotted, n=1)
-        if close:
-            return f"unknown option {name} (did you mean {close[0]}?)"
-        return f"unknown option {name}: config options are --SECTION.FIELD as in turbo.toml"
-    return None

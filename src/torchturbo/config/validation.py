@@ -27,6 +27,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args, get_origin
 
+from torchturbo.output import suggest
+
 if sys.version_info >= (3, 11):
     pass
 else:  # pragma: no cover - exercised only on Python 3.10
@@ -129,7 +131,7 @@ def _field_problems(section: Any) -> list[str]:
         expected = hints[f.name]
         bounds = f.metadata.get("bounds")
         if not _matches(value, expected):
-            wrong = f"expected {_describe(expected)}"
+            wrong = f"expected {_describe(expected)}{_closest_choice(value, expected)}"
         elif bounds is not None and isinstance(value, (int, float)):
             wrong = bounds.problem(value, integer=not _matches(0.5, expected))
         elif isinstance(value, float) and not math.isfinite(value):
@@ -157,6 +159,14 @@ def _matches(value: Any, expected: Any) -> bool:
     if expected is int:
         return isinstance(value, int) and not isinstance(value, bool)
     return isinstance(value, expected)
+
+
+def _closest_choice(value: Any, expected: Any) -> str:
+    """`` (did you mean 'bf16'?)`` for a misspelt choice of a ``Literal`` field, else ''."""
+    choices = [a for a in get_args(expected) if isinstance(a, str)]
+    if get_origin(expected) is not Literal or not isinstance(value, str):
+        return ""
+    return suggest.did_you_mean(value, choices)
 
 
 def _describe(expected: Any) -> str:

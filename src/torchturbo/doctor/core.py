@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -29,14 +30,16 @@ from torchturbo.doctor.data_facts import (
     loader_facts,
     varying_shapes,
 )
-from torchturbo.doctor.diagnosis import Diagnosis, Lever
+from torchturbo.doctor.diagnosis import Diagnosis
 from torchturbo.doctor.findings import Findings
 from torchturbo.doctor.gains import Gain, fold_gain, measure_variants
+from torchturbo.doctor.levers import with_measurements
 from torchturbo.doctor.model_facts import ModelFacts, inspect_model
 from torchturbo.doctor.profiling import profile_training
 from torchturbo.engine import resolve_device
 from torchturbo.measure.footprint import MemoryEstimate
 from torchturbo.recipe import Recipe
+from torchturbo.reliability.guard import call_loss_fn
 from torchturbo.techniques import registry
 from torchturbo.techniques.framework import levers
 from torchturbo.techniques.framework.facts import Facts, gather
@@ -85,17 +88,17 @@ def diagnose(
         )
     saved_benchmark = torch.backends.cudnn.benchmark
     try:
-        say("inspecting the model")
+        say("1/4 inspecting the model")
         batches = fixed_batches(recipe, _SAMPLE_BATCHES)
         facts, fold, machine = _inspect(recipe, batches, run_device, say)
-        say("estimating the memory of a step")
+        say("2/4 estimating the memory of a step")
         memory, memory_note = _memory_estimate(recipe, batches[0], run_device)
-        say(f"profiling {2 * profile_steps + 3} training steps")
+        say(f"3/4 profiling {2 * profile_steps + 3} training steps")
         trace = Path(trace_dir) if trace_dir is not None else None
         profile = profile_training(recipe, config, loader, steps=profile_steps, trace_dir=trace)
         variant, reason = _precision_variant(config, run_device, machine)
         speedups, comparison_error = None, None
-        say("timing variants side by side")
+        say("4/4 timing variants side by side")
         try:
             speedups = _measure_variants(recipe, config, facts, variant, batches)
         except RuntimeError as err:  # e.g. an op without a bf16 kernel: report it, go on
@@ -137,10 +140,7 @@ def diagnose(
         processes=current_env().world_size,
         comm_bytes_per_step=profile.comm_bytes_per_step,
         comm_seconds_per_step=profile.comm_seconds_per_step,
-        levers=[
-            Lever(lever.name, lever.expectation.gain, lever.expectation.evidence)
-            for lever in registry.ranked_levers(machine)
-        ],
+        levers=with_measurements(registry.ranked_levers(machine), speedups),
         memory_estimate=memory,
         memory_estimate_note=memory_note,
     )
@@ -166,13 +166,16 @@ def _inspect(
     model, _ = recipe.build()
     model.to(device)
     sample = to_device(batches[0], device, non_blocking=False)
-    facts = inspect_model(model, recipe.loss_fn, sample)
-    say("measuring GEMM rates per precision")
-    machine = gather(recipe, model, batches, device, lambda: recipe.loss_fn(model, sample))
+    # Through the engine's call, so that a loss_fn that breaks the contract (runs backward
+    # itself, returns no scalar, cannot read the batch) gets the engine's one-line error here.
+    loss_fn = functools.partial(call_loss_fn, recipe.loss_fn)
+    facts = inspect_model(model, loss_fn, sample)
+    say("1/4 inspecting the model: GEMM rates per precision")
+    machine = gather(recipe, model, batches, device, lambda: loss_fn(model, sample))
     fold = None
     if facts.conv_bn_pairs:
-        say("timing Conv→BatchNorm folding")
-        fold = fold_gain(model, recipe.loss_fn, sample, facts.conv_bn_pairs, device)
+        say("1/4 inspecting the model: timing Conv→BatchNorm folding")
+        fold = fold_gain(model, loss_fn, sample, facts.conv_bn_pairs, device)
     return facts, fold, machine
 
 

@@ -35,8 +35,11 @@ class Lever:
     """A lever as ranked for this model and machine (see ``Diagnosis.levers``)."""
 
     name: str
+    #: The one figure shown and ranked by: the measured ratio where the doctor timed the lever
+    #: (``measured``), else the expected gain (None: cannot help here).
     expected_gain: float | None
     evidence: str
+    measured: bool = False
 
 
 @dataclass(frozen=True)
@@ -83,9 +86,10 @@ class Diagnosis:
     #: flight per step (overlapping backward); None without DDP.
     comm_bytes_per_step: float | None = None
     comm_seconds_per_step: float | None = None
-    #: The levers by expected gain on this model and machine (``techniques.framework.levers``): what
-    #: ``torchturbo tune`` measures first. Each: name, expected gain (None: cannot help here),
-    #: and the fact behind it.
+    #: The levers on this model and machine, by the gain measured here where the doctor timed
+    #: one, else the expected gain (``techniques.framework.levers``, what the tuner orders its
+    #: work by): ``doctor.levers``. Each: name, the figure (None: cannot help here), and the
+    #: evidence.
     levers: list[Lever] = dataclasses.field(default_factory=list)
     #: The fp32 eager step's memory, estimated from one instrumented step on slices of a batch
     #: (``trials.memory_estimate``); None, and the reason in the note, where it failed.

@@ -10,6 +10,7 @@ Two passes over the same engine and loader. The breakdown pass times phases with
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -124,6 +125,7 @@ def _profile(
         trace_path = trace_dir / f"{recipe.name}.{stamp}{rank}.pt.trace.json"
     export = (lambda p: p.export_chrome_trace(str(trace_path))) if trace_path else None
     schedule = torch.profiler.schedule(wait=1, warmup=1, active=steps)
+    quiet_kineto()
     with (
         turbo.recording(_TraceLabels()),
         torch.profiler.profile(
@@ -138,6 +140,20 @@ def _profile(
     return _top_operators(prof.key_averages(), steps, on_device=turbo.device.type == "cuda"), (
         trace_path
     )
+
+
+#: Kineto (torch.profiler's C++ side) writes "USDT: ... profiler_start" and "STAGE: ..."
+#: lines to descriptor 2 at every profile, below its highest level: 6, the count of its levels
+#: (VERBOSE 0 ... USDT 5), prints none of them.
+_KINETO_SILENT = "6"
+
+
+def quiet_kineto() -> None:
+    """Keep kineto's own log lines off the terminal and out of a piped log, unless the user
+    asked for them with ``KINETO_LOG_LEVEL``. Kineto reads the variable when it starts its
+    first profile, so setting it here, before the profiler starts, is in time; profiler errors
+    still raise in Python."""
+    os.environ.setdefault("KINETO_LOG_LEVEL", _KINETO_SILENT)
 
 
 def _top_operators(events: Any, steps: int, *, on_device: bool) -> list[tuple[str, float, float]]:

@@ -48,24 +48,30 @@ def render(diagnosis: Diagnosis, console: Console | None = None) -> None:
     if recommended:
         console.print(f"[bold]recommended[/] {', '.join(recommended)}")
     _print_levers(diagnosis, console)
-    if diagnosis.trace_path is not None:
+    if diagnosis.trace_path is not None:  # a path to copy: never wrapped
         console.print(
             f"[bold]trace[/] {diagnosis.trace_path} (open in https://ui.perfetto.dev or "
-            "chrome://tracing)"
+            "chrome://tracing)",
+            soft_wrap=True,
         )
 
 
 def _print_levers(diagnosis: Diagnosis, console: Console) -> None:
-    """The levers by expected gain: the order torchturbo tune measures them in, cost permitting."""
+    """The levers by their one figure: measured here where the doctor timed them, else
+    expected (``doctor.levers``)."""
     useful = [lever for lever in diagnosis.levers if lever.expected_gain is not None]
     if useful:
-        console.print("[bold]levers by expected gain[/] (torchturbo tune measures them first):")
+        console.print(
+            "[bold]levers by gain[/], measured here where timed, else expected from the facts "
+            "(torchturbo tune measures the expected ones, most promising first):"
+        )
     # A grid, so that a lever's text wraps under itself rather than under its number.
     levers = Table.grid(padding=(0, 1))
     levers.add_column(justify="right", no_wrap=True)
     levers.add_column(overflow="fold")
     for rank, lever in enumerate(useful, 1):
-        text = f"{lever.name} ~{lever.expected_gain:.2f}x: {lever.evidence}"
+        figure = f"{lever.expected_gain:.2f}x" if lever.measured else f"~{lever.expected_gain:.2f}x"
+        text = f"{lever.name} {figure}: {lever.evidence}"
         levers.add_row(f"  {rank}.", Text(text))
     for lever in diagnosis.levers:
         if lever.expected_gain is None:

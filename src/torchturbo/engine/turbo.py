@@ -37,7 +37,13 @@ from torchturbo.engine.loader import training_loader
 from torchturbo.engine.state import load_training_state, save_training_state
 from torchturbo.measure.breakdown import NullRecorder, Recorder
 from torchturbo.reliability.epochs import EpochLoader
-from torchturbo.reliability.guard import NonFiniteGuard, call_loss_fn
+from torchturbo.reliability.guard import (
+    BACKWARD_INSIDE,
+    LossFnError,
+    NonFiniteGuard,
+    backward_inside,
+    call_loss_fn,
+)
 from torchturbo.reliability.oom import MicroBatcher, leading_size
 from torchturbo.reliability.preemption import StopRequest, agree_to_stop
 from torchturbo.reliability.random_state import capture_random_state, restore_random_state
@@ -313,7 +319,12 @@ class Turbo:
             with self.recorder.phase("backward"):
                 self.guard.observe(loss, functools.partial(self.forward, loss_fn, batch), batch)
                 weighted = loss.float() * self._window.weight(count)
-                self.precision.scale_loss(weighted).backward()
+                try:
+                    self.precision.scale_loss(weighted).backward()
+                except RuntimeError as err:  # the graph was freed by a backward in loss_fn
+                    if backward_inside(err):
+                        raise LossFnError(BACKWARD_INSIDE) from err
+                    raise
         return loss.detach(), count
 
     def _restart(self) -> None:

@@ -110,6 +110,7 @@ def measure_interleaved(
     warmup: int = 2,
     repeats: int = 5,
     steps_per_repeat: int = 3,
+    on_round: Callable[[int, int], None] | None = None,
 ) -> dict[str, Timing]:
     """Time each variant's step, interleaving the variants, and return a :class:`Timing` each.
 
@@ -118,7 +119,8 @@ def measure_interleaved(
     Then ``repeats`` rounds: each round times a block of ``steps_per_repeat`` steps of every
     variant, starting with a different variant each round (round r starts at variant r mod n) so
     that no variant always runs first. The device is synchronized before and after every block,
-    and a sample is the block's seconds divided by its steps.
+    and a sample is the block's seconds divided by its steps. ``on_round(done, repeats)`` is
+    told before each round (for a progress line).
     """
     if not variants:
         raise ValueError("measure_interleaved(variants={}) needs at least one variant")
@@ -132,6 +134,8 @@ def measure_interleaved(
             variants[name]()
     samples: dict[str, list[float]] = {name: [] for name in names}
     for round_index in range(repeats):
+        if on_round is not None:
+            on_round(round_index, repeats)
         start = round_index % len(names)
         for name in names[start:] + names[:start]:
             samples[name].append(_time_block(variants[name], steps_per_repeat, device))

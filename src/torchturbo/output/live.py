@@ -1,4 +1,12 @@
-"""Live status lines for long commands: redrawn on their own clock, third-party output above them.
+"""Progress lines for long commands: live on a terminal, plain lines in a log, redrawn on their
+own clock, third-party output above them.
+
+On a terminal (stderr is one) the line is drawn live with rich. Piped to a file, as on a
+cluster, the same words are printed as plain lines to stdout, with the command's other output
+(stderr keeps the one-line errors; a command whose stdout is JSON, ``--json -``, passes stderr):
+one when what the command does changes, at most one per :data:`MIN_GAP_S`, and one every
+:data:`EVERY_S` while it does the same thing, from a thread, since a step or a compile can take
+minutes (:class:`PlainLines`).
 
 The tuner reports progress only between candidates, and a candidate can train for minutes, so a
 line redrawn only on reports freezes ("90 s left" for a minute). These lines keep the time of
@@ -16,12 +24,13 @@ console prints. No library found does that part; it is the few lines of :func:`_
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TextIO
 
 from rich.console import Console, RenderableType
 from rich.live import Live
@@ -61,14 +70,25 @@ class TuneLine:
     def seconds_left(self) -> float:
         return max(0.0, self.left_at_report - (self.clock() - self.reported_at))
 
-    def __rich__(self) -> RenderableType:
+    def _clocks(self) -> str:
         on_it = fmt_clock(self.clock() - self.reported_at)
         left = self.seconds_left()
         # The budget can run out while a candidate (or the confirmation) is still measuring.
         budget = f"{fmt_clock(left)} left" if left > 0 else "budget spent"
+        return f"{budget} · {on_it} on it"
+
+    def topic(self) -> str:
+        """What it does, without the clocks: a new topic is worth a line in a log."""
+        return f"{self.title} [{self.stage}] {self.candidate}".rstrip()
+
+    def plain(self) -> str:
+        spent = fmt_clock(self.budget_s - self.seconds_left())
+        return f"{self.topic()} · {spent} of {fmt_clock(self.budget_s)} · {self._clocks()}"
+
+    def __rich__(self) -> RenderableType:
+        left = self.seconds_left()
         bar = ProgressBar(total=self.budget_s, completed=self.budget_s - left, width=10)
-        words = Text(f"{self.title} [{self.stage}] {self.candidate}")
-        return _line(self.spinner, words, bar, Text(f"{budget} · {on_it} on it"))
+        return _line(self.spinner, Text(self.topic()), bar, Text(self._clocks()))
 
 
 class StatusLine:
@@ -82,8 +102,14 @@ class StatusLine:
     def report(self, message: str) -> None:
         self.message, self.reported_at = message, self.clock()
 
+    def topic(self) -> str:
+        return f"{self.title}: {self.message}" if self.message else self.title
+
+    def plain(self) -> str:
+        return f"{self.topic()} · {fmt_clock(self.clock() - self.reported_at)}"
+
     def __rich__(self) -> RenderableType:
-        words = Text(f"{self.title}: {self.message}" if self.message else self.title)
+        words = Text(self.topic())
         return _line(self.spinner, words, Text(fmt_clock(self.clock() - self.reported_at)))
 
 
@@ -93,8 +119,8 @@ class TrainLine:
     ``report(progress)`` is ``train``'s ``on_progress`` (a ``train.TrainProgress``). Throughput
     and ETA are measured from the first step this process trained onwards, so that start-up
     (and a first step that compiles) does not count, nor steps a resumed run did not train.
-    Where the output is no terminal, :meth:`plain` gives the same words for a log, which the
-    caller prints every so often (:meth:`due`).
+    Where the output is no terminal, :meth:`plain` gives the same words for a log
+    (:class:`PlainLines`).
     """
 
     def __init__(self, title: str, steps: int, clock: Clock = time.monotonic) -> None:
@@ -104,7 +130,6 @@ class TrainLine:
         self.checkpoint = "nothing"
         #: (clock, step, samples) at the first report.
         self.first: tuple[float, int, int] | None = None
-        self.printed_at = clock()
         self.spinner = Spinner("dots")
 
     def report(self, progress: Any) -> None:
@@ -115,12 +140,9 @@ class TrainLine:
         if progress.checkpoint is not None:
             self.checkpoint = progress.checkpoint.name
 
-    def due(self, every_s: float) -> bool:
-        """Whether ``every_s`` seconds passed since the last time this said so."""
-        if self.clock() - self.printed_at < every_s:
-            return False
-        self.printed_at = self.clock()
-        return True
+    def topic(self) -> str:
+        """A run trains one thing throughout: its lines in a log are the periodic ones."""
+        return self.title
 
     def plain(self) -> str:
         loss = "n/a" if self.loss is None else f"{self.loss:.4g}"
@@ -152,14 +174,67 @@ def _line(spinner: Spinner, words: Text, *rest: RenderableType) -> Table:
     return grid
 
 
-@contextlib.contextmanager
-def live(line: TuneLine | StatusLine | TrainLine) -> Iterator[None]:
-    """Draw ``line`` on stderr while the block runs, when stderr is a terminal; else nothing.
+#: Seconds between plain lines while a command does the same thing (a heartbeat in a log).
+EVERY_S = 30.0
+#: The fewest seconds between two plain lines: a tuner reporting rounds fills no log.
+MIN_GAP_S = 2.0
 
-    The line is transient: it disappears when the block ends, leaving what was printed above.
+Line = TuneLine | StatusLine | TrainLine
+
+
+class PlainLines:
+    """A progress line as plain text lines for a log: printed when its topic changes (at
+    most once per ``min_gap_s``) and every ``every_s`` seconds while it stays the same.
+
+    :meth:`tick` decides and prints; :func:`live` calls it from a thread every second, and
+    a caller may call it on each report (``train`` does, so that a line can follow every
+    step when ``every_s`` is 0).
+    """
+
+    def __init__(
+        self,
+        line: Line,
+        stream: TextIO,
+        *,
+        every_s: float = EVERY_S,
+        min_gap_s: float = MIN_GAP_S,
+        clock: Clock = time.monotonic,
+    ) -> None:
+        self.line, self.stream, self.clock = line, stream, clock
+        self.every_s, self.min_gap_s = every_s, min_gap_s
+        self.printed_topic: str | None = None
+        self.printed_at = -math.inf
+        self.lock = threading.Lock()
+
+    def tick(self) -> bool:
+        """Print the line if it is due; whether it printed."""
+        with self.lock:
+            now, topic = self.clock(), self.line.topic()
+            since = now - self.printed_at
+            changed = topic != self.printed_topic and since >= min(self.min_gap_s, self.every_s)
+            if not (changed or since >= self.every_s):
+                return False
+            self.stream.write(self.line.plain() + "\n")
+            self.stream.flush()
+            self.printed_topic, self.printed_at = topic, now
+            return True
+
+
+@contextlib.contextmanager
+def live(
+    line: Line, *, every_s: float = EVERY_S, stream: TextIO | None = None
+) -> Iterator[PlainLines | None]:
+    """Draw ``line`` while the block runs: live on stderr when it is a terminal (yields None),
+    else as :class:`PlainLines` on ``stream`` (default stdout) every ``every_s`` seconds
+    (yields them).
+
+    The live line is transient: it disappears when the block ends, leaving what was printed
+    above it.
     """
     if not Console(stderr=True).is_terminal:
-        yield
+        plain = PlainLines(line, stream or sys.stdout, every_s=every_s)
+        with _plain_lines(plain) as lines:
+            yield lines
         return
     # stdout is only taken over when it is the same terminal: `tune > log.txt` keeps its file.
     same_terminal = os.isatty(1)
@@ -173,7 +248,28 @@ def live(line: TuneLine | StatusLine | TrainLine) -> Iterator[None]:
             redirect_stdout=same_terminal,
         ),
     ):
-        yield
+        yield None
+
+
+@contextlib.contextmanager
+def _plain_lines(lines: PlainLines) -> Iterator[PlainLines]:
+    """``lines`` ticked every second by a daemon thread while the block runs."""
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(1.0):
+            lines.tick()
+
+    lines.tick()  # what it starts with
+    thread = threading.Thread(target=beat, name="torchturbo-progress", daemon=True)
+    if lines.every_s > 0:  # at 0 every report prints, and the caller ticks on each one
+        thread.start()
+    try:
+        yield lines
+    finally:
+        stop.set()
+        if thread.is_alive():
+            thread.join(timeout=2.0)
 
 
 @contextlib.contextmanager

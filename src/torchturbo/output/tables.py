@@ -112,8 +112,12 @@ def print_rows(title: str, rows: Sequence[Any], console: Console | None = None) 
             variants_by_note.setdefault(note, []).append(row.variant)
     for (technique, reason), variants in variants_by_note.items():
         who = "every variant" if len(variants) == len(rows) > 1 else ", ".join(variants)
-        console.print(Text(f"{who}: {technique} not applied: {reason}", style="dim"))
+        console.print(
+            Text(f"{who}: {technique} not applied: {reason}", style="dim"), soft_wrap=True
+        )
     for line in peak_notes(rows):
-        console.print(Text(line, style="dim"))
+        console.print(Text(line, style="dim"), soft_wrap=True)
     kinds = sorted({row.peak_memory_kind for row in rows})
-    console.print(Text(f"step memory: {'; '.join(kinds)} (docs/measurement.md)", style="dim"))
+    console.print(
+        Text(f"step memory: {'; '.join(kinds)} (docs/measurement.md)", style="dim"), soft_wrap=True
+    )

@@ -1,4 +1,5 @@
-"""Sizes and durations as people type them: ``20GiB``, ``512M``, ``90s``, ``1m30s``, ``1.5h``.
+"""Sizes, durations and switches as people type them: ``20GiB``, ``512M``, ``90s``, ``1m30s``,
+``1.5h``, ``true``/``off``.
 
 Durations are read by ``pytimeparse`` (``90s``, ``90sec``, ``1m30s``, ``5 minutes``, ``1.5h``,
 ``1:30``), plus plain numbers as seconds, which it does not read. Sizes are read here: bitmath,
@@ -33,6 +34,19 @@ _SIZE_EXAMPLES = "e.g. 20GiB, 20G, 512MB or a number of bytes"
 _DURATION_EXAMPLES = "e.g. 90, 90s, 1m30s, 5m or 1.5h"
 
 
+#: The words a boolean option takes after ``=``: ``--resume=true``, ``--data.bucketing=off``.
+BOOLEAN_WORDS = {
+    "true": True,
+    "false": False,
+    "yes": True,
+    "no": False,
+    "on": True,
+    "off": False,
+    "1": True,
+    "0": False,
+}
+
+
 class UnitError(ValueError, argparse.ArgumentTypeError):
     """A size or duration that cannot be read or used; the message names it and the form.
 
@@ -51,6 +65,8 @@ def parse_size(text: str) -> int:
     size = number * multiplier if number <= MAX_BYTES else None
     if size is None or size > MAX_BYTES:
         raise UnitError(f"{text!r} is too large: at most {MAX_BYTES} bytes (8 EiB)")
+    if number < 0:
+        raise UnitError(f"{text!r} is negative: a size is at least 1 byte, {_SIZE_EXAMPLES}")
     if size < 1:
         raise UnitError(f"{text!r}: the size must be at least 1 byte")
     return int(size)

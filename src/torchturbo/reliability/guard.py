@@ -24,6 +24,7 @@ such errors as :class:`BatchError` with the batch's structure spelled out, and r
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -36,6 +37,10 @@ _STRUCTURE_ERRORS = (TypeError, KeyError, IndexError, AttributeError, ValueError
 
 class BatchError(ValueError):
     """loss_fn could not read a batch; the message shows the batch's structure."""
+
+
+class LossFnError(ValueError):
+    """loss_fn does what torchturbo does for it (backward); the message says what to return."""
 
 
 class NonFiniteError(RuntimeError):
@@ -63,21 +68,92 @@ def call_loss_fn(loss_fn: Callable[[nn.Module, Any], Any], model: nn.Module, bat
     and an output that is neither a scalar loss tensor nor ``(loss, count)`` refused."""
     try:
         output = loss_fn(model, batch)
+    except RuntimeError as err:
+        if backward_inside(err):
+            raise LossFnError(BACKWARD_INSIDE) from err
+        if type(err) is RuntimeError and _SHAPE_ERROR.search(str(err)):
+            raise BatchError(_cannot_take(err, batch)) from err
+        raise
     except _STRUCTURE_ERRORS as err:
         if isinstance(err, BatchError) or type(err).__module__.startswith("torchturbo"):
             raise
+        from torchturbo.recipe import describe_exception
+
         raise BatchError(
             f"loss_fn failed on a batch of structure {describe_batch(batch)}: "
-            f"{type(err).__name__}: {err}. Check that the dataset/collate output matches what "
-            "loss_fn reads"
+            f"{describe_exception(err).rstrip(':')}. {_structure_fix(err, batch)}"
         ) from err
     if not _is_loss_output(output):
         raise BatchError(
             "loss_fn must return the batch's mean loss as a scalar float tensor, or (loss, count) "
             "with count a number or one-element tensor of the samples or tokens the mean is "
-            f"over; it returned {describe_batch(output)}"
+            f"over; it returned {describe_batch(output)}{_output_fix(output)}"
         )
     return output
+
+
+#: The one fix for a loss_fn that runs backward itself, as a loop's step does.
+BACKWARD_INSIDE = (
+    "loss_fn calls backward() itself: return the loss and leave backward, the optimizer step "
+    "and zero_grad to torchturbo (it calls backward on what loss_fn returns)"
+)
+#: What autograd says when backward runs on a graph a previous backward freed, or inside the
+#: no_grad block of a forward-only measurement.
+_BACKWARD_MESSAGES = (
+    "backward through the graph a second time",
+    "does not require grad and does not have a grad_fn",
+)
+
+
+#: torch's words for a tensor of the wrong shape, size or layout (not out of memory: that is
+#: torch.OutOfMemoryError, or on CPU a RuntimeError about allocating, which the OOM guard reads).
+_SHAPE_ERROR = re.compile(
+    r"^(?!.*allocat).*(shape|size|channels|dimension|[0-9]D \(|to match target)", re.S
+)
+
+
+def _cannot_take(err: RuntimeError, batch: Any) -> str:
+    """The model (or the loss) rejected the batch's shapes: where, what the batch is, the fix."""
+    from torchturbo.recipe import describe_exception, user_code_failure
+
+    failure = user_code_failure(err) or f"loss_fn raised {describe_exception(err)}"
+    return (
+        f"{failure}: the model cannot take a batch of structure {describe_batch(batch)}; make "
+        "the dataset (or the collate function) yield what the model's forward expects, or "
+        "adapt loss_fn to the batch"
+    )
+
+
+def _structure_fix(err: Exception, batch: Any) -> str:
+    """The fix for a batch loss_fn could not read: unpacking it where the model was handed the
+    whole list (``model(batch)``), else matching the dataset to what loss_fn reads."""
+    kind = type(batch).__name__
+    handed_whole = isinstance(batch, (list, tuple)) and re.search(
+        rf"\b(got \({kind}|not {kind}|{kind} of \[)", str(err)
+    )
+    if handed_whole:
+        return (
+            f"A tensor was expected where loss_fn passed the whole batch (a {kind}): unpack it, "
+            "e.g. inputs, targets = batch; return F.cross_entropy(model(inputs), targets)"
+        )
+    return "Check that the dataset/collate output matches what loss_fn reads"
+
+
+def backward_inside(err: BaseException) -> bool:
+    """Whether ``err`` is autograd refusing a backward that loss_fn ran itself."""
+    return isinstance(err, RuntimeError) and any(m in str(err) for m in _BACKWARD_MESSAGES)
+
+
+def _output_fix(output: Any) -> str:
+    """How to turn what loss_fn returned into a loss, where the mistake is a known one."""
+    loss = output[0] if isinstance(output, tuple) and output else output
+    if output is None:
+        return ": return the loss (torchturbo calls backward on it)"
+    if isinstance(loss, (int, float)):
+        return ": return the loss tensor itself, not loss.item() (backward needs its graph)"
+    if isinstance(loss, torch.Tensor) and loss.dim() > 0 and loss.is_floating_point():
+        return ": reduce it to the batch's mean, e.g. return losses.mean() (reduction='mean')"
+    return ""
 
 
 def _is_loss_output(output: Any) -> bool:

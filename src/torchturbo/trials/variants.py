@@ -118,17 +118,18 @@ def compare_configs(
     trials: dict[str, Trial] = {}
     first_step: dict[str, float] = {}
     try:
-        for name, config in configs.items():
-            say(f"building {name}")
+        for number, (name, config) in enumerate(configs.items(), 1):
+            say(f"building {name} ({number}/{len(configs)})")
             batches = batches_for(_without_unplannable(recipe, config))
             trials[name], first_step[name] = start_trial(recipe, config, batches)
-        say("timing (interleaved)")
+        say("warming up")
         timings = measure_interleaved(
             {name: trial.step for name, trial in trials.items()},
             device=trials[baseline].turbo.device,
             warmup=warmup,
             repeats=repeats,
             steps_per_repeat=steps_per_repeat,
+            on_round=lambda done, total: say(f"timing (interleaved), round {done + 1}/{total}"),
         )
         say("counting FLOPs and memory")
         flops = {

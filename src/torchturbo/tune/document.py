@@ -23,6 +23,7 @@ from torchturbo.tune.summary import (
     budget_line,
     confirmation_line,
     headline,
+    incremental_note,
     loader_line,
     system_line,
 )
@@ -89,11 +90,7 @@ def build_blocks(
         _Para(budget_line(results)),
         *_batch_blocks(results),
         _Heading("Incremental table"),
-        _Para(
-            "The baseline, then each adopted technique in the order it was adopted. Each ratio is "
-            "the measurement that adopted it: against the row above, in paired rounds on the same "
-            "batches, with its 99.9% interval."
-        ),
+        _Para(incremental_note(results)),
         _Grid(header_row(INCREMENTAL_HEADERS, results), incremental_rows(results)),
         _Heading("Every candidate"),
         _Para(

@@ -44,6 +44,59 @@ def adopted_rows(results: dict) -> list[dict]:
     return [rows[name] for name in results.get("adopted") or [] if name in rows]
 
 
+def replacements(results: dict) -> dict[str, tuple[str, ...]]:
+    """For each kept adoption that took back what an earlier one set, the earlier ones, by
+    name: length buckets adopted over packing turns ``[data] packing`` off again, fp16+scaler
+    adopted over bf16 sets ``[precision] dtype`` anew. Read from the configs the results hold
+    (each adoption's whole config), so that the tables say what turbo.toml holds."""
+    rows = adopted_rows(results)
+    before = _settings(baseline_candidate(results).get("config"))
+    changed: list[tuple[str, dict[str, Any]]] = []
+    out: dict[str, tuple[str, ...]] = {}
+    for row in rows:
+        after = _settings(row.get("config"))
+        if not after:
+            continue
+        mine = {key: value for key, value in after.items() if before.get(key) != value}
+        undone = tuple(
+            name
+            for name, theirs in changed
+            if any(key in mine and after[key] != value for key, value in theirs.items())
+        )
+        if undone:
+            out[str(row.get("name"))] = undone
+        changed.append((str(row.get("name")), mine))
+        before = after
+    return out
+
+
+def adoption_label(
+    name: str, results: dict, replaced: dict[str, tuple[str, ...]] | None = None
+) -> str:
+    """``length buckets instead of packing`` for an adoption that replaced another, else the
+    name as it is."""
+    undone = (replacements(results) if replaced is None else replaced).get(name)
+    return f"{name} instead of {' and '.join(undone)}" if undone else name
+
+
+def replaced_by(results: dict) -> dict[str, str]:
+    """Each adoption a later one replaced, with the one that replaced it."""
+    return {old: new for new, olds in replacements(results).items() for old in olds}
+
+
+def _settings(config: Any) -> dict[str, Any]:
+    """A config dict as ``section.field`` -> value (sections are the nested dicts)."""
+    if not isinstance(config, dict):
+        return {}
+    flat: dict[str, Any] = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            flat.update({f"{key}.{field}": inner for field, inner in value.items()})
+        else:
+            flat[key] = value
+    return flat
+
+
 def dropped(results: dict) -> set[str]:
     """Adoptions the confirmation dropped (it could not reproduce them)."""
     confirmation = results.get("confirmation")

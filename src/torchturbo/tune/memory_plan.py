@@ -49,6 +49,7 @@ from dataclasses import dataclass
 
 from torchturbo.config import CheckpointConfig, TurboConfig
 from torchturbo.measure.footprint import BlockMemory, MemoryEstimate
+from torchturbo.recipe import Recipe
 from torchturbo.techniques.framework.proposal import Candidate, StageContext, memory_not_needed
 from torchturbo.techniques.optimizer_state import (
     planned_state_bytes,
@@ -391,9 +392,23 @@ class PlannedState:
 def optimizer_states(ctx: StageContext, estimate: MemoryEstimate) -> dict[str, PlannedState]:
     """The optimizer states a plan may use, with the bytes each would take: those the
     recipe's optimizer can be rebuilt with, while the best keeps the optimizer's own."""
-    if ctx.best.optimizer.state != "as_built" or estimate.optimizer_bytes == 0:
+    if ctx.best.optimizer.state != "as_built":
         return {}
-    model, optimizer = ctx.recipe.build()
+    return recipe_optimizer_states(ctx.recipe, estimate)
+
+
+def smallest_optimizer_state(recipe: Recipe, estimate: MemoryEstimate) -> int:
+    """The fewest bytes of optimizer state a plan can give the recipe: what a memory budget
+    must leave beside the weights and gradients (``tune.budget.memory_floor``)."""
+    states = recipe_optimizer_states(recipe, estimate)
+    return min([estimate.optimizer_bytes, *(state.bytes for state in states.values())])
+
+
+def recipe_optimizer_states(recipe: Recipe, estimate: MemoryEstimate) -> dict[str, PlannedState]:
+    """The smaller optimizer states the recipe's optimizer can be rebuilt with, and their bytes."""
+    if estimate.optimizer_bytes == 0:
+        return {}
+    model, optimizer = recipe.build()
     parameters = list(model.parameters())
     planned = {
         state: PlannedState(

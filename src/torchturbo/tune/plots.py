@@ -14,7 +14,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from torchturbo.tune.fields import BASELINE_LABEL, adopted_rows, baseline_candidate, num
+from torchturbo.tune.fields import (
+    BASELINE_LABEL,
+    adopted_rows,
+    adoption_label,
+    baseline_candidate,
+    num,
+    replacements,
+)
+from torchturbo.tune.tables import incremental_figures
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -61,11 +69,13 @@ def _stage_bars(
         labels.append("baseline")
         values.append(baseline / scale)
         colors.append(_BASELINE_COLOR)
+    replaced = replacements(results)
     for row in adopted_rows(results):
         value = num(row.get(key))
         if value is None:
             continue
-        labels.append(_plain(f"+ {row.get('name')} ({row.get('stage')})"))
+        name = adoption_label(str(row.get("name")), results, replaced)
+        labels.append(_plain(f"+ {name} ({row.get('stage')})"))
         values.append(value / scale)
         colors.append(_ADOPTED_COLOR)
     return labels, values, colors
@@ -80,16 +90,40 @@ def _barh(figure: Figure, labels: list[str], values: list[float], colors: list[s
     return axes, bars
 
 
+_REPLACED_COLOR = "#a5d6a7"
+
+
+def throughput_bars(results: dict) -> list[tuple[str, float, str]]:
+    """(label, throughput, colour) per bar of the throughput plot: the incremental table's
+    rows (``tables.incremental_figures``), so that the plot shows the table's figures, all
+    from the confirmation's rounds. A row a later adoption replaced is drawn pale and says by
+    what, since its bar may stand above the one that replaced it (within the noise)."""
+    bars = []
+    for i, row in enumerate(incremental_figures(results)):
+        value = num(row.get("throughput"))
+        if value is None:
+            continue
+        label = "baseline" if i == 0 else str(row["label"])
+        if row.get("stage"):
+            label += f" ({row['stage']})"
+        colour = _BASELINE_COLOR if i == 0 else _ADOPTED_COLOR
+        if row.get("replaced_by"):
+            label += f", replaced by {row['replaced_by']}"
+            colour = _REPLACED_COLOR
+        bars.append((_plain(label), value, colour))
+    return bars
+
+
 def _plot_throughput(results: dict) -> Figure | None:
-    baseline = num(results.get("baseline_throughput"))
-    labels, values, colors = _stage_bars(results, baseline, "throughput", 1.0)
-    if not values or (baseline is not None and len(values) == 1):
+    bars = throughput_bars(results)
+    if len(bars) < 2:
         return None
+    labels, values, colors = (list(column) for column in zip(*bars, strict=True))
+    baseline = values[0]
     figure = _figure(height=1.2 + 0.35 * len(values))
-    axes, bars = _barh(figure, labels, values, colors)
-    if baseline:
-        axes.bar_label(bars, [f"{v / baseline:.2f}x" for v in values], padding=3, fontsize=8)
-        axes.set_xlim(0, max(values) * 1.15)
+    axes, drawn = _barh(figure, labels, values, colors)
+    axes.bar_label(drawn, [f"{v / baseline:.2f}x" for v in values], padding=3, fontsize=8)
+    axes.set_xlim(0, max(values) * 1.15)
     axes.set_xlabel(str(results.get("unit") or "throughput"))
     axes.set_title("Throughput as each adopted technique is added", fontsize=10)
     return figure
@@ -237,12 +271,13 @@ class Plot:
 PLOTS = (
     Plot(
         "throughput",
-        "One bar for the fp32 eager baseline (grey), then one per adopted technique, added in "
-        "the order it was adopted (green), at the throughput measured when it was adopted. "
-        "Labels give the ratio to the baseline's bar; the headline ratio comes from the "
-        "separate confirmation run.",
+        "One bar per row of the incremental table: the fp32 eager baseline (grey), then each "
+        "adopted technique added in the order it was adopted (green), at the throughput the "
+        "confirmation measured, all in the same paired rounds; a pale bar is a config a later "
+        "row replaced. Labels give the ratio to the baseline's bar: the last one is the "
+        "headline's ratio.",
         _plot_throughput,
-        "no adoption",
+        "no adoption confirmed against the baseline",
     ),
     Plot(
         "memory",

@@ -45,6 +45,7 @@ from torchturbo.measure.breakdown import PhaseRecorder
 from torchturbo.measure.footprint import MemoryEstimate
 from torchturbo.measure.machine import summary
 from torchturbo.measure.timing import time_once
+from torchturbo.output.suggest import did_you_mean
 from torchturbo.output.tables import format_bytes
 from torchturbo.recipe import Recipe
 from torchturbo.techniques.compile import compile_cache
@@ -56,11 +57,18 @@ from torchturbo.trials.trial import TrialBatches, start_trial
 from torchturbo.tune import batching
 from torchturbo.tune.batch_probe import apply_plan, find_batch
 from torchturbo.tune.batch_size import BatchPlan
-from torchturbo.tune.budget import Budget
+from torchturbo.tune.budget import (
+    Budget,
+    one_decision_s,
+    refuse_impossible_memory_budget,
+    refuse_short_time_budget,
+)
 from torchturbo.tune.candidate import estimate, reserve, try_candidate
+from torchturbo.tune.compare import steps_per_round
 from torchturbo.tune.confirm import confirm
 from torchturbo.tune.fastest_fit import fastest_alternative, fastest_fit
 from torchturbo.tune.loader_stage import loader_stage
+from torchturbo.tune.memory_plan import smallest_optimizer_state
 from torchturbo.tune.outcome import Confirmation, Outcome, TuneResult
 from torchturbo.tune.previous import Previous, fingerprint, is_reusable
 from torchturbo.tune.stages import LEVERS, MEMORY_STAGES, STAGES
@@ -170,6 +178,15 @@ def _tune(
     memory, memory_error = _estimate(recipe, batches[0], device, options.memory_budget is not None)
     if memory is not None and on_estimate is not None:
         on_estimate(memory)
+    if options.refuse_impossible and options.memory_budget is not None and memory is not None:
+        refuse_impossible_memory_budget(
+            options.memory_budget,
+            weights=memory.weights_bytes,
+            gradients=memory.gradients_bytes,
+            # A smaller optimizer state is one of the planner's plans: the floor is its bytes.
+            optimizer_state=smallest_optimizer_state(recipe, memory),
+            step_bytes=memory.total_bytes,
+        )
     say("baseline", "fp32 eager", budget.left())
     begin = clock()
     trial, first = start_trial(recipe, base_config, batches, clock)
@@ -185,6 +202,8 @@ def _tune(
             steps = [time_once(trial.step, device, clock) for _ in range(PARITY_STEPS - 1)]
         trial.step_seconds = agree(statistics.median(steps))
         baseline.one_time_s = max(0.0, agree(first) - trial.step_seconds)
+        if options.refuse_impossible:
+            _refuse_short_budget(recipe, options, budget, agree(build_s), trial.step_seconds)
         baseline.memory_bytes = agree(trial.memory_footprint()[0])
         say("facts", "GEMM rates per precision, padding, FLOPs", budget.left())
         run = Run(
@@ -235,6 +254,23 @@ def _tune(
     return best.config, result
 
 
+def _refuse_short_budget(
+    recipe: Recipe, options: TuneOptions, budget: Budget, build_s: float, step_s: float
+) -> None:
+    """Stop at once, before more of it is spent, when the time budget cannot decide a
+    single candidate (``tune.budget.one_decision_s``, from the baseline's steps)."""
+    needed = one_decision_s(
+        spent_s=budget.elapsed(),
+        build_s=build_s,
+        step_s=step_s,
+        # The cheapest candidate trains the baseline's batches: one step a side is a round.
+        steps_per_round=steps_per_round(step_s),
+        warm_steps=WARM_STEPS,
+        report_s=REPORT_S,
+    )
+    refuse_short_time_budget(options.time_budget_s, agree(needed), step_s)
+
+
 def _estimate(
     recipe: Recipe, batch: Any, device: torch.device, time_blocks: bool
 ) -> tuple[MemoryEstimate | None, str | None]:
@@ -267,8 +303,10 @@ def select_stages(stages: Mapping[str, Stage], options: TuneOptions) -> dict[str
     for option, chosen in (("--only", options.only), ("--skip", options.skip)):
         unknown = sorted(set(chosen) - set(names))
         if unknown:
+            guess = did_you_mean(unknown[0], names)
             raise ValueError(
-                f"{option} {','.join(unknown)}: no such stage; the stages are {', '.join(names)}"
+                f"{option} {','.join(unknown)}: no such stage{guess}; the stages are "
+                f"{', '.join(names)}"
             )
     keep = [n for n in names if (not options.only or n in options.only) and n not in options.skip]
     return {n: stages.get(n, _measured_apart) for n in keep}

@@ -70,6 +70,11 @@ class TuneOptions:
     #: (``tune.batch_probe``): "keep" keeps the global batch by micro-batching, "max" may grow
     #: it; None: do not.
     find_batch: BatchMode | None = None
+    #: Refuse, with a ``tune.budget.BudgetError``, budgets no run can keep: a memory budget
+    #: under the weights, gradients and optimizer state, a time budget under what one decision
+    #: needs once the baseline's steps are timed. ``torchturbo tune`` sets it; off, a run
+    #: measures what it can (tests of the budget's economy run on budgets that small).
+    refuse_impossible: bool = False
 
     def __post_init__(self) -> None:
         checks = {

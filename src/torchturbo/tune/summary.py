@@ -151,6 +151,39 @@ def _unmeasured(results: dict) -> str:
     )
 
 
+def incremental_note(results: dict) -> str:
+    """What the incremental table's figures are, for the table the results hold: the
+    confirmation's chained rounds, a kept config against the baseline alone, or the baseline
+    by itself."""
+    c = results.get("confirmation")
+    state = c.get("state") if isinstance(c, dict) else None
+    rows = c.get("rows") if isinstance(c, dict) else None
+    search = (
+        "Peak memory, one-time cost and break-even are the search's, from the measurement that "
+        "adopted the row; the ratio that adopted it is in the table of every candidate below."
+    )
+    if not rows:
+        return "Nothing was adopted: the table is the baseline's own measurement."
+    if state in ("confirmed", "consistent"):
+        return (
+            "The baseline, then each adopted technique in the order it was adopted. Throughput, "
+            "ratio and step time come from the confirmation, which timed the baseline and "
+            "every adoption in the same paired rounds on the same batches: a row's ratio is its "
+            "throughput over the row above's, with its 99.9% interval, and the last row over "
+            f"the first is the headline's ratio. {search}"
+        )
+    if state == "fits":
+        return (
+            "The kept plan's own measurement against what it was measured on, in paired rounds "
+            f"on the same batches, with its 99.9% interval: the step fits only with it. {search}"
+        )
+    return (
+        "The baseline and the config that was kept, measured against each other in paired "
+        "rounds when the confirmation re-measured the adoptions alone (the note above says "
+        f"which were dropped), with the 99.9% interval. {search}"
+    )
+
+
 def confirmation_line(results: dict) -> str:
     c = results.get("confirmation")
     if isinstance(c, dict) and c.get("state") == "fits":
@@ -218,7 +251,10 @@ def loader_line(results: dict) -> str:
     chosen = loader.get("chosen")
     settings = ", ".join(f"{k}={v}" for k, v in chosen.items()) if isinstance(chosen, dict) else ""
     reason = str(loader.get("reason") or "").strip().rstrip(".")
-    verdict = f"Verdict: {loader.get('verdict', 'n/a')}" + (f", {reason}" if reason else "")
+    said = str(loader.get("verdict", "n/a"))
+    # The reason may open with the verdict itself ("compute-bound: ..."): said once.
+    reason = reason.removeprefix(said).lstrip(":,; ") if reason.startswith(said) else reason
+    verdict = f"Verdict: {said}" + (f", {reason}" if reason else "")
     return f"{verdict}. Chosen settings: {settings or 'none'}."
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from torchturbo.tune.fields import (
     BASELINE_LABEL,
     adopted_rows,
+    adoption_label,
     baseline_candidate,
     dropped,
     fmt_bytes,
@@ -18,6 +19,9 @@ from torchturbo.tune.fields import (
     fmt_interval,
     fmt_parity,
     fmt_rate,
+    num,
+    replaced_by,
+    replacements,
 )
 
 INCREMENTAL_HEADERS = (
@@ -32,13 +36,17 @@ INCREMENTAL_HEADERS = (
 )
 
 
-def incremental_rows(results: dict) -> list[tuple[str, ...]]:
-    """The baseline, then each adoption the confirmation kept, in the order it was adopted.
+def incremental_figures(results: dict) -> list[dict]:
+    """The incremental table's rows as figures: ``label`` (a replacement says what it
+    replaced), ``stage``, ``throughput``, the comparison with the row above (``ratio``,
+    ``ratio_low``, ``ratio_high``), ``step_ms``, and from the search's measurement of the row's
+    adoption ``memory_bytes``, ``one_time_s``, ``break_even_steps``; ``replaced_by`` names the
+    later adoption that replaced the row's. The table, the throughput plot and the tests read
+    these, so that they show one figure for each config.
 
-    Every figure on a row comes from the confirmation, which timed all these configs in the
-    same rounds: a row's throughput over the row above's is its ratio, and the last row over
-    the first is the confirmed ratio under the table. Peak memory, one-time cost and break-even
-    are the row's adoption's (the search measured them). Without a confirmation (nothing was
+    Every figure but the last three comes from the confirmation, which timed all these configs
+    in the same rounds: a row's throughput over the row above's is its ratio, and the last row
+    over the first is the confirmed ratio under the table. Without a confirmation (nothing was
     adopted) the baseline's own measurement is the only row.
     """
     confirmation = results.get("confirmation")
@@ -46,32 +54,55 @@ def incremental_rows(results: dict) -> list[tuple[str, ...]]:
     base = baseline_candidate(results)
     if not chained:
         return [
-            (
-                f"baseline ({BASELINE_LABEL})",
-                "",
-                fmt_rate(results.get("baseline_throughput")),
-                "",
-                fmt_float(base.get("step_ms"), 1),
-                fmt_bytes(base.get("memory_bytes")),
-                fmt_float(base.get("one_time_s"), 1),
-                "",
-            )
+            {
+                "label": f"baseline ({BASELINE_LABEL})",
+                "stage": "",
+                "throughput": results.get("baseline_throughput"),
+                "step_ms": base.get("step_ms"),
+                "memory_bytes": base.get("memory_bytes"),
+                "one_time_s": base.get("one_time_s"),
+            }
         ]
     adopted = {str(c.get("name")): c for c in adopted_rows(results)}
-    rows: list[tuple[str, ...]] = []
+    replaced, successors = replacements(results), replaced_by(results)
+    figures: list[dict] = []
     for i, row in enumerate(chained):
-        names = str(row.get("name") or "").removeprefix("+ ").split(" + ")
+        name = str(row.get("name") or "")
+        names = name.removeprefix("+ ").split(" + ")
         search = adopted.get(names[-1], base if i == 0 else {})
+        if i and name.startswith("+ "):
+            name = "+ " + " + ".join(adoption_label(n, results, replaced) for n in names)
+        figures.append(
+            {
+                **{k: row.get(k) for k in ("ratio", "ratio_low", "ratio_high") if i},
+                "label": name,
+                "stage": str(row.get("stage") or ""),
+                "throughput": row.get("throughput"),
+                "step_ms": row.get("step_ms"),
+                "memory_bytes": search.get("memory_bytes"),
+                "one_time_s": search.get("one_time_s") if i else None,
+                "break_even_steps": search.get("break_even_steps") if i else None,
+                "replaced_by": next((successors[n] for n in names if n in successors), None),
+            }
+        )
+    return figures
+
+
+def incremental_rows(results: dict) -> list[tuple[str, ...]]:
+    """The baseline, then each adoption the confirmation kept, in the order it was adopted
+    (:func:`incremental_figures`, formatted)."""
+    rows: list[tuple[str, ...]] = []
+    for i, row in enumerate(incremental_figures(results)):
         rows.append(
             (
-                str(row.get("name") or ""),
-                str(row.get("stage") or ""),
-                fmt_rate(row.get("throughput")),
+                row["label"],
+                row["stage"],
+                fmt_rate(row["throughput"]),
                 fmt_interval(row) if i else "",
-                fmt_float(row.get("step_ms"), 1),
-                fmt_bytes(search.get("memory_bytes")),
-                fmt_float(search.get("one_time_s"), 1) if i else "",
-                fmt_int(search.get("break_even_steps")) if i else "",
+                fmt_float(row["step_ms"], 1),
+                fmt_bytes(row["memory_bytes"]),
+                fmt_float(row["one_time_s"], 1) if i or row["one_time_s"] is not None else "",
+                fmt_int(row.get("break_even_steps")) if i else "",
             )
         )
     return rows
@@ -96,7 +127,8 @@ CANDIDATE_HEADERS = (
 
 def candidate_rows(results: dict) -> list[tuple[str, ...]]:
     """Every candidate in the article's stage order, with the one measurement that decided it."""
-    gone = dropped(results)
+    gone, successors = dropped(results), replaced_by(results)
+    unit = str(results.get("unit") or "")
     rows: list[tuple[str, ...]] = []
     for c in results.get("candidates") or []:
         if c.get("stage") == "baseline":
@@ -105,8 +137,10 @@ def candidate_rows(results: dict) -> list[tuple[str, ...]]:
         reason = str(c.get("reason") or "")
         if c.get("name") in gone:
             reason += "; dropped: the confirmation did not reproduce it"
+        if c.get("name") in successors and verdict == "adopted":
+            reason += f"; replaced by {successors[str(c.get('name'))]} (turbo.toml holds that)"
         if c.get("reused"):
-            reason += " (reused from the previous run)"
+            reason += _reused(c, unit)
         rows.append(
             (
                 str(c.get("stage") or ""),
@@ -125,6 +159,19 @@ def candidate_rows(results: dict) -> list[tuple[str, ...]]:
             )
         )
     return rows
+
+
+def _reused(candidate: dict, unit: str) -> str:
+    """Where a reused candidate's figures come from: its ratio and throughput were measured in
+    the previous run, against that run's reference, not this run's baseline."""
+    reference = candidate.get("reference_throughput")
+    if num(reference) is None:
+        return " (reused from the previous run)"
+    against = candidate.get("against") or "its reference"
+    return (
+        f" (reused from the previous run: measured there at {fmt_rate(candidate.get('throughput'))}"
+        f" against {fmt_rate(reference)} {unit} of {against}, not this run's baseline)"
+    )
 
 
 def header_row(template: tuple[str, ...], results: dict) -> tuple[str, ...]:

@@ -13,6 +13,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+from torchturbo.output.suggest import did_you_mean
 from torchturbo.recipe import Recipe
 from torchturbo.workloads.segmentation import segmentation
 from torchturbo.workloads.text import text
@@ -43,9 +44,11 @@ def get_workload(name: str, size: str = "small", **overrides: Any) -> Recipe:
     ``overrides`` on top (e.g. ``batch_size=8``)."""
     factory = WORKLOADS.get(name)
     if factory is None:
-        raise ValueError(f"unknown workload {name!r}; choose one of {sorted(WORKLOADS)}")
+        guess = did_you_mean(name, WORKLOADS)
+        raise ValueError(f"unknown workload {name!r}{guess}; choose one of {sorted(WORKLOADS)}")
     if size not in SIZES:
-        raise ValueError(f"unknown workload size {size!r}; choose one of {sorted(SIZES)}")
+        guess = did_you_mean(size, SIZES)
+        raise ValueError(f"unknown workload size {size!r}{guess}; choose one of {sorted(SIZES)}")
     overrides = {**SIZES[size][name], **overrides}
     accepted = inspect.signature(factory).parameters
     unknown = sorted(set(overrides) - set(accepted))
