@@ -157,7 +157,9 @@ def test_bench_json_dash_keeps_stdout_for_the_json(tmp_path, capsys, monkeypatch
     captured = capsys.readouterr()
     assert json.loads(captured.out)["workload"] == "tiny"  # nothing else on stdout
     assert "torchturbo bench: tiny" in captured.err and not (tmp_path / "-").exists()
-    assert "bench tiny: timing (interleaved), round" in captured.err  # the progress too
+    # The progress too (its first line at once; later ones at least 2 s apart, and this bench
+    # is quicker than that).
+    assert any(line.startswith("bench tiny") for line in captured.err.splitlines())
 
 
 _MEASURED = re.compile(r"~\d+\.\d+x \([^)]*\) against [\w.+-]+")

@@ -87,9 +87,11 @@ def _race(
     qualifies = "fits, but " if fit_memory else "faster than the best, but "
     lead, rival = leader[0].comparison, challenger[0].comparison
     assert lead is not None and rival is not None  # both were measured against the best
-    same_cost = (leader[0].one_time_s or 0.0) == (challenger[0].one_time_s or 0.0)
-    if same_cost and (rival.speed.high < lead.speed.low or rival.speed.low > lead.speed.high):
-        ahead = rival.speed.ratio > lead.speed.ratio
+    apart = rival.speed.high < lead.speed.low or rival.speed.low > lead.speed.high
+    ahead = rival.speed.ratio > lead.speed.ratio
+    # Both were timed against the same best: their jobs compare too (one-time costs included).
+    quicker = (challenger[0].job_s or 0.0) <= (leader[0].job_s or 0.0)
+    if apart and ahead == quicker:
         winner, beaten = (challenger, leader) if ahead else (leader, challenger)
         faster, slower = (rival, lead) if ahead else (lead, rival)
         reason = (
@@ -127,7 +129,7 @@ def _race(
         winner, beaten, race = challenger, leader, measured.reversed
     else:
         winner, beaten, race = leader, challenger, measured.comparison
-    if not same_cost:
+    if challenger_wins != (measured.comparison.speed.ratio > 1):  # the one-time costs decided
         verdict = (
             f"makes the {job.steps:,}-step job faster ({min(job.best_s, job.candidate_s):.0f} s "
             f"against {max(job.best_s, job.candidate_s):.0f} s, one-time costs included)"

@@ -392,7 +392,8 @@ def _search(
     while proposals := _proposals(run, stages, best, tried):
         if not planned:  # before the first measurement, say what the budget leaves out
             planned = True
-            run.budget_note = _budget_note(run, proposals, best)
+            # Estimates read this rank's clock: every rank takes rank 0's note (a collective).
+            run.budget_note = agree(_budget_note(run, proposals, best))
             if run.budget_note:
                 run.say("budget", run.budget_note, run.budget.left())
         over = _over_memory_budget(run, best)
@@ -438,7 +439,7 @@ def _budget_note(run: Run, proposals: list[tuple[str, Candidate]], best: Incumbe
         return ""
     names = ", ".join(f"{c.name} (~{c.expected_gain:.2f}x)" for c in large)
     minutes = math.ceil((run.budget.elapsed() + needed) / 60)
-    return agree(
+    return (
         f"the {_duration(run.options.time_budget_s)} budget may not measure every candidate "
         f"expected to gain {LARGE_GAIN - 1:.0%} or more: {names} need ~{needed:.0f} s, "
         f"{max(left, 0.0):.0f} s are left; --time-budget {minutes}m would measure them all"
