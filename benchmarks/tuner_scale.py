@@ -14,11 +14,12 @@ trained (labels that are not -100, shifted as the causal LM's loss shifts them):
    rows, length buckets, packing for the decoder) x ``torch.compile`` (off, on) x the chunked
    loss (decoder: off, on), each through ``TurboTrainer`` and ``training_arguments`` as
    docs/integrations.md says;
-3. **the tuner**: ``torchturbo tune`` on ``recipe_from_trainer`` of the defaults' Trainer, at its
-   default budget (``--tune-budget``, 5 min), in a fresh process, then the job it wrote
-   (``turbo.toml`` and its compile cache) trained the documented way.
+3. **the tuner** (measured first, so that a run stopped part way has it): ``torchturbo tune`` on
+   ``recipe_from_trainer`` of the defaults' Trainer, at its default budget (``--tune-budget``, 5
+   min), in a fresh process, then the job it wrote (``turbo.toml`` and its compile cache)
+   trained the documented way.
 
-``--trainer lightning`` trains the decoder through Lightning instead: its defaults (a shuffled
+``--setups lightning`` trains the decoder through Lightning instead: its defaults (a shuffled
 DataLoader of 8 rows, fp32), ``recipe_from_lightning(module, datamodule, trainer=...)`` tuned the
 same way, and the tuned job with ``trainer_kwargs`` and ``TurboLightningCallback``.
 
@@ -34,6 +35,7 @@ measured should be what the job runs.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import os
@@ -41,6 +43,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -428,26 +431,18 @@ def tuned_step_ms(results: dict[str, Any]) -> float | None:
     return float(rows[-1]["step_ms"]) if rows and rows[-1].get("step_ms") else None
 
 
-def measure_setup(setup: str, args: argparse.Namespace) -> dict[str, Any]:
+def measure_setup(
+    setup: str, args: argparse.Namespace, save: Callable[[dict[str, Any]], None]
+) -> dict[str, Any]:
+    """The tuner and its job first, then the trainer's ways, then the grid; ``save`` is called
+    with the row after every job, so that a run stopped part way keeps what it measured."""
     native_bf16 = emulated("cpu", "bf16") is None
     peers, left_out = peer_ways(setup, native_bf16)
     if setup == "lightning":
         peers, left_out = ["defaults"], {}
-    jobs: dict[str, dict[str, Any]] = {}
-    for way in peers:
-        jobs[way] = run_job(setup, way, args.steps, args.out, None)
-        print(f"{setup} {way}: {jobs[way]}", flush=True)
-    grid = {} if args.skip_grid or setup == "lightning" else grid_configs(setup, native_bf16)
-    for name, config in grid.items():
-        path = args.out / f"{setup}-grid-{name}.toml"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        config.save(path)
-        jobs[f"grid {name}"] = run_job(setup, f"grid-{name}", args.steps, args.out, path)
-        print(f"{setup} grid {name}: {jobs[f'grid {name}']}", flush=True)
     toml, results = tune_setup(setup, args.steps, args.tune_budget, args.out)
-    jobs["torchturbo"] = run_job(setup, "torchturbo", args.steps, args.out, toml)
-    print(f"{setup} torchturbo ({', '.join(results['adopted'])}): {jobs['torchturbo']}")
-    return {
+    jobs: dict[str, dict[str, Any]] = {}
+    row: dict[str, Any] = {
         "jobs": jobs,
         "left_out": left_out,
         "tuned": results["adopted"],
@@ -462,6 +457,22 @@ def measure_setup(setup: str, args: argparse.Namespace) -> dict[str, Any]:
             for c in results["candidates"]
         ],
     }
+    jobs["torchturbo"] = run_job(setup, "torchturbo", args.steps, args.out, toml)
+    print(f"{setup} torchturbo ({', '.join(results['adopted'])}): {jobs['torchturbo']}")
+    save(row)
+    for way in peers:
+        jobs[way] = run_job(setup, way, args.steps, args.out, None)
+        print(f"{setup} {way}: {jobs[way]}", flush=True)
+        save(row)
+    grid = {} if args.skip_grid or setup == "lightning" else grid_configs(setup, native_bf16)
+    for name, config in grid.items():
+        path = args.out / f"{setup}-grid-{name}.toml"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        config.save(path)
+        jobs[f"grid {name}"] = run_job(setup, f"grid-{name}", args.steps, args.out, path)
+        print(f"{setup} grid {name}: {jobs[f'grid {name}']}", flush=True)
+        save(row)
+    return row
 
 
 def report(setup: str, row: dict[str, Any]) -> dict[str, Any]:
@@ -528,13 +539,17 @@ def main() -> None:
         "load_average_before": os.getloadavg(),
         "setups": {},
     }
-    for setup in args.setups:
-        row = measure_setup(setup, args)
-        row["ratios"] = report(setup, row)
+
+    def save(setup: str, row: dict[str, Any]) -> None:
         payload["setups"][setup] = row
-    payload["load_average_after"] = os.getloadavg()
-    if args.json:
-        write_results(args.json, payload)
+        payload["load_average_after"] = os.getloadavg()
+        if args.json:
+            write_results(args.json, payload)
+
+    for setup in args.setups:
+        row = measure_setup(setup, args, functools.partial(save, setup))
+        row["ratios"] = report(setup, row)
+        save(setup, row)
 
 
 if __name__ == "__main__":
