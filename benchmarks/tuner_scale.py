@@ -371,10 +371,9 @@ def run_job(setup: str, way: str, steps: int, out: Path, config: Path | None) ->
     return json.loads(line.removeprefix("JOB ")) | {"process_s": time.perf_counter() - begin}
 
 
-def grid_configs(setup: str, native_bf16: bool) -> dict[str, TurboConfig]:
+def grid_configs(setup: str, precisions: list[str]) -> dict[str, TurboConfig]:
     """Every precision x batching x compile x chunked-loss combination of the setup."""
     base = TurboConfig(device="cpu")
-    precisions = ["fp32", "bf16"] if native_bf16 else ["fp32"]
     batchings = {"rows": {}, "buckets": {"data__bucketing": True}}
     if setup == "decoder":
         batchings["packing"] = {"data__packing": True}
@@ -464,7 +463,9 @@ def measure_setup(
         jobs[way] = run_job(setup, way, args.steps, args.out, None)
         print(f"{setup} {way}: {jobs[way]}", flush=True)
         save(row)
-    grid = {} if args.skip_grid or setup == "lightning" else grid_configs(setup, native_bf16)
+    precisions = [p for p in args.precisions if native_bf16 or p == "fp32"]
+    skip = args.skip_grid or setup == "lightning"
+    grid = {} if skip else grid_configs(setup, precisions)
     for name, config in grid.items():
         path = args.out / f"{setup}-grid-{name}.toml"
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -519,6 +520,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100, help="the Trainer's max_steps (100)")
     parser.add_argument("--tune-budget", default="5m", help="tune's --time-budget (its default)")
     parser.add_argument("--skip-grid", action="store_true", help="only the peers and the tuner")
+    parser.add_argument(
+        "--precisions",
+        nargs="+",
+        choices=("fp32", "bf16"),
+        default=["fp32", "bf16"],
+        help="the grid's precisions (both; bf16 only where this CPU runs it natively)",
+    )
     parser.add_argument("--out", type=Path, default=Path("tuner-scale-out"))
     parser.add_argument("--json", type=Path)
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -536,6 +544,7 @@ def main() -> None:
         "torch": torch.__version__,
         "steps": args.steps,
         "tune_budget": args.tune_budget,
+        "grid_precisions": args.precisions,
         "load_average_before": os.getloadavg(),
         "setups": {},
     }
