@@ -37,7 +37,7 @@ from torchturbo.integrations.lightning import (  # noqa: E402
 from torchturbo.integrations.transformers import TurboTrainer, recipe_from_trainer  # noqa: E402
 from torchturbo.recipe import Recipe  # noqa: E402
 from torchturbo.techniques import registry  # noqa: E402
-from torchturbo.trials.trial import planned_batches, recipe_source  # noqa: E402
+from torchturbo.trials.trial import TrialBatches, planned_batches, recipe_source  # noqa: E402
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::lightning.fabric.utilities.warnings.PossibleUserWarning"),
@@ -242,6 +242,27 @@ def test_a_dynamic_plan_keeps_the_users_batches_per_epoch_and_tokens_per_step(na
     )
     assert len(smaller.global_batches()) > users
     assert "real tokens" in plan.budget_note
+
+
+@pytest.mark.parametrize("name", ["buckets", "packing"])
+def test_a_jobs_tokens_per_step_are_the_epochs_whatever_its_plan(name: str) -> None:
+    """What the tune headline says a job trains: the epoch's tokens over the plan's batches per
+    epoch, not the mean of a trial's few batches. The user's rows give the dataset's tokens over
+    its batches of 4, a matched plan as much (it draws at most the user's batches per epoch,
+    whole samples each), a budget of four times as many tokens more; a recipe counting samples has
+    none."""
+    recipe = dataclasses.replace(plain_recipe(), count_unit="tokens")
+    lengths = list(recipe.lengths or ())
+    batches = TrialBatches(recipe, 2)
+    rows = batches.tokens_per_step(CPU)
+    assert rows == sum(lengths) / math.ceil(len(lengths) / BATCH_SIZE)
+    drawn = batches(CPU)
+    planned = batches.tokens_per_step(CONFIGS[name])
+    assert rows <= planned <= rows * 12 / 10
+    assert batches.tokens_per_step(CONFIGS[name].replace(data__max_tokens=160)) > 1.5 * rows
+    assert batches(CPU) is drawn  # the plans were drawn once
+    samples = TrialBatches(plain_recipe(), 2)
+    assert samples.tokens_per_step(CPU) is None
 
 
 def test_the_padded_token_rule_would_have_trained_fewer_tokens_per_step() -> None:

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset
 
 from torchturbo.config import TurboConfig
-from torchturbo.data.batch_plan import BatchSource
+from torchturbo.data.batch_plan import BatchPlan, BatchSource, user_batches
 from torchturbo.data.collate import pad_collate
 from torchturbo.data.length import length_or_none
 from torchturbo.distributed.comm import CommStats
@@ -243,14 +243,36 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor_bytes(tensor)
 
 
-def planned_batches(recipe: Recipe, config: TurboConfig, count: int) -> list[Any]:
+def planned_batches(
+    recipe: Recipe, config: TurboConfig, count: int, plan: BatchPlan | None = None
+) -> list[Any]:
     """The first ``count`` batches ``config`` trains the recipe on: its batch plan's
     (``registry.batch_plan``, as the engine, ``TurboTrainer`` and the Lightning callback build
-    it for this config and seed), or :func:`fixed_batches` when no technique plans them."""
-    plan = registry.batch_plan(config, recipe_source(recipe))
+    it for this config and seed; ``plan`` when already built), or :func:`fixed_batches` when no
+    technique plans them."""
+    plan = plan or registry.batch_plan(config, recipe_source(recipe))
     if not plan.dynamic:
         return fixed_batches(recipe, count, pad_to_multiple=config.data.pad_to_multiple)
     return plan.first_batches(recipe.dataset, count)
+
+
+def epoch_tokens_per_step(recipe: Recipe, plan: BatchPlan) -> float | None:
+    """The tokens a step holds on average over an epoch of ``plan`` (summed over the ranks, as
+    ``Trial.mean_count``): the recipe's lengths over the plan's batches per epoch (the user's
+    rows: one per ``batch_size`` samples, the last one short). None where the recipe counts
+    samples, has no lengths, or the plan cannot list an epoch. A trial's few batches are a small
+    sample of long-tailed lengths (a 45M decoder's fp32 trial held 68,062 tokens per 100 steps,
+    its job 78,711): what a job trains is the epoch's."""
+    lengths = recipe.lengths
+    if recipe.count_unit != "tokens" or lengths is None or not recipe.batch_size:
+        return None
+    if not plan.dynamic:
+        batches = user_batches(len(lengths), recipe.batch_size)
+    elif callable(listed := getattr(plan.sampler, "global_batches", None)):
+        batches = len(listed())
+    else:
+        return None
+    return sum(int(n) for n in lengths) / batches * current_env().world_size if batches else None
 
 
 class TrialBatches:
@@ -262,12 +284,20 @@ class TrialBatches:
         self.recipe = recipe
         self.count = count
         self._drawn: dict[Hashable, list[Any]] = {}
+        self._plans: dict[Hashable, BatchPlan] = {}
 
     def __call__(self, config: TurboConfig) -> list[Any]:
         key = registry.batch_key(config)
         if key not in self._drawn:
-            self._drawn[key] = planned_batches(self.recipe, config, self.count)
+            plan = self._plans[key] = registry.batch_plan(config, recipe_source(self.recipe))
+            self._drawn[key] = planned_batches(self.recipe, config, self.count, plan)
         return self._drawn[key]
+
+    def tokens_per_step(self, config: TurboConfig) -> float | None:
+        """``config``'s job's tokens per step over an epoch (:func:`epoch_tokens_per_step`), from
+        the plan its trial's batches were drawn from."""
+        self(config)
+        return epoch_tokens_per_step(self.recipe, self._plans[registry.batch_key(config)])
 
     def shorten(self, count: int) -> None:
         """Keep ``count`` batches per plan from now on: the lists already drawn are cut in

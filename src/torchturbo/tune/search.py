@@ -586,9 +586,16 @@ def _result(
         system=summary(),
         fingerprint=current,
         budget_note=run.budget_note,
-        baseline_count_per_step=baseline.trial.mean_count(),
-        best_count_per_step=best.trial.mean_count(),
+        baseline_count_per_step=_job_count_per_step(run, baseline),
+        best_count_per_step=_job_count_per_step(run, best),
     )
+
+
+def _job_count_per_step(run: Run, incumbent: Incumbent) -> float:
+    """What a step of ``incumbent``'s job trains on average: the epoch's tokens over its plan's
+    batches where the recipe counts tokens and has lengths, else its trial's mean count."""
+    count = run.batches.tokens_per_step(incumbent.config)
+    return incumbent.trial.mean_count() if count is None else count
 
 
 def _breakdowns(run: Run, baseline: Incumbent, best: Incumbent) -> dict[str, dict[str, float]]:

@@ -80,7 +80,8 @@ def _job(results: dict) -> str:
 
 def _trained(results: dict, job: dict) -> str:
     """' (each ~66,751 tokens)': what the job trains each way, the same data by the batch
-    plan's rule (within a few percent: an epoch's batches are whole samples)."""
+    plan's rule (an epoch's tokens over its plan's batches where the recipe has lengths:
+    ``trials.trial.epoch_tokens_per_step``); two figures when they differ by 0.5% or more."""
     unit = str(results.get("unit") or "").removesuffix("/s")
     baseline, best = num(job.get("baseline_count")), num(job.get("best_count"))
     if baseline is None or not unit:
