@@ -25,6 +25,7 @@ from torchturbo.tune.decide import (
     rounds_to_decide,
     t_quantile,
 )
+from torchturbo.tune.fields import fmt_interval
 from torchturbo.tune.state import MAX_ROUNDS
 
 OK_PARITY = Parity(2.3, 2.31, 0.004, True, True)
@@ -167,6 +168,30 @@ def test_an_undecided_ratio_is_undecided_not_rejected():
     assert not slower.adopt and slower.decided and "is slower (at most" in slower.reason
     flat = _judge(speed=estimate([1.0, 1.01, 0.99, 1.0, 1.0]))
     assert flat.decided and "gains less than 5% (at most 1.0" in flat.reason
+
+
+def test_not_faster_shows_the_bound_that_decided_it_not_the_adoption_interval():
+    """Three noisy rounds can bound the gain below 5% at 95% while the 99.9% interval, the one an
+    adoption must clear, still reaches past 1.25x: the reason and the table quote the bound
+    that decided, never an interval that would allow a gain worth having."""
+    speed = estimate([0.90, 0.98, 0.94])
+    assert speed.decision == "not faster" and speed.plausible_high < 1.05 < 1.25 < speed.high
+    verdict = _judge(speed=speed)
+    assert verdict.reason == (
+        f"not faster: 0.94x in 3 rounds: gains less than 5% "
+        f"(at most {speed.plausible_high:.2f}x at 95% confidence)"
+        if speed.plausible_high >= 1
+        else f"not faster: 0.94x in 3 rounds: is slower (at most {speed.plausible_high:.2f}x "
+        "at 95% confidence)"
+    )
+    row = {"ratio": speed.ratio, "ratio_low": speed.low, "ratio_high": speed.high}
+    row |= {"ratio_plausible_high": speed.plausible_high, "rounds": 3}
+    assert fmt_interval(row | {"decision": "not faster"}) == (
+        f"0.94x (<= {speed.plausible_high:.2f} at 95%)"
+    )
+    assert fmt_interval(row | {"decision": "undecided"}) == (
+        f"0.94x ({speed.low:.2f}-{speed.high:.2f})"
+    )
 
 
 def test_an_interval_of_two_rounds_or_of_no_width_worth_quoting_is_not_shown():

@@ -174,7 +174,8 @@ def test_bench_json_dash_keeps_stdout_for_the_json(tmp_path, capsys, monkeypatch
     assert any(line.startswith("bench tiny") for line in captured.err.splitlines())
 
 
-_MEASURED = re.compile(r"~\d+\.\d+x \([^)]*\) against [\w.+-]+")
+#: A doctor's measured figure: its interval, or why none is quoted (``decide.describe``).
+_MEASURED = re.compile(r"~\d+\.\d+x (?:\([^)]*\)|after \d+ rounds?, [^;]*?) against [\w.+-]+")
 
 
 @pytest.mark.slow

@@ -288,7 +288,7 @@ def judge(
     if speed.decision == "undecided":
         return Verdict(False, f"undecided: {describe(speed)}", decided=False)
     if speed.decision != "faster":
-        return Verdict(False, f"not faster: {describe(speed)} {_why_not(speed)}")
+        return Verdict(False, f"not faster: {describe_futile(speed)}")
     if not job.faster:
         return Verdict(
             False,
@@ -309,9 +309,14 @@ def _steps(break_even: float) -> str:
     return "never" if break_even == math.inf else f"{break_even:,.0f} steps"
 
 
-def _why_not(speed: RatioEstimate) -> str:
-    """What a "not faster" decision excluded: a gain at all, or one worth having."""
+def describe_futile(speed: RatioEstimate) -> str:
+    """``0.94x in 3 rounds: gains less than 5% (at most 1.01x at 95% confidence)``: a "not
+    faster" decision with the bound that decided it, not the 99.9% interval an adoption must
+    clear (which may still reach past 1.25x when the 95% bound is below 1.05x)."""
+    rounds = f"{speed.rounds} round{'s' if speed.rounds != 1 else ''}"
     bound = f"at most {speed.plausible_high:.2f}x at {FUTILITY_CONFIDENCE:.0%} confidence"
+    if speed.plausible_high >= 1 + WORTH_MEASURING:  # stopped as hopeless: every round far slower
+        return f"{speed.ratio:.2f}x in {rounds}, each round far slower"
     if speed.plausible_high < 1:
-        return f"is slower ({bound})"
-    return f"gains less than {WORTH_MEASURING:.0%} ({bound})"
+        return f"{speed.ratio:.2f}x in {rounds}: is slower ({bound})"
+    return f"{speed.ratio:.2f}x in {rounds}: gains less than {WORTH_MEASURING:.0%} ({bound})"

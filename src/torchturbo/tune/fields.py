@@ -12,7 +12,7 @@ import math
 from typing import Any
 
 from torchturbo.output.tables import format_bytes
-from torchturbo.tune.decide import MIN_ROUNDS, WIDEST_SHOWN
+from torchturbo.tune.decide import FUTILITY_CONFIDENCE, MIN_ROUNDS, WIDEST_SHOWN, WORTH_MEASURING
 
 BASELINE_LABEL = "fp32 eager"
 
@@ -120,10 +120,15 @@ def fmt_x(value: Any) -> str:
 
 def fmt_interval(row: dict) -> str:
     """``1.31x (1.12-1.52)``: a measured ratio with its decision interval, or n/a; an interval
-    of too few rounds, or too wide to bound anything, is left out (``decide.describe``)."""
+    of too few rounds, or too wide to bound anything, is left out (``decide.describe``). A "not
+    faster" decision shows the bound that decided it, ``0.94x (<= 1.01 at 95%)``: the 99.9%
+    interval is the one an adoption must clear, and says nothing of that decision."""
     ratio, low, high = num(row.get("ratio")), num(row.get("ratio_low")), num(row.get("ratio_high"))
     if ratio is None:
         return "n/a"
+    bound = num(row.get("ratio_plausible_high"))
+    if row.get("decision") == "not faster" and bound is not None and bound < 1 + WORTH_MEASURING:
+        return f"{ratio:.2f}x (<= {bound:.2f} at {FUTILITY_CONFIDENCE:.0%})"
     rounds = num(row.get("rounds"))
     if low is None or high is None:
         return f"{ratio:.2f}x"
