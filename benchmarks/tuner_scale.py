@@ -407,10 +407,22 @@ def peer_ways(setup: str, native_bf16: bool) -> tuple[list[str], dict[str, str]]
     return ways, left_out
 
 
+def job_config(out: Path, setup: str, way: str) -> Path | None:
+    """The turbo.toml the job of ``way`` (``torchturbo``, ``grid NAME`` or a trainer's own way)
+    trains with, where this script writes it; None for a trainer's own settings."""
+    if way == "torchturbo":
+        return out / f"{setup}-tune" / "turbo.toml"
+    if way.startswith("grid "):
+        return out / f"{setup}-grid-{way.removeprefix('grid ')}.toml"
+    return None
+
+
 def tune_setup(setup: str, steps: int, budget: str, out: Path) -> tuple[Path, dict[str, Any]]:
     """``torchturbo tune`` in a fresh process, as a user runs it, on the recipe of the setup's
     default Trainer (``max_steps`` is the job's length)."""
-    folder = out / f"{setup}-tune"
+    toml = job_config(out, setup, "torchturbo")
+    assert toml is not None
+    folder = toml.parent
     target = f"{__file__}:{setup}_recipe"
     command = [sys.executable, "-m", "torchturbo", "tune", target, "--device", "cpu"]
     command += ["--time-budget", budget, "--out", str(folder)]
@@ -421,7 +433,7 @@ def tune_setup(setup: str, steps: int, budget: str, out: Path) -> tuple[Path, di
     if done.returncode:
         raise RuntimeError(f"tune failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
     results = json.loads((folder / "results.json").read_text())
-    return folder / "turbo.toml", results | {"tune_process_s": elapsed, "tune_stdout": done.stdout}
+    return toml, results | {"tune_process_s": elapsed, "tune_stdout": done.stdout}
 
 
 def tuned_step_ms(results: dict[str, Any]) -> float | None:
@@ -472,7 +484,8 @@ def measure_setup(
     skip = args.skip_grid or setup == "lightning"
     grid = {} if skip else grid_configs(setup, precisions)
     for name, config in grid.items():
-        path = args.out / f"{setup}-grid-{name}.toml"
+        path = job_config(args.out, setup, f"grid {name}")
+        assert path is not None
         path.parent.mkdir(parents=True, exist_ok=True)
         config.save(path)
         jobs[f"grid {name}"] = run_job(setup, f"grid-{name}", args.steps, args.out, path)
@@ -499,15 +512,9 @@ def repeat_leaders(setup: str, row: dict[str, Any], args: argparse.Namespace) ->
     runs: dict[str, list[dict[str, Any]]] = {w: [row["jobs"][w]] for w in ways}
     for _ in range(args.repeats):
         for way in ways:
-            name = way.removeprefix("grid ")
-            config = None
-            if way == "torchturbo":
-                config = args.out / f"{setup}-tune" / "turbo.toml"
-            elif way.startswith("grid "):
-                config = args.out / f"{setup}-grid-{name}.toml"
-            child_way = f"grid-{name}" if way.startswith("grid ") else way
+            child_way = way.replace("grid ", "grid-", 1)
             shutil.rmtree(args.out / f"{setup}-{child_way}", ignore_errors=True)
-            job = run_job(setup, child_way, args.steps, args.out, config)
+            job = run_job(setup, child_way, args.steps, args.out, job_config(args.out, setup, way))
             print(f"{setup} {way} again: {job}", flush=True)
             runs[way].append(job)
     row["runs"] = runs

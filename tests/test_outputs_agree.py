@@ -16,7 +16,7 @@ import pytest
 from torchturbo.cli import main
 from torchturbo.config import TurboConfig
 from torchturbo.output.results_file import write_atomic, write_results
-from torchturbo.tune.fields import adoption_label, replaced_by, replacements
+from torchturbo.tune.fields import adoption_label, flat_settings, replaced_by, replacements
 from torchturbo.tune.plots import throughput_bars
 from torchturbo.tune.summary import headline, incremental_note, loader_line
 from torchturbo.tune.tables import candidate_rows, incremental_figures, incremental_rows
@@ -25,15 +25,9 @@ TINY = f"{Path(__file__).parent / 'recipes' / 'tiny.py'}:recipe"
 
 
 def _settings(config: dict) -> dict:
-    """(section, field) -> value of a config's dict, the compile cache's folder left out (the
+    """A config dict flattened as the report reads it, less the compile cache's folder (the
     written one is relative to turbo.toml)."""
-    return {
-        (section, name): value
-        for section, fields in config.items()
-        if isinstance(fields, dict)
-        for name, value in fields.items()
-        if (section, name) != ("compile", "cache_dir")
-    }
+    return {k: v for k, v in flat_settings(config).items() if k != "compile.cache_dir"}
 
 
 def _row(name: str, stage: str, config: TurboConfig, throughput: float) -> dict:

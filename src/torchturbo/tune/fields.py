@@ -50,11 +50,11 @@ def replacements(results: dict) -> dict[str, tuple[str, ...]]:
     adopted over bf16 sets ``[precision] dtype`` anew. Read from the configs the results hold
     (each adoption's whole config), so that the tables say what turbo.toml holds."""
     rows = adopted_rows(results)
-    before = _settings(baseline_candidate(results).get("config"))
+    before = flat_settings(baseline_candidate(results).get("config"))
     changed: list[tuple[str, dict[str, Any]]] = []
     out: dict[str, tuple[str, ...]] = {}
     for row in rows:
-        after = _settings(row.get("config"))
+        after = flat_settings(row.get("config"))
         if not after:
             continue
         mine = {key: value for key, value in after.items() if before.get(key) != value}
@@ -84,7 +84,7 @@ def replaced_by(results: dict) -> dict[str, str]:
     return {old: new for new, olds in replacements(results).items() for old in olds}
 
 
-def _settings(config: Any) -> dict[str, Any]:
+def flat_settings(config: Any) -> dict[str, Any]:
     """A config dict as ``section.field`` -> value (sections are the nested dicts)."""
     if not isinstance(config, dict):
         return {}
