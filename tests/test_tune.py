@@ -491,6 +491,45 @@ def test_an_adoption_the_confirmation_contradicts_is_dropped_and_the_baseline_ke
     )
 
 
+def test_a_confirmation_that_holds_when_measured_again_drops_nothing_and_says_so(monkeypatch):
+    """The chained confirmation undecided, the adoption re-measured alone faster: every output
+    says it held, none names a drop (a tune once printed 'after dropping ' and 'compile:default
+    held and  were dropped')."""
+    from torchturbo.tune import confirm as confirm_module
+    from torchturbo.tune.summary import confirmation_line, headline, incremental_note
+
+    clock = _stepping_clock(
+        monkeypatch, lambda trial: 0.01 if trial.config.clipping.max_norm == 123.0 else 0.04
+    )
+    monkeypatch.setattr(candidate_module, "judge", lambda **_: Verdict(adopt=True, reason="forced"))
+    real_chain = confirm_module.compare_chain
+
+    def undecided_chain(*args, **kwargs):
+        chained = real_chain(*args, **kwargs)
+        speed = dataclasses.replace(
+            chained.overall.comparison.speed, decision="undecided", plausible_high=0.5
+        )
+        comparison = dataclasses.replace(chained.overall.comparison, speed=speed)
+        overall = dataclasses.replace(chained.overall, comparison=comparison)
+        return dataclasses.replace(chained, overall=overall)
+
+    monkeypatch.setattr(confirm_module, "compare_chain", undecided_chain)
+    stages = {
+        "good": lambda ctx: [Candidate("quick", ctx.best.replace(clipping__max_norm=123.0), 2.0)]
+    }
+    config, result = tune(
+        tiny_recipe(), dataclasses.replace(QUICK, max_rounds=10), stages=stages, clock=clock
+    )
+    confirmation = result.confirmation
+    assert confirmation.state == "dropped" and confirmation.dropped == ()
+    assert config.clipping.max_norm == 123.0  # it held: the written config keeps it
+    assert confirmation.note.endswith("re-measured alone, quick held, nothing was dropped")
+    results = result.to_dict()
+    assert "Confirmed 4.00x" in headline(results) and headline(results).endswith(", measured again")
+    for line in (headline(results), confirmation_line(results), incremental_note(results)):
+        assert "dropping" not in line and "were dropped" not in line, line
+
+
 def test_a_config_against_itself_is_not_called_faster():
     """A/A on real trials: two identical configs, paired rounds, many times over."""
     recipe = tiny_recipe()

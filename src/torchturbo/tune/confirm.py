@@ -229,9 +229,8 @@ def _drop(run: Run, baseline: Incumbent, failed: Measured) -> tuple[Confirmation
             other.trial.close()
     held = [s.name for s, _ in survivors if s.name in kept.name.split(" + ")]
     dropped = tuple(n for n in names if n not in held)
-    note = (
-        f"{lead}; re-measured alone, {', '.join(held)} held and {', '.join(dropped)} were dropped"
-    )
+    gone = f" and {', '.join(dropped)} were dropped" if dropped else ", nothing was dropped"
+    note = f"{lead}; re-measured alone, {', '.join(held)} held{gone}"
     return Confirmation(
         state="dropped",
         comparison=measured.comparison,

@@ -34,8 +34,9 @@ def headline(results: dict) -> str:
         )
     elif state in ("confirmed", "dropped"):
         line = f"Confirmed {fmt_interval(confirmation)} over {BASELINE_LABEL}, {unit}"
-        if state == "dropped":
-            line += f", after dropping {', '.join(confirmation.get('dropped') or [])}"
+        dropped = confirmation.get("dropped") or []
+        if state == "dropped":  # re-measured alone: every adoption may have held
+            line += f", after dropping {', '.join(dropped)}" if dropped else ", measured again"
     elif state == "reverted":
         line = f"Nothing confirmed: keep {BASELINE_LABEL} ({confirmation.get('note') or ''})"
     elif state == "fits":
@@ -181,7 +182,7 @@ def incremental_note(results: dict) -> str:
     return (
         "The baseline and the config that was kept, measured against each other in paired "
         "rounds when the confirmation re-measured the adoptions alone (the note above says "
-        f"which were dropped), with the 99.9% interval. {search}"
+        f"which held), with the 99.9% interval. {search}"
     )
 
 
