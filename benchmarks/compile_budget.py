@@ -44,8 +44,9 @@ def _llama(layers: int, hidden: int, vocab: int) -> nn.Module:
     return LlamaForCausalLM(config)
 
 
-def _loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    return model(**batch).loss
+def _loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = (batch["labels"][:, 1:] != -100).sum()  # what the mean is over
+    return model(**batch).loss, tokens
 
 
 def recipe(args: argparse.Namespace) -> Recipe:

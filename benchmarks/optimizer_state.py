@@ -89,8 +89,9 @@ class Variant:
         self.losses.append(loss.item())
 
 
-def _loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    return model(**batch, use_cache=False).loss
+def _loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = (batch["labels"][:, 1:] != -100).sum()  # what the mean is over
+    return model(**batch, use_cache=False).loss, tokens
 
 
 def recipe(args: argparse.Namespace) -> Any:

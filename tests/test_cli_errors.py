@@ -432,6 +432,11 @@ CASES: dict[str, Callable[[Path], tuple[list, str]]] = {
         train(broken("loss_item")),
         "return the loss tensor itself, not loss.item()",
     ),
+    "tokens counted, a bare loss returned": lambda t: (
+        train(broken("tokens_counted_without_a_count")),
+        "count_unit='tokens', but loss_fn returned the loss alone, so each step would count its "
+        "samples as tokens: return (loss, the number of tokens the mean is over)",
+    ),
     "the model given the whole batch": lambda t: (
         train(broken("model_given_the_whole_batch")),
         "loss_fn passed the whole batch (a list): unpack it, e.g. inputs, targets = batch",

@@ -117,6 +117,8 @@ class Recipe:
         problem = _shape_problem(self)
         if problem is not None:
             raise RecipeError(f"Recipe {self.name!r}: {problem}")
+        if self.count_unit == "tokens" and not hasattr(self.loss_fn, "counts_tokens"):
+            object.__setattr__(self, "loss_fn", _counting_tokens(self.name, self.loss_fn))
 
     def collate_fn(self) -> Callable[[list[Any]], Any]:
         """The recipe's collate, else the padding collate (``torchturbo.data.collate``), which
@@ -230,6 +232,27 @@ def _shape_problem(recipe: Recipe) -> str | None:
             fix = f"model=lambda: {getattr(function, '__name__', 'MyModel')}({given})"
         return f"{attr} {name} cannot be called {called}: pass {fix}"
     return None
+
+
+def _counting_tokens(name: str, loss_fn: LossFn) -> LossFn:
+    """``loss_fn``, refusing a bare loss: with no count, a step counts its batch's leading size,
+    its samples, which a recipe that counts tokens would report as tokens (a 4 x 128-token
+    batch read as 4 tokens)."""
+
+    @functools.wraps(loss_fn)
+    def counted(model: nn.Module, batch: Any) -> Any:
+        output = loss_fn(model, batch)
+        if isinstance(output, torch.Tensor):
+            raise RecipeError(
+                f"Recipe {name!r}: count_unit='tokens', but loss_fn returned the loss alone, so "
+                "each step would count its samples as tokens: return (loss, the number of tokens "
+                "the mean is over), e.g. return loss, (batch['labels'] != -100).sum(), or leave "
+                "count_unit='samples'"
+            )
+        return output
+
+    counted.counts_tokens = True  # type: ignore[attr-defined]
+    return counted
 
 
 def _a(name: str) -> str:

@@ -197,5 +197,9 @@ def loss_item():
     )
 
 
+def tokens_counted_without_a_count():
+    return _recipe(count_unit="tokens")
+
+
 def model_given_the_whole_batch():
     return _recipe(loss_fn=lambda model, batch: nn.functional.cross_entropy(model(batch), batch[1]))
