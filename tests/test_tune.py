@@ -272,6 +272,27 @@ def test_a_candidate_that_does_not_fit_the_budget_is_not_measured_and_says_what_
     assert "not measured for lack of time: clip 10" in line and "min would measure" in line
 
 
+def test_a_compile_left_out_because_it_cannot_pay_back_is_not_called_a_lack_of_time():
+    """A tune for a 60-step job once read 'not measured for lack of time: compile:default (a
+    budget of about 11 min would measure them)' for a compile its row said could not pay back:
+    no budget measures that one; the headline says why it was left out."""
+    from torchturbo.tune.summary import headline
+
+    _, result = tune(tiny_recipe(), QUICK, stages=CLIPPING)
+    results = result.to_dict()
+    rows = [r for r in results["candidates"] if r["stage"] != "baseline"]
+    futile = "cannot pay back on this job: even 1.5x faster steps would save ~6 s of the ..."
+    rows[0].update(verdict="not measured", reason=futile, estimate_s=600.0)
+    assert headline(results).endswith(
+        f"; not measured, as it cannot pay back on this job: {rows[0]['name']}"
+    )
+    assert "lack of time" not in headline(results)
+    rows[1].update(verdict="not measured", reason="budget: needs ~30 s, 4 s left", estimate_s=30)
+    line = headline(results)
+    assert f"not measured for lack of time: {rows[1]['name']} (a budget of about" in line
+    assert line.endswith(f"; not measured, as it cannot pay back on this job: {rows[0]['name']}")
+
+
 def test_the_budget_the_headline_asks_for_is_more_than_the_one_given():
     """A run ends a little before its budget (the confirmation's share is held back): the
     skipped candidates come on top of the whole budget, not of the time the run took."""
@@ -279,7 +300,7 @@ def test_the_budget_the_headline_asks_for_is_more_than_the_one_given():
 
     _, result = tune(tiny_recipe(), QUICK, stages=CLIPPING)
     results = result.to_dict()
-    results["candidates"][-1] |= {"verdict": "not measured"}
+    results["candidates"][-1] |= {"verdict": "not measured", "reason": "budget: needs ~6 s"}
     results |= {"time_budget_s": 180.0, "elapsed_s": 170.4, "unmeasured_s": 6.4}
     assert "(a budget of about 4 min would measure them)" in headline(results)
 

@@ -31,6 +31,13 @@ STATES: tuple[str, ...] = (
 )
 
 
+def left_out_for_time(verdict: object, reason: object) -> bool:
+    """A row the budget left unmeasured ("budget: needs ~40 s, 12 s left"), not one left out
+    because it could not pay back on the job or did not apply: only these a larger budget
+    would measure."""
+    return verdict == "not measured" and str(reason or "").startswith("budget")
+
+
 @dataclass(frozen=True, kw_only=True)
 class Comparison:
     """A config timed against a reference in paired rounds of one run."""

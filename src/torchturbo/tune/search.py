@@ -69,7 +69,7 @@ from torchturbo.tune.confirm import confirm
 from torchturbo.tune.fastest_fit import fastest_alternative, fastest_fit
 from torchturbo.tune.loader_stage import loader_stage
 from torchturbo.tune.memory_plan import smallest_optimizer_state
-from torchturbo.tune.outcome import Confirmation, Outcome, TuneResult
+from torchturbo.tune.outcome import Confirmation, Outcome, TuneResult, left_out_for_time
 from torchturbo.tune.previous import Previous, fingerprint, is_reusable
 from torchturbo.tune.stages import LEVERS, MEMORY_STAGES, STAGES
 from torchturbo.tune.state import (
@@ -573,7 +573,9 @@ def _result(
         baseline_one_time_s=baseline.one_time_s,
         best_one_time_s=best.one_time_s,
         loss_tolerance=run.options.loss_tolerance,
-        unmeasured_s=sum(o.estimate_s or 0.0 for o in candidates if o.verdict == "not measured"),
+        unmeasured_s=sum(
+            o.estimate_s or 0.0 for o in candidates if left_out_for_time(o.verdict, o.reason)
+        ),
         reused_from=None if reuse is None else reuse.source,
         reuse_note=reuse_note,
         breakdown=breakdown,

@@ -18,6 +18,7 @@ from torchturbo.tune.fields import (
     fmt_rate,
     num,
 )
+from torchturbo.tune.outcome import left_out_for_time
 
 
 def headline(results: dict) -> str:
@@ -138,10 +139,15 @@ def _candidates(results: dict) -> list[dict]:
 
 
 def _unmeasured(results: dict) -> str:
-    """'; not measured for lack of time: X, Y (a budget of about N min would measure them)'."""
-    names = [str(c.get("name")) for c in _candidates(results) if c.get("verdict") == "not measured"]
+    """'; not measured for lack of time: X, Y (a budget of about N min would measure them)';
+    then '; not measured, as it cannot pay back on this job: Z' (``candidate._cannot_pay_back``,
+    the one other reason a row is not measured)."""
+    rows = [c for c in _candidates(results) if c.get("verdict") == "not measured"]
+    names = [str(c.get("name")) for c in rows if left_out_for_time(c["verdict"], c.get("reason"))]
+    hopeless = [str(c.get("name")) for c in rows if str(c.get("name")) not in names]
+    futile = f"; not measured, as it cannot pay back on this job: {', '.join(hopeless)}"
     if not names:
-        return ""
+        return futile if hopeless else ""
     # The whole budget was needed for what ran (its last part is held back for the confirmation
     # and the report, so a run can end a little early): the skipped candidates come on top.
     spent = max(num(results.get("elapsed_s")) or 0.0, num(results.get("time_budget_s")) or 0.0)
@@ -149,7 +155,7 @@ def _unmeasured(results: dict) -> str:
     minutes = max(1, math.ceil(needed / 60))
     return (
         f"; not measured for lack of time: {', '.join(names)} "
-        f"(a budget of about {minutes} min would measure them)"
+        f"(a budget of about {minutes} min would measure them)" + (futile if hopeless else "")
     )
 
 
