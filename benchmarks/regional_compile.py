@@ -11,7 +11,8 @@ block a graph of its own: docs/techniques/regional_compile.md). Three measuremen
   share is that minus a later step. On a shared machine wall time follows the load, so the
   CPU seconds of the whole process (its compiler subprocesses included) are read too, less an
   eager process's doing the same steps: the compile's CPU seconds. ``--rounds`` rounds, the
-  variants in a different order each round.
+  variants in a different order each round. ``--machine-warm``: a new model on a machine that
+  has compiled before, the TMPDIR keeping inductor's precompiled C++ header (``machine_tmp``).
 * **warm cache**: a second fresh process on the folder and TMPDIR the cold one filled, as when
   ``train`` follows ``tune`` (``[compile] cache_dir``).
 * **per step**: eager, whole and regional side by side in one process (``compare_configs``:
@@ -88,6 +89,14 @@ def recipe(args: argparse.Namespace) -> Recipe:
         batch_size=args.batch,
         count_unit="tokens",
     )
+
+
+def wide_recipe() -> Recipe:
+    """The 8-layer decoder at hidden 256 (vocabulary 4,096, batch 4 x 128 tokens) as a recipe
+    for the CLI: ``torchturbo tune benchmarks/regional_compile.py:wide_recipe --only compile``
+    (docs/techniques/regional_compile.md)."""
+    wide = {"layers": 8, "hidden": 256, "vocab": 4096, "tokens": 128, "batch": 4}
+    return recipe(argparse.Namespace(**wide))
 
 
 def _config(variant: str, cache_dir: str = "") -> TurboConfig:
