@@ -266,3 +266,19 @@ def test_a_language_model_inside_a_wrapper_is_found_and_named() -> None:
     assert getattr(wrapper.lm, CHUNKED_MARK) and not hasattr(wrapper, CHUNKED_MARK)
     output = wrapper.lm(**token_batches(1)[0])
     assert output.logits is None and output.loss is not None
+
+
+def test_the_facts_see_the_logits_of_a_language_model_inside_a_wrapper() -> None:
+    """The stage proposes the chunked loss from these facts: through a LightningModule without a
+    forward of its own they read None, and a Lightning tune called the loss 'not applicable'."""
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lm = tiny_llama()
+
+    wrapper, batch = Wrapper(), token_batches(1)[0]
+    bare = lm_head_census(wrapper.lm, lambda: wrapper.lm(**batch).loss)
+    logits, held = lm_head_census(wrapper, lambda: wrapper.lm(**batch).loss)
+    assert logits == bare[0] == 2 * 12 * 96 * 4
+    assert held is not None and held > logits

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torchturbo.base.language_models import language_models, output_embedding
 from torchturbo.config import TurboConfig
 from torchturbo.config.sections import CHUNK_TOKENS
 from torchturbo.techniques.framework import levers
@@ -64,7 +65,7 @@ def apply_chunked_loss(model: nn.Module, chunk_tokens: int = CHUNK_TOKENS) -> Te
     """Make every outermost causal LM in ``model`` (itself, or one a LightningModule or another
     wrapper holds) compute its training loss in chunks; the result's targets are their names
     ("" for ``model`` itself). See the module docstring."""
-    found = _language_models(model)
+    found = language_models(model)
     if not found:
         return not_applied(
             "chunked_loss", "the model has no linear LM head (get_output_embeddings)"
@@ -74,18 +75,6 @@ def apply_chunked_loss(model: nn.Module, chunk_tokens: int = CHUNK_TOKENS) -> Te
     if not targets:
         return not_applied("chunked_loss", "; ".join(why for why in reasons.values()))
     return applied("chunked_loss", targets)
-
-
-def _language_models(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The outermost modules with a linear output embedding, by qualified name."""
-    found: list[tuple[str, nn.Module]] = []
-    for name, module in model.named_modules():
-        if any(name.startswith(f"{outer}.") or not outer for outer, _ in found):
-            continue
-        get_head = getattr(module, "get_output_embeddings", None)
-        if callable(get_head) and isinstance(get_head(), nn.Linear):
-            found.append((name, module))
-    return found
 
 
 def _patch(model: nn.Module, chunk_tokens: int) -> str:
@@ -110,8 +99,7 @@ def _patch(model: nn.Module, chunk_tokens: int) -> str:
 
 def _head_and_body(model: nn.Module) -> tuple[nn.Linear | None, nn.Module | None, str]:
     """The model's linear LM head and the body that computes its input, or why there are none."""
-    get_head = getattr(model, "get_output_embeddings", None)
-    head = get_head() if callable(get_head) else None
+    head = output_embedding(model)
     if not isinstance(head, nn.Linear):
         return None, None, "the model has no linear LM head (get_output_embeddings)"
     body = getattr(model, "base_model", model)

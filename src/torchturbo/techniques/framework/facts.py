@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from torchturbo.base.language_models import language_models, output_embedding
 from torchturbo.base.nhwc import has_2d_convolutions
 from torchturbo.base.repeated_blocks import traced_leaf_modules
 from torchturbo.data.bucketing import padding_fractions
@@ -117,18 +118,23 @@ def leaf_module_count(model: nn.Module) -> int:
 
 
 def lm_head_census(model: nn.Module, forward: Callable[[], Any]) -> tuple[int | None, int | None]:
-    """(float32 bytes of the linear LM head's logits, bytes held for backward) over one
-    ``forward()``; (None, None) when the model has no linear output embeddings."""
-    get_head = getattr(model, "get_output_embeddings", None)
-    head = get_head() if callable(get_head) else None
-    if not isinstance(head, nn.Linear):
+    """(float32 bytes of the linear LM heads' logits, bytes held for backward) over one
+    ``forward()``; (None, None) when no module of the model has a linear output embedding (the
+    heads of the LMs a LightningModule or another wrapper holds count: ``language_models``)."""
+    heads = [output_embedding(lm) for _, lm in language_models(model)]
+    if not heads:
         return None, None
     seen: list[int] = []
-    handle = head.register_forward_hook(lambda module, args, output: seen.append(output.numel()))
+    handles = [
+        head.register_forward_hook(lambda module, args, output: seen.append(output.numel()))
+        for head in heads
+        if head is not None
+    ]
     try:
         held = activation_bytes(forward, model=model)
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
     return (4 * sum(seen) if seen else None), held
 
 
