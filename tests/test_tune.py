@@ -21,8 +21,8 @@ from torchturbo.trials.trial import Trial, fixed_batches, start_trial
 from torchturbo.tune import candidate as candidate_module
 from torchturbo.tune import search
 from torchturbo.tune.budget import COMPILE_BASE_S
-from torchturbo.tune.compare import batch_cycle, compare, steps_per_round
-from torchturbo.tune.decide import MIN_ROUNDS, Verdict
+from torchturbo.tune.compare import batch_cycle, compare, head_to_head_decided, steps_per_round
+from torchturbo.tune.decide import MIN_ROUNDS, Verdict, describe, job_times
 from torchturbo.tune.outcome import STATES
 from torchturbo.tune.previous import Previous, is_reusable
 from torchturbo.tune.search import TuneInterrupted, TuneOptions, select_stages, tune
@@ -142,46 +142,102 @@ def test_candidates_are_measured_in_order_of_expected_gain_per_second(monkeypatc
     }
 
 
-def test_the_alternatives_of_one_lever_are_measured_against_one_best_and_raced(monkeypatch):
-    """Two candidates of one stage (bf16 or fp16, say) are each measured against the same best,
-    and when both would be adopted, raced head to head: the winner is adopted, the loser's row
-    shows the race that beat it."""
+def _two_norms(ctx):
+    """Two alternatives of one lever, priors far apart: the measuring order is the priors'."""
+    if ctx.best.clipping.max_norm is not None:
+        return "a norm is chosen"
+    return [
+        Candidate("clip 10", ctx.best.replace(clipping__max_norm=10.0), 3.0),
+        Candidate("clip 20", ctx.best.replace(clipping__max_norm=20.0), 1.2),
+    ]
+
+
+def _recording_references(monkeypatch) -> list[tuple[str, str]]:
+    """(candidate, what it was measured against) for every candidate of a lever measured."""
     from torchturbo.tune import fastest_fit
 
     measured_against = []
     real = fastest_fit.try_candidate
 
-    def recording(run, stage, candidate, best, fit_memory):
+    def recording(run, stage, candidate, best, fit_memory, **kw):
         measured_against.append((candidate.name, best.name))
-        return real(run, stage, candidate, best, fit_memory)
+        return real(run, stage, candidate, best, fit_memory, **kw)
 
     monkeypatch.setattr(fastest_fit, "try_candidate", recording)
+    return measured_against
+
+
+def test_a_levers_later_alternative_is_measured_against_its_leader_and_replaces_it(monkeypatch):
+    """The first alternative (bf16, say) against the best; the next (fp16) against that leader
+    head to head, both fast, not against the slow best: adopted there, it takes the leader's
+    place, and the leader's row quotes the measurement that beat it."""
+    from torchturbo.tune import confirm as confirm_module
+
+    measured_against = _recording_references(monkeypatch)
     monkeypatch.setattr(candidate_module, "judge", lambda **_: Verdict(adopt=True, reason="ok"))
-    raced = []
-    real_race = fastest_fit._race
+    step_s = {None: 0.04, 10.0: 0.02, 20.0: 0.01}  # 2x over fp32, then 2x over clip 10
+    clock = _stepping_clock(monkeypatch, lambda trial: step_s[trial.config.clipping.max_norm])
+    expected = []
+    real_chain = confirm_module.compare_chain
 
-    def race(run, leader, challenger, best, fit_memory):
-        raced.append((leader[0].name, challenger[0].name))
-        return real_race(run, leader, challenger, best, fit_memory)
+    def chain(*args, **kwargs):  # what the confirmation expects: the search's gain over fp32
+        expected.append(kwargs["decided"])
+        return real_chain(*args, **kwargs)
 
-    monkeypatch.setattr(fastest_fit, "_race", race)
-
-    def stage(ctx):
-        if ctx.best.clipping.max_norm is not None:
-            return "a norm is chosen"
-        return [  # priors far apart: the measuring order is the priors' order
-            Candidate("clip 10", ctx.best.replace(clipping__max_norm=10.0), 3.0),
-            Candidate("clip 20", ctx.best.replace(clipping__max_norm=20.0), 1.2),
-        ]
-
-    _, result = tune(tiny_recipe(), QUICK, stages={"clipping": stage})
-    assert measured_against == [("clip 10", "fp32 eager"), ("clip 20", "fp32 eager")]
-    assert raced == [("clip 10", "clip 20")]
+    monkeypatch.setattr(confirm_module, "compare_chain", chain)
+    _, result = tune(tiny_recipe(), QUICK, stages={"clipping": _two_norms}, clock=clock)
+    assert measured_against == [("clip 10", "fp32 eager"), ("clip 20", "clip 10")]
     rows = _rows(result)
-    verdicts = sorted(rows[name].verdict for name in ("clip 10", "clip 20"))
-    assert verdicts == ["adopted", "rejected"]
-    loser = next(rows[n] for n in ("clip 10", "clip 20") if rows[n].verdict == "rejected")
-    assert "head to head" in loser.reason or "intervals apart" in loser.reason
+    assert rows["clip 20"].verdict == "adopted" and result.adopted == ("clip 20",)
+    assert rows["clip 20"].comparison.against == "clip 10"
+    beaten = rows["clip 10"]
+    assert beaten.verdict == "rejected" and beaten.comparison.against == "fp32 eager"
+    assert beaten.reason.startswith(
+        "faster than the best, but clip 20 is faster: it measured "
+        f"{describe(rows['clip 20'].comparison.speed)} against this head to head; "
+    )
+    # Over fp32 eager the search measured the two ratios multiplied (4x), not clip 20's alone.
+    over_best = beaten.comparison.speed.ratio * rows["clip 20"].comparison.speed.ratio
+    assert over_best == pytest.approx(4.0, rel=1e-6)
+    contradicted = dataclasses.replace(
+        rows["clip 20"].comparison.speed, decision="undecided", plausible_high=over_best * 0.999
+    )
+    assert expected and expected[0](contradicted)
+    assert not expected[0](dataclasses.replace(contradicted, plausible_high=over_best * 1.001))
+
+
+def test_a_later_alternative_slower_than_the_leader_leaves_the_leader(monkeypatch):
+    measured_against = _recording_references(monkeypatch)
+    monkeypatch.setattr(candidate_module, "judge", lambda **_: Verdict(adopt=True, reason="ok"))
+    step_s = {None: 0.04, 10.0: 0.02, 20.0: 0.03}
+    clock = _stepping_clock(monkeypatch, lambda trial: step_s[trial.config.clipping.max_norm])
+    _, result = tune(tiny_recipe(), QUICK, stages={"clipping": _two_norms}, clock=clock)
+    assert measured_against == [("clip 10", "fp32 eager"), ("clip 20", "clip 10")]
+    rows = _rows(result)
+    assert rows["clip 10"].verdict == "adopted" and result.adopted == ("clip 10",)
+    slower = rows["clip 20"]
+    assert slower.verdict == "rejected" and slower.comparison.against == "clip 10"
+    assert slower.reason.startswith("clip 10 stays ahead: this measured 0.67x")
+
+
+def test_an_alternative_within_the_noise_of_its_leader_wins_by_the_jobs_time():
+    """Both alternatives already beat the best: the race ends once they are within 5% of each
+    other both ways, and the shorter job at the measured ratio wins, one-time costs included."""
+    from torchturbo.tune.decide import Parity, estimate, judge_against_leader
+
+    ratios = [1.03, 0.99, 1.02, 1.01, 1.04, 1.00, 1.02, 1.01] * 4
+    assert head_to_head_decided(ratios)
+    speed = estimate(ratios)
+    parity = Parity(1.0, 1.0, 0.0, True, True)
+    common = {"speed": speed, "parity": parity, "memory_bytes": None, "memory_budget": None}
+    cheap = job_times(steps=1000, best_step_s=0.5, ratio=speed.ratio, best_one_time_s=0.0,
+                      one_time_s=0.0)  # fmt: skip
+    won = judge_against_leader(**common, job=cheap, tolerance=0.05, leader="packing")
+    assert won.adopt and won.reason.startswith("ahead of packing head to head: 1.01x")
+    costly = job_times(steps=1000, best_step_s=0.5, ratio=speed.ratio, best_one_time_s=0.0,
+                       one_time_s=60.0)  # fmt: skip
+    lost = judge_against_leader(**common, job=costly, tolerance=0.05, leader="packing")
+    assert not lost.adopt and lost.reason.startswith("packing stays ahead")
 
 
 def test_later_candidates_train_on_the_batches_an_earlier_one_adopted(monkeypatch):

@@ -31,11 +31,12 @@ from torchturbo.tune.budget import (
     confirm_seconds,
     machine_load,
 )
-from torchturbo.tune.compare import Measured, compare, steps_per_round
+from torchturbo.tune.compare import Measured, compare, head_to_head_decided, steps_per_round
 from torchturbo.tune.decide import (
     MIN_ROUNDS,
     job_times,
     judge,
+    judge_against_leader,
     loss_parity,
     rounds_to_decide,
 )
@@ -160,12 +161,19 @@ def not_measured(
 
 
 def try_candidate(
-    run: Run, stage: str, candidate: Candidate, best: Incumbent, fit_memory: bool
+    run: Run,
+    stage: str,
+    candidate: Candidate,
+    best: Incumbent,
+    fit_memory: bool,
+    *,
+    leader: bool = False,
 ) -> tuple[Outcome, Incumbent | None]:
     """Measure ``candidate`` on top of ``best``; the outcome, and the new best if adopted.
 
     ``fit_memory``: the best does not fit the memory budget, so fitting is this candidate's gain
-    and it need not be faster."""
+    and it need not be faster. ``leader``: ``best`` is another alternative of the candidate's
+    lever, which it races (``decide.judge_against_leader``)."""
     cost = agree(estimate(run, candidate, best))  # a local clock and load: rank 0's figures
     # Fitting a memory budget is a gain of its own: only speed candidates must pay back.
     hopeless = "" if fit_memory else agree(_cannot_pay_back(run, cost, best))
@@ -206,6 +214,7 @@ def try_candidate(
             device=run.device,
             max_rounds=run.options.max_rounds,
             may_continue=lambda seconds: run.budget.left() - held_back >= seconds,
+            decided=head_to_head_decided if leader else None,
             clock=run.clock,
         )
         while len(trial.losses) < PARITY_STEPS * candidate.config.accumulation.steps:
@@ -231,7 +240,9 @@ def try_candidate(
     assert trial is not None
     curve = batching.window_losses(trial.loss_curve(), candidate.config.accumulation.steps)
     outcome = agree(
-        _judged(run, stage, candidate, measured, curve, memory_bytes, one_time, best, fit_memory)
+        _judged(
+            run, stage, candidate, measured, curve, memory_bytes, one_time, best, fit_memory, leader
+        )
     )
     if memory_bytes is None:  # a footprint that could not be measured says why
         outcome = dataclasses.replace(outcome, reason=f"{outcome.reason}; memory {memory_kind}")
@@ -301,6 +312,7 @@ def _judged(
     one_time: float,
     best: Incumbent,
     fit_memory: bool,
+    leader: bool = False,
 ) -> Outcome:
     comparison = measured.comparison
     job = job_times(
@@ -311,15 +323,26 @@ def _judged(
         one_time_s=one_time,
     )
     parity = loss_parity(run.reference_losses, curve[:PARITY_STEPS], run.options.loss_tolerance)
-    verdict = judge(
-        speed=comparison.speed,
-        parity=parity,
-        memory_bytes=memory_bytes,
-        memory_budget=run.options.memory_budget,
-        job=job,
-        tolerance=run.options.loss_tolerance,
-        must_be_faster=not fit_memory,
-    )
+    if leader:
+        verdict = judge_against_leader(
+            speed=comparison.speed,
+            parity=parity,
+            memory_bytes=memory_bytes,
+            memory_budget=run.options.memory_budget,
+            job=job,
+            tolerance=run.options.loss_tolerance,
+            leader=best.name,
+        )
+    else:
+        verdict = judge(
+            speed=comparison.speed,
+            parity=parity,
+            memory_bytes=memory_bytes,
+            memory_budget=run.options.memory_budget,
+            job=job,
+            tolerance=run.options.loss_tolerance,
+            must_be_faster=not fit_memory,
+        )
     reason = verdict.reason
     if not verdict.decided:
         reason += _what_it_needs(comparison, measured.cut_short)

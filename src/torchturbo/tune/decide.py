@@ -267,18 +267,9 @@ def judge(
     ``must_be_faster=False`` is for memory candidates when the current best does not fit the
     budget: then fitting is the gain, and the slowdown is reported rather than disqualifying.
     """
-    if not parity.finite:
-        return Verdict(False, "loss parity: the loss became non-finite")
-    if not parity.ok:
-        return Verdict(
-            False,
-            f"loss parity: {100 * parity.relative_diff:.1f}% from fp32 > "
-            f"{100 * tolerance:.1f}% tolerance ({parity.loss:.4f} vs {parity.reference_loss:.4f})",
-        )
-    if memory_budget is not None and memory_bytes is not None and memory_bytes > memory_budget:
-        return Verdict(
-            False, f"memory: {format_bytes(memory_bytes)} > budget {format_bytes(memory_budget)}"
-        )
+    disqualified = _disqualified(parity, memory_bytes, memory_budget, tolerance)
+    if disqualified is not None:
+        return disqualified
     if not must_be_faster:
         return Verdict(
             True,
@@ -303,6 +294,51 @@ def judge(
         f"the {job.steps:,}-step job {job.best_s:.1f} s -> {job.candidate_s:.1f} s "
         f"(pays back after {_steps(job.break_even)})",
     )
+
+
+def _disqualified(
+    parity: Parity, memory_bytes: int | None, memory_budget: int | None, tolerance: float
+) -> Verdict | None:
+    """The rejection of a candidate whose loss strays or whose step is over the budget."""
+    if not parity.finite:
+        return Verdict(False, "loss parity: the loss became non-finite")
+    if not parity.ok:
+        return Verdict(
+            False,
+            f"loss parity: {100 * parity.relative_diff:.1f}% from fp32 > "
+            f"{100 * tolerance:.1f}% tolerance ({parity.loss:.4f} vs {parity.reference_loss:.4f})",
+        )
+    if memory_budget is not None and memory_bytes is not None and memory_bytes > memory_budget:
+        return Verdict(
+            False, f"memory: {format_bytes(memory_bytes)} > budget {format_bytes(memory_budget)}"
+        )
+    return None
+
+
+def judge_against_leader(
+    *,
+    speed: RatioEstimate,
+    parity: Parity,
+    memory_bytes: int | None,
+    memory_budget: int | None,
+    job: Job,
+    tolerance: float,
+    leader: str,
+) -> Verdict:
+    """Adopt an alternative of a lever in place of its ``leader`` (already faster than the best)
+    when its job is the shorter at the measured ratio, one-time costs included: a race between
+    two qualified alternatives picks one either way, and one within the noise of the other will
+    do (``compare.head_to_head_decided`` ends the rounds)."""
+    disqualified = _disqualified(parity, memory_bytes, memory_budget, tolerance)
+    if disqualified is not None:
+        return disqualified
+    jobs = (
+        f"the {job.steps:,}-step job takes {job.candidate_s:.1f} s with it, {job.best_s:.1f} s "
+        f"with {leader}, one-time costs included"
+    )
+    if job.faster:
+        return Verdict(True, f"ahead of {leader} head to head: {describe(speed)}; {jobs}")
+    return Verdict(False, f"{leader} stays ahead: this measured {describe(speed)}; {jobs}")
 
 
 def _steps(break_even: float) -> str:

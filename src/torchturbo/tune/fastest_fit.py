@@ -1,21 +1,25 @@
 """The fastest of alternatives, found by racing them head to head: the plans that fit a memory
 budget (``fastest_fit``), and the alternatives of one lever (bf16 or fp16, length buckets or
-packing, the fused or the foreach optimizer step: ``fastest_alternative``).
+packing, the fused or the foreach optimizer step, whole-model or regional compile:
+``fastest_alternative``).
 
-Every alternative is first measured against the same best, for its footprint, its loss and its
-speed. Those that qualify (fit the budget; or are faster, keep the loss and pay back) are then
-raced: each against the fastest so far, in paired rounds of their own, until one is faster
-beyond the noise or each is within ``WORTH_MEASURING`` of the other
-(``compare.head_to_head_decided``), and the winner is adopted. Comparing their ratios against
-the best instead compared two short measurements, each against a third config, taken minutes
-apart: plans a few percent apart were ordered by noise (a quiet 2-core run adopted a plan 0.72x
-as fast as the fastest that fit, docs/memory.md); and measuring one alternative only against the
-other once that one was adopted judged the second against the first after the fact (a tuned job
-kept fp16 where bf16 ran 1.28x faster).
+The first alternative of a lever is measured against the best, for its loss, its footprint and
+its speed. Each later one is measured against the leader of its lever, once there is one: in
+paired rounds of their own, both sides fast, until one is faster beyond the noise or each is
+within ``WORTH_MEASURING`` of the other (``compare.head_to_head_decided``), and it takes the
+leader's place when its job is the shorter at the measured ratio, one-time costs included
+(``decide.judge_against_leader``). Measuring it first
+against the slower best cost a 45M decoder's tune the alternative it would have kept (its
+rounds against fp32 steps of 2 s ran out of budget, docs/tuner.md); comparing two ratios
+against the best, taken minutes apart, ordered alternatives a few percent apart by noise.
 
-Two candidates whose intervals against the best do not overlap are not raced: the order is
-already known. A beaten candidate's row shows the race that beat it (its ratio against the
-winner), or, unraced, its own comparison and both intervals.
+Plans that fit a memory budget are all measured against the best (fitting is their gain, not
+speed), and those that fit are raced: each against the fastest so far, in paired rounds, until
+one is faster beyond the noise or each is within ``WORTH_MEASURING`` of the other
+(``compare.head_to_head_decided``). Two whose intervals against the best do not overlap are not
+raced: the order is already known (a quiet 2-core run had adopted a plan 0.72x as fast as the
+fastest that fit, docs/memory.md, before they were raced). A beaten candidate's row shows the
+measurement that beat it.
 """
 
 from __future__ import annotations
@@ -63,6 +67,9 @@ def _fastest(
     leader: Entry | None = None
     for stage, candidate in proposals:
         tried.add(candidate.name)
+        if leader is not None and not fit_memory:
+            leader = _challenge(run, stage, candidate, leader)
+            continue
         outcome, incumbent = try_candidate(run, stage, candidate, best, fit_memory)
         if incumbent is None:
             run.outcomes.append(outcome)
@@ -78,6 +85,33 @@ def _fastest(
     run.outcomes.append(leader[0])
     run.adoptions.append(leader[1])
     return leader[1]
+
+
+def _challenge(run: Run, stage: str, candidate: Candidate, leader: Entry) -> Entry:
+    """``candidate`` raced against the lever's ``leader`` (module docstring): the new leader
+    when its job is the shorter, the beaten leader's row rejected with the figure that beat it;
+    else the leader still, the candidate's row its own measurement against the leader."""
+    outcome, incumbent = try_candidate(run, stage, candidate, leader[1], False, leader=True)
+    if incumbent is None:
+        run.outcomes.append(outcome)
+        return leader
+    beaten = leader[0]
+    assert outcome.comparison is not None and beaten.comparison is not None  # both measured
+    ahead = leader[1].over_best or beaten.comparison.speed.ratio
+    run.outcomes.append(
+        dataclasses.replace(
+            beaten,
+            verdict="rejected",
+            reason=(
+                f"faster than the best, but {outcome.name} is faster: it measured "
+                f"{describe(outcome.comparison.speed)} against this head to head; {beaten.reason}"
+            ),
+        )
+    )
+    leader[1].trial.close()
+    # Its ratio is against the leader: over the best, the two measurements multiply.
+    incumbent.over_best = ahead * outcome.comparison.speed.ratio
+    return outcome, incumbent
 
 
 def _race(
