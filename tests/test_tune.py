@@ -193,7 +193,7 @@ def test_a_levers_later_alternative_is_measured_against_its_leader_and_replaces_
     beaten = rows["clip 10"]
     assert beaten.verdict == "rejected" and beaten.comparison.against == "fp32 eager"
     assert beaten.reason.startswith(
-        "faster than the best, but clip 20 is faster: it measured "
+        "faster than the best, but clip 20 makes the job shorter: it measured "
         f"{describe(rows['clip 20'].comparison.speed)} against this head to head; "
     )
     # Over fp32 eager the search measured the two ratios multiplied (4x), not clip 20's alone.

@@ -8,10 +8,10 @@ its speed. Each later one is measured against the leader of its lever, once ther
 paired rounds of their own, both sides fast, until one is faster beyond the noise or each is
 within ``WORTH_MEASURING`` of the other (``compare.head_to_head_decided``), and it takes the
 leader's place when its job is the shorter at the measured ratio, one-time costs included
-(``decide.judge_against_leader``). Measuring it first
-against the slower best cost a 45M decoder's tune the alternative it would have kept (its
-rounds against fp32 steps of 2 s ran out of budget, docs/tuner.md); comparing two ratios
-against the best, taken minutes apart, ordered alternatives a few percent apart by noise.
+(``decide.judge_against_leader``). Measuring it first against the slower best cost a 45M
+decoder's tune the alternative it would have kept (its rounds against fp32 steps of 2 s ran
+out of budget, docs/tuner.md); comparing two ratios against the best, taken minutes apart,
+ordered alternatives a few percent apart by noise.
 
 Plans that fit a memory budget are all measured against the best (fitting is their gain, not
 speed), and those that fit are raced: each against the fastest so far, in paired rounds, until
@@ -103,7 +103,7 @@ def _challenge(run: Run, stage: str, candidate: Candidate, leader: Entry) -> Ent
             beaten,
             verdict="rejected",
             reason=(
-                f"faster than the best, but {outcome.name} is faster: it measured "
+                f"faster than the best, but {outcome.name} makes the job shorter: it measured "
                 f"{describe(outcome.comparison.speed)} against this head to head; {beaten.reason}"
             ),
         )
