@@ -11,6 +11,7 @@ ratio is decided (``compare``). ``decide.judge`` gives the verdict.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 
@@ -323,26 +324,19 @@ def _judged(
         one_time_s=one_time,
     )
     parity = loss_parity(run.reference_losses, curve[:PARITY_STEPS], run.options.loss_tolerance)
-    if leader:
-        verdict = judge_against_leader(
-            speed=comparison.speed,
-            parity=parity,
-            memory_bytes=memory_bytes,
-            memory_budget=run.options.memory_budget,
-            job=job,
-            tolerance=run.options.loss_tolerance,
-            leader=best.name,
-        )
-    else:
-        verdict = judge(
-            speed=comparison.speed,
-            parity=parity,
-            memory_bytes=memory_bytes,
-            memory_budget=run.options.memory_budget,
-            job=job,
-            tolerance=run.options.loss_tolerance,
-            must_be_faster=not fit_memory,
-        )
+    judged = (
+        functools.partial(judge_against_leader, leader=best.name)
+        if leader
+        else functools.partial(judge, must_be_faster=not fit_memory)
+    )
+    verdict = judged(
+        speed=comparison.speed,
+        parity=parity,
+        memory_bytes=memory_bytes,
+        memory_budget=run.options.memory_budget,
+        job=job,
+        tolerance=run.options.loss_tolerance,
+    )
     reason = verdict.reason
     if not verdict.decided:
         reason += _what_it_needs(comparison, measured.cut_short)
