@@ -167,24 +167,37 @@ def _recording_references(monkeypatch) -> list[tuple[str, str]]:
     return measured_against
 
 
-def test_a_levers_later_alternative_is_measured_against_its_leader_and_replaces_it(monkeypatch):
-    """The first alternative (bf16, say) against the best; the next (fp16) against that leader
-    head to head, both fast, not against the slow best: adopted there, it takes the leader's
-    place, and the leader's row quotes the measurement that beat it."""
+def _confirmation_expectations(monkeypatch) -> list[Callable]:
+    """Each confirmation's stopping rule (``decided``): what it expects the search gained."""
     from torchturbo.tune import confirm as confirm_module
 
-    measured_against = _recording_references(monkeypatch)
-    monkeypatch.setattr(candidate_module, "judge", lambda **_: Verdict(adopt=True, reason="ok"))
-    step_s = {None: 0.04, 10.0: 0.02, 20.0: 0.01}  # 2x over fp32, then 2x over clip 10
-    clock = _stepping_clock(monkeypatch, lambda trial: step_s[trial.config.clipping.max_norm])
     expected = []
     real_chain = confirm_module.compare_chain
 
-    def chain(*args, **kwargs):  # what the confirmation expects: the search's gain over fp32
+    def chain(*args, **kwargs):
         expected.append(kwargs["decided"])
         return real_chain(*args, **kwargs)
 
     monkeypatch.setattr(confirm_module, "compare_chain", chain)
+    return expected
+
+
+def _expects(decided: Callable, speed, gain: float) -> bool:
+    """Whether ``decided`` calls a confirmation short of ``gain`` (its plausible high just
+    under it) contradicted, and one just over it not."""
+    short = dataclasses.replace(speed, decision="undecided", plausible_high=gain * 0.999)
+    return decided(short) and not decided(dataclasses.replace(short, plausible_high=gain * 1.001))
+
+
+def test_a_levers_later_alternative_is_measured_against_its_leader_and_replaces_it(monkeypatch):
+    """The first alternative (bf16, say) against the best; the next (fp16) against that leader
+    head to head, both fast, not against the slow best: adopted there, it takes the leader's
+    place, and the leader's row quotes the measurement that beat it."""
+    measured_against = _recording_references(monkeypatch)
+    monkeypatch.setattr(candidate_module, "judge", lambda **_: Verdict(adopt=True, reason="ok"))
+    step_s = {None: 0.04, 10.0: 0.02, 20.0: 0.01}  # 2x over fp32, then 2x over clip 10
+    clock = _stepping_clock(monkeypatch, lambda trial: step_s[trial.config.clipping.max_norm])
+    expected = _confirmation_expectations(monkeypatch)
     _, result = tune(tiny_recipe(), QUICK, stages={"clipping": _two_norms}, clock=clock)
     assert measured_against == [("clip 10", "fp32 eager"), ("clip 20", "clip 10")]
     rows = _rows(result)
@@ -199,11 +212,17 @@ def test_a_levers_later_alternative_is_measured_against_its_leader_and_replaces_
     # Over fp32 eager the search measured the two ratios multiplied (4x), not clip 20's alone.
     over_best = beaten.comparison.speed.ratio * rows["clip 20"].comparison.speed.ratio
     assert over_best == pytest.approx(4.0, rel=1e-6)
-    contradicted = dataclasses.replace(
-        rows["clip 20"].comparison.speed, decision="undecided", plausible_high=over_best * 0.999
+    assert rows["clip 20"].over_best == pytest.approx(over_best, rel=1e-9)
+    assert len(expected) == 1 and _expects(expected[0], rows["clip 20"].comparison.speed, over_best)
+
+    # Tuned again into the same --out: the reused winner keeps the two ratios multiplied, so
+    # the new confirmation expects 4x again, not clip 20's 2x over clip 10 alone.
+    previous = json.loads(json.dumps(result.to_dict()))  # as results.json holds it
+    _, again = tune(
+        tiny_recipe(), QUICK, stages={"clipping": _two_norms}, clock=clock, previous=previous
     )
-    assert expected and expected[0](contradicted)
-    assert not expected[0](dataclasses.replace(contradicted, plausible_high=over_best * 1.001))
+    assert _rows(again)["clip 20"].reused and again.adopted == ("clip 20",)
+    assert len(expected) == 2 and _expects(expected[1], rows["clip 20"].comparison.speed, over_best)
 
 
 def test_a_later_alternative_slower_than_the_leader_leaves_the_leader(monkeypatch):

@@ -42,7 +42,7 @@ def confirm(run: Run, baseline: Incumbent, best: Incumbent) -> tuple[Confirmatio
         return _fits(floor, ()), floor
     steps = _chain_steps(run, baseline)
     searched = math.prod(
-        a.over_best or a.outcome.comparison.speed.ratio
+        a.outcome.over_best or a.outcome.comparison.speed.ratio
         for a in run.adoptions
         if a.outcome is not None and a.outcome.comparison is not None
     )

@@ -97,7 +97,7 @@ def _challenge(run: Run, stage: str, candidate: Candidate, leader: Entry) -> Ent
         return leader
     beaten = leader[0]
     assert outcome.comparison is not None and beaten.comparison is not None  # both measured
-    ahead = leader[1].over_best or beaten.comparison.speed.ratio
+    ahead = beaten.over_best or beaten.comparison.speed.ratio
     run.outcomes.append(
         dataclasses.replace(
             beaten,
@@ -110,7 +110,8 @@ def _challenge(run: Run, stage: str, candidate: Candidate, leader: Entry) -> Ent
     )
     leader[1].trial.close()
     # Its ratio is against the leader: over the best, the two measurements multiply.
-    incumbent.over_best = ahead * outcome.comparison.speed.ratio
+    outcome = dataclasses.replace(outcome, over_best=ahead * outcome.comparison.speed.ratio)
+    incumbent.outcome = outcome
     return outcome, incumbent
 
 

@@ -111,6 +111,11 @@ class Outcome:
     #: per step the job will train.
     spent_s: float | None = None
     count_per_step: float | None = None
+    #: Its throughput over the best it was proposed on where it was raced against its lever's
+    #: leader (``fastest_fit._challenge``): the leader's ratio times its own; None where its own
+    #: ratio is against that best. Kept in results.json, so that a rerun that reuses it expects
+    #: what the search measured.
+    over_best: float | None = None
     #: Taken from a previous run's results.json in the same --out instead of measured again.
     reused: bool = False
 
@@ -140,6 +145,7 @@ class Outcome:
             "estimate_s": self.estimate_s,
             "spent_s": self.spent_s,
             "count_per_step": self.count_per_step,
+            "over_best": self.over_best,
             "reused": self.reused,
         }
         if self.comparison is not None:
@@ -212,6 +218,7 @@ def outcome_from_dict(row: dict[str, Any]) -> Outcome:
         estimate_s=row.get("estimate_s"),
         spent_s=row.get("spent_s"),
         count_per_step=row.get("count_per_step"),
+        over_best=row.get("over_best"),
         reused=True,
     )
 

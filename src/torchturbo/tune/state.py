@@ -105,10 +105,6 @@ class Incumbent:
     outcome: Outcome | None = None
     #: Seconds its first steps took beyond steady steps: the job pays them once.
     one_time_s: float = 0.0
-    #: Its throughput over the best it was proposed on, where it was measured against another
-    #: alternative of its lever (``fastest_fit._challenge``): that one's ratio times its own.
-    #: None: its own ratio is against that best.
-    over_best: float | None = None
 
 
 @dataclass
