@@ -90,3 +90,20 @@ def test_the_bench_table_at_80_columns_when_piped() -> None:
 def test_a_piped_console_is_80_columns_wide(monkeypatch) -> None:
     monkeypatch.delenv("COLUMNS", raising=False)
     assert Console(file=io.StringIO()).width == 80
+
+
+def test_a_long_label_wraps_and_the_numbers_beside_it_stay_whole() -> None:
+    """A memory plan's label is most of 80 columns: it wraps within half the width, and each
+    part still holds numbers (not one column per part, its numbers folded over two lines)."""
+    label = "+ plan: ckpt 5 blocks (transformer.h.0..transformer.h.5) + micro-batch 2 x2"
+    table = Table(title="tune")
+    for header in ("configuration", "tokens/s", "vs previous row", "step ms", "peak memory"):
+        table.add_column(header)
+    table.add_row("baseline (fp32 eager)", "698", "", "727.9", "456.3 MiB")
+    table.add_row(label, "630", "0.90x (0.62-1.32x)", "806.6", "n/a")
+    text = _printed(table, 80)
+    assert max(len(line) for line in text.splitlines()) <= 80
+    for figure in ("698", "630", "0.90x", "(0.62-1.32x)", "727.9", "806.6", "456.3", "MiB"):
+        assert figure in text.split()
+    assert text.count("configuration") <= 2  # not one part per column
+    assert len(fit_table(table, 80)[0].columns) == 4  # the label and three figures

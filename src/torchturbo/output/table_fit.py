@@ -4,7 +4,9 @@ rich fits an over-wide table by squeezing every column, which truncates headers 
 and wraps numbers over two lines. Here each column gets the width of its widest cell (its header
 may wrap onto two lines), and when the columns do not all fit, the table is printed in parts
 that each repeat the first (label) column, so every number stays whole and next to its label.
-Cells print literally: a name like ``compile[bold]`` is not rich markup.
+The label columns take at most half the width: a long label (a memory plan's) wraps onto more
+lines rather than leave the numbers beside it no room. Cells print literally: a name like
+``compile[bold]`` is not rich markup.
 
 rich has no such layout (its tables only shrink or wrap columns), hence this small module.
 """
@@ -42,6 +44,7 @@ def fit_table(table: Table, width: int, *, keep: int = 1) -> list[Table]:
     columns = table.columns
     cells = [[_text(cell) for cell in column.cells] for column in columns]
     widths = [_column_width(_plain(c.header), cells[i]) for i, c in enumerate(columns)]
+    widths = _labels_capped(widths, [_plain(c.header) for c in columns[:keep]], width)
     parts = _pack(widths, width, keep)
     tables = []
     for number, indices in enumerate(parts):
@@ -63,6 +66,17 @@ def fit_table(table: Table, width: int, *, keep: int = 1) -> list[Table]:
             part.add_row(*(cells[i][row] for i in indices))
         tables.append(part)
     return tables
+
+
+def _labels_capped(widths: Sequence[int], headers: Sequence[str], width: int) -> list[int]:
+    """``widths`` with the label columns (the first ``len(headers)``) no wider than half of
+    ``width`` together, nor narrower than their headers' longest word."""
+    capped = list(widths)
+    share = max(1, width // 2 // max(1, len(headers)))
+    for i, header in enumerate(headers):
+        longest_word = max((cell_len(w) for w in header.split()), default=1)
+        capped[i] = min(capped[i], max(share, longest_word))
+    return capped
 
 
 def _pack(widths: Sequence[int], width: int, keep: int) -> list[list[int]]:
