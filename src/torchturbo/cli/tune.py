@@ -55,7 +55,9 @@ def add_parser(commands: Any) -> None:
         help=(
             "total memory a step may use, e.g. 20GiB, 512MiB (default: no budget). Over it, "
             "the tuner plans: blocks to checkpoint, micro-batches that keep the global batch, "
-            "bf16 activations (compile's own activation budget once compile is adopted); it "
+            "bf16 activations (compile's own activation budget once compile is adopted), and "
+            "a smaller optimizer state (bf16, 8-bit or 4-bit moments of Adam/AdamW) where "
+            "nothing else should fit; it "
             "measures every plan that should fit and races them head to head for the fastest "
             "(docs/memory_planning.md)"
         ),
