@@ -13,6 +13,10 @@ block a graph of its own: docs/techniques/regional_compile.md). Three measuremen
   eager process's doing the same steps: the compile's CPU seconds. ``--rounds`` rounds, the
   variants in a different order each round. ``--machine-warm``: a new model on a machine that
   has compiled before, the TMPDIR keeping inductor's precompiled C++ header (``machine_tmp``).
+* **the floor**: a fresh process on an empty cache folder compiles a one-op function (forward
+  and backward): what any first torch.compile of a process costs whatever the model (importing
+  inductor, its cache keys, the vector-ISA probe, the compile workers, two kernels). The
+  summary also shows each variant's compile beyond it, the part the model's size decides.
 * **warm cache**: a second fresh process on the folder and TMPDIR the cold one filled, as when
   ``train`` follows ``tune`` (``[compile] cache_dir``).
 * **per step**: eager, whole and regional side by side in one process (``compare_configs``:
@@ -51,6 +55,8 @@ from torchturbo.trials.variants import compare_configs
 
 SCOPES = {"whole": "model", "regional": "blocks"}
 VARIANTS = ("eager", *SCOPES)
+#: The one-op compile every variant's first compile includes (module docstring).
+FLOOR = "floor"
 #: Steps timed after the first in a cold or warm process (their median is "a later step").
 LATER_STEPS = 5
 
@@ -108,9 +114,23 @@ def _config(variant: str, cache_dir: str = "") -> TurboConfig:
     )
 
 
+def floor_child(cache: str) -> None:
+    """A fresh process's first compile of a one-op function, forward and backward, as JSON."""
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
+    x = torch.randn(64, 64, requires_grad=True)
+    compiled = torch.compile(lambda t: (t.sin() * 2).relu().sum())
+    begin = time.perf_counter()
+    compiled(x).backward()
+    first = time.perf_counter() - begin
+    print(json.dumps({"first_s": first, "later_s": 0.0, "applied": {}}))
+
+
 def child(args: argparse.Namespace) -> None:
     """One fresh process: the first step and ``LATER_STEPS`` more of one variant, as JSON."""
     torch.set_num_threads(args.threads)
+    if args.child == FLOOR:
+        floor_child(args.cache)
+        return
     data = recipe(args)
     trial, first = start_trial(data, _config(args.child, args.cache), fixed_batches(data, 4))
     later = []
@@ -176,18 +196,20 @@ def one_time_costs(args: argparse.Namespace) -> dict[str, dict[str, list[dict[st
     """Cold and warm first steps of each compiled variant, and an eager process's (the CPU
     seconds' reference), ``args.rounds`` rounds. With ``--machine-warm`` a cold run's TMPDIR
     holds the precompiled header (``machine_tmp``), its cache folder still empty."""
+    measured = (*VARIANTS, FLOOR)
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {
-        v: {"cold": [], "warm": []} for v in VARIANTS
+        v: {"cold": [], "warm": []} for v in measured
     }
     with tempfile.TemporaryDirectory() as scratch:
         tmp = machine_tmp(Path(scratch)) if args.machine_warm else None
         for r in range(args.rounds):
-            order = list(VARIANTS[r % 3 :] + VARIANTS[: r % 3])
-            for variant in order:
+            turn = r % len(measured)
+            for variant in measured[turn:] + measured[:turn]:
                 folder = Path(scratch) / f"round{r}-{variant}"
                 folder.mkdir()
-                # The warm run reads what the cold one filled (eager: nothing to warm).
-                ways = ("cold",) if variant == "eager" or args.cold_only else ("cold", "warm")
+                # The warm run reads what the cold one filled (eager, floor: nothing to warm).
+                cold_only = variant in ("eager", FLOOR) or args.cold_only
+                ways = ("cold",) if cold_only else ("cold", "warm")
                 for way in ways:
                     runs[variant][way].append(_fresh(args, variant, folder, tmp))
                     shown = {
@@ -255,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         "that compiled anything before (the model's cache folder still starts empty)",
     )
     parser.add_argument("--json", type=Path, help="write every figure here")
-    parser.add_argument("--child", choices=sorted(VARIANTS), help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=sorted((*VARIANTS, FLOOR)), help=argparse.SUPPRESS)
     parser.add_argument("--cache", default="", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -281,7 +303,11 @@ def main(argv: list[str] | None = None) -> int:
             }
             for v in SCOPES
         }
+        floor = statistics.median(r["compile_s"] for r in runs[FLOOR]["cold"])
+        for seconds in summary.values():
+            seconds["cold_beyond_floor_s"] = seconds["cold_s"] - floor
         record["compile_median"] = summary
+        record["floor_s"] = floor
         print(f"{'variant':<9} {'cold s':>7} {'cold CPU s':>10} {'warm s':>7} {'warm CPU s':>10}")
         for variant, seconds in summary.items():
             shown = {k: "n/a" if v is None else f"{v:.1f}" for k, v in seconds.items()}
@@ -293,6 +319,12 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"regional / whole, cold: {regional['cold_s'] / whole['cold_s']:.2f} wall, "
             f"{regional['cold_cpu_s'] / whole['cold_cpu_s']:.2f} CPU"
+        )
+        print(
+            f"any first compile of a process (a one-op function): {floor:.1f} s; beyond it, "
+            f"regional {regional['cold_beyond_floor_s']:.1f} s, whole "
+            f"{whole['cold_beyond_floor_s']:.1f} s: "
+            f"{regional['cold_beyond_floor_s'] / whole['cold_beyond_floor_s']:.2f}"
         )
     if args.tune_steps:
         record["tune"] = {"planned_steps": args.tune_steps, "candidates": tune_for(args)}
