@@ -6,7 +6,7 @@ compile time are reported apart, never in step time. On CUDA the op runs its Tri
 (``torchturbo[triton]``; without triton it runs the composite and the row says so in a warning);
 Triton's JIT compile happens in the warm-up, outside the timed rounds.
 
-    python benchmarks/kernels.py --json out.json
+    python benchmarks/custom_kernels.py --json out.json
 """
 
 from __future__ import annotations
