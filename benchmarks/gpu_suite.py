@@ -20,7 +20,7 @@ included; ``--only`` reruns chosen sections); ``--device cpu --quick`` is the dr
 executes so that the script cannot rot. Writes gpu_suite.json and gpu_suite.md to ``--out``.
 
     python benchmarks/gpu_suite.py --device cuda --out benchmarks/results/gpu
-    python benchmarks/gpu_suite.py --device cuda --out OUT --only tune_text,extra:kernels
+    python benchmarks/gpu_suite.py --device cuda --out OUT --only tune_text,extra:custom_kernels
     python benchmarks/gpu_suite.py --device cpu --quick --out /tmp/gpu-dry-run
 """
 
@@ -82,7 +82,7 @@ class Extra:
 
 
 EXTRAS = {
-    "kernels": Extra((), seconds=90),  # CPU rows, and CUDA rows (Triton) where present
+    "custom_kernels": Extra((), seconds=90),  # CPU rows, and CUDA rows (Triton) where present
     "fused_optimizer": Extra(("--device", "{device}"), ("--quick", "--workloads", "text"), 60),
     "host_copies": Extra(("--device", "{device}"), seconds=20),
     "comm_hooks": Extra(("--device", "cuda", "--nproc", "{gpus}"), seconds=120),

@@ -50,7 +50,7 @@ def test_gpu_suite_dry_run_on_cpu_writes_json_and_table(tmp_path):
     assert "| vision | baseline | 1.00x |" in table
     assert "- float8: not applicable: CPUs have no fp8" in table
     assert "| fp32 | yes |" in table
-    for name in ("kernels", "fused_optimizer", "bucketing", "augment", "inference"):
+    for name in ("custom_kernels", "fused_optimizer", "bucketing", "augment", "inference"):
         assert f"| extra:{name} | ok |" in table
     assert data["extra:bucketing"]["ratio"] > 0
     assert {row["optimizer"] for row in data["extra:fused_optimizer"]["results"]} == {
