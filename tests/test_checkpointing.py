@@ -225,3 +225,93 @@ def test_compiled_checkpointed_blocks_match_compiled_blocks_and_count_statistics
     for want, got in zip(reference.buffers(), compiled.buffers(), strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert int(compiled[0][1].num_batches_tracked) == 1
+
+
+class _Active:
+    """Python state a forward sets and resets around its work, as transformers >= 5.25 does in
+    every attention forward when Hugging Face's ``kernels`` is installed: its first set under
+    compile also flips a flag for good (``CompileableContextVar.uses_global_var``), a change
+    the checkpoint region does not undo."""
+
+    def __init__(self) -> None:
+        self.value: object = None
+        self.compiled = False
+
+    def set(self, value: object) -> object:
+        before, self.value = self.value, value
+        if torch.compiler.is_compiling():
+            self.compiled = True
+        return before
+
+
+_ACTIVE = _Active()
+
+
+class _SetsStateBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        before = _ACTIVE.set({"block": id(self)})
+        try:
+            return torch.relu(self.linear(x))
+        finally:
+            _ACTIVE.set(before)
+
+
+class _TwoSetsStateBlocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([_SetsStateBlock(), _SetsStateBlock()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _graph_breaks_and_grads(model: nn.Module, x: torch.Tensor) -> tuple[int, list[torch.Tensor]]:
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model(x).square().mean().backward()
+    return sum(counters["graph_break"].values()), [p.grad for p in model.parameters()]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scope", ["model", "blocks"])
+def test_compile_traces_a_checkpointed_block_that_sets_python_state(scope):
+    """Compiled in name only before: dynamo refused the checkpoint region (it mutates state
+    outside it) and ran the block eager. Now one graph, the gradients of eager checkpointing."""
+    from torch._dynamo import config as dynamo_config
+
+    _ACTIVE.compiled = False  # as in a fresh process
+    torch.manual_seed(0)
+    model = _TwoSetsStateBlocks()
+    x = torch.randn(4, 8)
+    eager = copy.deepcopy(model)
+    blocks = ("layers.0", "layers.1")
+    apply_activation_checkpointing(eager, CheckpointConfig(mode="selective", blocks=blocks))
+    _, want = _graph_breaks_and_grads(eager, x)
+
+    # Negative control: torch.compile of the checkpointed blocks as dynamo leaves it.
+    with dynamo_config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=False):
+        breaks, _ = _graph_breaks_and_grads(torch.compile(copy.deepcopy(eager)), x)
+    assert breaks > 0
+
+    turbo = Turbo(
+        TurboConfig(device="cpu").replace(
+            checkpointing__mode="selective",
+            checkpointing__blocks=blocks,
+            compile__mode="default",
+            compile__scope=scope,
+        )
+    )
+    compiled, _, _ = turbo.setup(copy.deepcopy(model), torch.optim.SGD(model.parameters()))
+    breaks, got = _graph_breaks_and_grads(compiled, x)
+    assert breaks == 0
+    assert turbo.applied["compile" if scope == "model" else "regional_compile"] is None
+    for want_grad, got_grad in zip(want, got, strict=True):
+        torch.testing.assert_close(got_grad, want_grad, rtol=1e-5, atol=1e-6)

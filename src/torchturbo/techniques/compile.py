@@ -38,6 +38,7 @@ def apply_compile(model: nn.Module, config: CompileConfig) -> TechniqueResult:
     if config.mode == "off":
         return not_applied("compile", "[compile] mode = 'off'")
     cache = use_compile_cache(config.cache_dir)
+    trace_checkpointed_side_effects()
     options = compile_options(config)
     budget = config.activation_memory_budget
     try:
@@ -55,6 +56,24 @@ def apply_compile(model: nn.Module, config: CompileConfig) -> TechniqueResult:
         return not_applied("compile", f"torch.compile refused the model: {_first_line(err)}")
     details = () if budget is None else (f"activation memory budget {budget:g}",)
     return applied("compile", details + (() if cache is None else (f"cache {cache}",)))
+
+
+def trace_checkpointed_side_effects() -> None:
+    """Let dynamo compile a checkpointed block whose forward changes Python state outside it.
+
+    Dynamo refuses such a region (a graph break at the checkpoint), and the block then runs
+    eager, compiled in name only: transformers >= 5.25 with Hugging Face's ``kernels`` installed
+    sets and resets a context variable in every attention forward (``use_kernelized_func``), so
+    a checkpointed Llama compiled no graph at all. The flag makes dynamo apply the forward's
+    side effects once, in the forward, and not again in the backward's recompute: the semantics
+    compiled checkpointing already has for buffers (see ``checkpointing._checkpointed_forward``),
+    and for a set-and-reset pair the same state either way. It is process-wide, read when dynamo
+    traces; set only once something compiles. TODO: drop once dynamo traces this pattern itself.
+    """
+    from torch._dynamo import config as dynamo_config
+
+    if hasattr(dynamo_config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
+        dynamo_config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
 
 
 def compile_options(config: CompileConfig) -> dict[str, Any]:

@@ -32,6 +32,7 @@ from torchturbo.config import CompileConfig, TurboConfig
 from torchturbo.techniques.compile import (
     compile_options,
     explain_compile_failure,
+    trace_checkpointed_side_effects,
     use_compile_cache,
 )
 from torchturbo.techniques.framework import levers
@@ -55,6 +56,7 @@ def apply_regional_compile(model: nn.Module, config: CompileConfig) -> Technique
             "to compile once: [compile] scope = 'model' compiles it whole",
         )
     use_compile_cache(config.cache_dir)
+    trace_checkpointed_side_effects()
     options = compile_options(config)
     try:
         for _, block in blocks:
