@@ -7,15 +7,18 @@ block a graph of its own: docs/techniques/regional_compile.md). Three measuremen
 
 * **cold compile**: for each of ``whole`` (``[compile] scope = "model"``) and ``regional``
   (``scope = "blocks"``), a fresh process with an empty cache folder and an empty TMPDIR (where
-  inductor keeps its C++ precompiled header) times its first training step; the compile's
-  share is that minus a later step. On a shared machine wall time follows the load, so the
-  CPU seconds of the whole process (its compiler subprocesses included) are read too, less an
-  eager process's doing the same steps: the compile's CPU seconds. ``--rounds`` rounds, the
+  inductor keeps its C++ precompiled header and its probe of the CPU) times the engine's setup
+  and its first training step; the compile's share is that minus a later step. On a shared
+  machine wall time follows the load, so the CPU seconds of the whole process (its compiler
+  subprocesses included) are read too, less an eager process's doing the same steps: the
+  compile's CPU seconds. ``--rounds`` rounds, the
   variants in a different order each round. ``--machine-warm``: a new model on a machine that
-  has compiled before, the TMPDIR keeping inductor's precompiled C++ header (``machine_tmp``).
+  has compiled before, the TMPDIR keeping inductor's precompiled C++ header and its probe of
+  the CPU's vector instructions (``machine_tmp``).
 * **the floor**: a fresh process on an empty cache folder compiles a one-op function (forward
   and backward): what any first torch.compile of a process costs whatever the model (importing
-  inductor, its cache keys, the vector-ISA probe, the compile workers, two kernels). The
+  inductor, its cache keys, the vector-ISA probe, the compile workers, two kernels), through
+  torchturbo's cache folder and machine-wide probe as the models' compiles go. The
   summary also shows each variant's compile beyond it, the part the model's size decides.
 * **warm cache**: a second fresh process on the folder and TMPDIR the cold one filled, as when
   ``train`` follows ``tune`` (``[compile] cache_dir``).
@@ -50,6 +53,7 @@ from torch import nn
 from torchturbo.config import TurboConfig
 from torchturbo.output.results_file import write_results
 from torchturbo.recipe import Recipe
+from torchturbo.techniques.compile import probe_cpu_machine_wide, use_compile_cache
 from torchturbo.trials.trial import fixed_batches, start_trial
 from torchturbo.trials.variants import compare_configs
 
@@ -115,12 +119,13 @@ def _config(variant: str, cache_dir: str = "") -> TurboConfig:
 
 
 def floor_child(cache: str) -> None:
-    """A fresh process's first compile of a one-op function, forward and backward, as JSON."""
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
-    x = torch.randn(64, 64, requires_grad=True)
-    compiled = torch.compile(lambda t: (t.sin() * 2).relu().sum())
+    """A fresh process's first compile of a one-op function, forward and backward, as JSON:
+    through torchturbo's cache folder and its machine-wide probe of the CPU, as the models'."""
     begin = time.perf_counter()
-    compiled(x).backward()
+    use_compile_cache(cache)
+    probe_cpu_machine_wide(torch.device("cpu"))
+    x = torch.randn(64, 64, requires_grad=True)
+    torch.compile(_one_op)(x).backward()
     first = time.perf_counter() - begin
     print(json.dumps({"first_s": first, "later_s": 0.0, "applied": {}}))
 
@@ -181,13 +186,23 @@ def _model_args(args: argparse.Namespace) -> list[str]:
     return [item for name in names for item in (f"--{name}", str(getattr(args, name)))]
 
 
+def _one_op(t: torch.Tensor) -> torch.Tensor:
+    return (t.sin() * 2).relu().sum()
+
+
 def machine_tmp(folder: Path) -> Path:
-    """A TMPDIR as on a machine that has compiled before: a throwaway compile builds inductor's
-    precompiled C++ header there once (about 10 s, the same for every model of this torch)."""
+    """A TMPDIR as on a machine that has compiled before: a throwaway compile (the floor's
+    function, forward and backward) in inductor's default folder there, which keeps what
+    inductor learns once per machine and torch: its precompiled C++ header (about 10 s) and
+    its probe of the CPU's vector instructions (about 8 s)."""
     tmp = folder / "machine-tmp"
     tmp.mkdir()
-    warm_up = "import torch; torch.compile(lambda x: x.sin() + 1)(torch.ones(8))"
-    env = {**os.environ, "TMPDIR": str(tmp), "TORCHINDUCTOR_CACHE_DIR": str(folder / "throwaway")}
+    warm_up = (
+        "import torch; x = torch.randn(64, 64, requires_grad=True); "
+        "torch.compile(lambda t: (t.sin() * 2).relu().sum())(x).backward()"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    env["TMPDIR"] = str(tmp)
     subprocess.run([sys.executable, "-c", warm_up], env=env, check=True, capture_output=True)
     return tmp
 

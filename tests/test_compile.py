@@ -145,3 +145,45 @@ def test_inductors_own_default_in_the_environment_is_not_taken_for_the_users(tmp
 
     monkeypatch.setenv(CACHE_ENV, default_cache_dir())
     assert use_compile_cache(str(tmp_path / "cache")) == str((tmp_path / "cache").resolve())
+
+
+# A fresh process: inductor remembers its probe of the CPU for the process's life.
+_PROBE = """
+import sys, torch
+from torchturbo.techniques.compile import probe_cpu_machine_wide, use_compile_cache
+use_compile_cache(sys.argv[1])
+if sys.argv[2] == "machine-wide":
+    probe_cpu_machine_wide(torch.device("cpu"))
+from torch._inductor.cpu_vec_isa import pick_vec_isa
+print(pick_vec_isa())
+"""
+
+
+def _probe_sources(folder) -> int:
+    """Sources of inductor's vector-ISA probe (its test kernel's name) under ``folder``."""
+    return sum("__avx_chk_kernel" in p.read_text() for p in folder.rglob("*.cpp"))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.uname().machine not in ("x86_64", "AMD64"), reason="an x86 probe")
+def test_the_cpu_probe_is_kept_machine_wide_not_in_each_jobs_cache_folder(tmp_path):
+    import subprocess
+    import sys
+
+    runs = {}
+    for way in ("machine-wide", "inductors-own"):  # no spaces: inductor splits paths
+        tmp = tmp_path / way / "tmp"  # inductor's default folder lives under TMPDIR
+        tmp.mkdir(parents=True)
+        job = tmp_path / way / "job"
+        env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+        env["TMPDIR"] = str(tmp)
+        command = [sys.executable, "-c", _PROBE, str(job), way]
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        runs[way] = (done.stdout.strip(), _probe_sources(job), _probe_sources(tmp))
+    isa, in_job, in_machine = runs["machine-wide"]
+    assert in_job == 0 and in_machine > 0
+    # Negative control: left to inductor, the job's new folder gets the probe (every new job
+    # compiles it again), and the same instruction set is picked either way.
+    control_isa, control_in_job, _ = runs["inductors-own"]
+    assert control_in_job > 0 and control_isa == isa

@@ -797,3 +797,17 @@ def test_a_compile_that_cannot_pay_back_on_the_job_is_not_measured():
 def test_slow_steps_hold_fewer_batches_so_a_pass_over_them_stays_short():
     assert batch_count(0.05) == NUM_BATCHES and batch_count(0.5) == NUM_BATCHES
     assert batch_count(0.8) == 5 and batch_count(2.0) == MIN_BATCHES == 4
+
+
+def test_a_trials_one_time_cost_counts_the_engines_setup():
+    """Work a technique does in setup (compile's probe of the CPU) is a one-time cost of the
+    job as much as the first step's: the first step's time carries both."""
+    recipe = tiny_recipe()
+    ticks = iter([0.0, 5.0, 5.0, 6.5])  # setup begins, ends; the first step begins, ends
+    trial, first = start_trial(
+        recipe, TurboConfig(device="cpu"), fixed_batches(recipe, 1), lambda: next(ticks)
+    )
+    try:
+        assert trial.setup_s == 5.0 and first == 6.5
+    finally:
+        trial.close()

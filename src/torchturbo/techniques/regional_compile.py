@@ -32,6 +32,7 @@ from torchturbo.config import CompileConfig, TurboConfig
 from torchturbo.techniques.compile import (
     compile_options,
     explain_compile_failure,
+    probe_cpu_machine_wide,
     trace_checkpointed_side_effects,
     use_compile_cache,
 )
@@ -72,7 +73,10 @@ def _requested(config: TurboConfig) -> bool:
 
 
 def _transform(model: nn.Module, config: TurboConfig, device: torch.device) -> TechniqueResult:
-    return apply_regional_compile(model, config.compile)
+    result = apply_regional_compile(model, config.compile)
+    if result.applied:
+        probe_cpu_machine_wide(device)
+    return result
 
 
 def _explain(error: BaseException) -> tuple[TechniqueResult, Exception] | None:

@@ -79,7 +79,13 @@ def fixed_batches(
 class Trial:
     """One configuration training a fresh copy of the recipe's model on fixed batches."""
 
-    def __init__(self, recipe: Recipe, config: TurboConfig, batches: list[Any]) -> None:
+    def __init__(
+        self,
+        recipe: Recipe,
+        config: TurboConfig,
+        batches: list[Any],
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
         self.recipe = recipe
         self.config = config
         self.batches = batches
@@ -88,8 +94,12 @@ class Trial:
         #: DDP's gradient traffic, counted when running under torchrun with strategy = "ddp".
         self.comm = CommStats() if distributed and config.distributed.strategy == "ddp" else None
         model, optimizer = recipe.build()
+        begin = clock()
         # Under torchrun the engine wraps the model per [distributed] (DDP or FSDP2).
         self.model, self.optimizer, _ = self.turbo.setup(model, optimizer, comm_stats=self.comm)
+        #: Seconds the engine's setup took (the techniques' one-time work done before the first
+        #: step, compile's probe of the CPU among them): part of the first step's one-time cost.
+        self.setup_s = clock() - begin
         #: Per optimizer window: (micro-steps, bytes, seconds) of gradient communication.
         self.comm_windows: list[tuple[int, int, float]] = []
         self._window_steps = 0
@@ -330,11 +340,11 @@ def start_trial(
     batches: list[Any],
     clock: Callable[[], float] = time.perf_counter,
 ) -> tuple[Trial, float]:
-    """A new trial and the time of its first step, which carries the one-time costs (compile,
-    autotuning) and is therefore reported apart from steady-state step time."""
-    trial = Trial(recipe, config, batches)
+    """A new trial and the time of its setup and first step, which carry the one-time costs
+    (compile, autotuning) and are therefore reported apart from steady-state step time."""
+    trial = Trial(recipe, config, batches, clock)
     try:
-        return trial, time_once(trial.step, trial.turbo.device, clock)
+        return trial, trial.setup_s + time_once(trial.step, trial.turbo.device, clock)
     except BaseException:
         trial.close()
         raise
