@@ -180,3 +180,26 @@ def test_a_real_tune_run_reports_one_consistent_set_of_figures(tmp_path: Path) -
     else:  # nothing adopted: the baseline's own measurement is the only row
         assert len(incremental_rows(results)) == 1
         assert_consistent_json(results)
+
+
+def test_a_memory_plans_row_shows_its_measured_footprint() -> None:
+    """A plan's name has " + " inside it; its row read it as three adoptions, found none, and
+    printed n/a for the footprint that decided it (a GPT-2 under --memory-budget)."""
+    plan = "plan: ckpt transformer.h.0 + micro-batch 2 x4 + bf16 optimizer state"
+    results = {
+        "candidates": [
+            {"name": "fp32 eager", "stage": "baseline", "memory_bytes": 147_067_604},
+            {"name": "compile:default", "verdict": "adopted", "memory_bytes": 60_000_000},
+            {"name": plan, "verdict": "adopted", "memory_bytes": 62_304_980, "one_time_s": 0.0},
+        ],
+        "adopted": [plan, "compile:default"],
+        "confirmation": {
+            "rows": [
+                {"name": "baseline (fp32 eager)", "throughput": 3373.0, "step_ms": 149.4},
+                {"name": f"+ {plan}", "stage": "memory", "throughput": 2001.0, "ratio": 0.59},
+                {"name": f"+ {plan} + compile:default", "stage": "compile", "ratio": 1.1},
+            ]
+        },
+    }
+    rows = incremental_rows(results)
+    assert [row[5] for row in rows] == ["140.3 MiB", "59.4 MiB", "57.2 MiB"]

@@ -7,6 +7,8 @@ unit; :func:`header_row` fills it in.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from torchturbo.tune.fields import (
     BASELINE_LABEL,
     adopted_rows,
@@ -68,7 +70,7 @@ def incremental_figures(results: dict) -> list[dict]:
     figures: list[dict] = []
     for i, row in enumerate(chained):
         name = str(row.get("name") or "")
-        names = name.removeprefix("+ ").split(" + ")
+        names = _adoption_names(name.removeprefix("+ "), adopted)
         search = adopted.get(names[-1], base if i == 0 else {})
         if i and name.startswith("+ "):
             name = "+ " + " + ".join(adoption_label(n, results, replaced) for n in names)
@@ -86,6 +88,20 @@ def incremental_figures(results: dict) -> list[dict]:
             }
         )
     return figures
+
+
+def _adoption_names(joined: str, adopted: Iterable[str]) -> list[str]:
+    """The adoptions a confirmation row names, joined by " + ": read against the adopted names
+    themselves, longest first, since a memory plan's name has " + " inside it ("plan: ckpt
+    layers.0 + micro-batch 2 x4 + bf16 optimizer state"); a part no adoption matches is one."""
+    known = sorted(adopted, key=len, reverse=True)
+    names: list[str] = []
+    while joined:
+        found = next((n for n in known if joined == n or joined.startswith(n + " + ")), None)
+        part = found if found is not None else joined.split(" + ", 1)[0]
+        names.append(part)
+        joined = joined[len(part) :].removeprefix(" + ")
+    return names
 
 
 def incremental_rows(results: dict) -> list[tuple[str, ...]]:
