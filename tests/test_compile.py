@@ -187,3 +187,31 @@ def test_the_cpu_probe_is_kept_machine_wide_not_in_each_jobs_cache_folder(tmp_pa
     # compiles it again), and the same instruction set is picked either way.
     control_isa, control_in_job, _ = runs["inductors-own"]
     assert control_in_job > 0 and control_isa == isa
+
+
+def test_the_cpu_probe_stays_in_the_jobs_folder_where_inductors_own_cannot_be_made(
+    tmp_path, monkeypatch
+):
+    """A probe that cannot write fails, and inductor then compiles every kernel without vector
+    instructions: where its machine-wide folder cannot be made, the job's folder serves."""
+    import torch._inductor.cpu_vec_isa as vec_isa
+    import torch._inductor.runtime.cache_dir_utils as cache_dir_utils
+
+    from torchturbo.techniques.compile import CACHE_ENV, probe_cpu_machine_wide, use_compile_cache
+
+    seen: list[str] = []
+    monkeypatch.setattr(vec_isa, "pick_vec_isa", lambda: seen.append(os.environ[CACHE_ENV]))
+    monkeypatch.delenv(CACHE_ENV, raising=False)
+    job = use_compile_cache(str(tmp_path / "job"))
+    machine = tmp_path / "machine"
+    monkeypatch.setattr(cache_dir_utils, "default_cache_dir", lambda: str(machine))
+    probe_cpu_machine_wide(torch.device("cpu"))
+    assert seen == [str(machine)] and os.environ[CACHE_ENV] == job
+
+    (tmp_path / "a-file").write_text("")
+    blocked = tmp_path / "a-file" / "inductor"
+    monkeypatch.setattr(cache_dir_utils, "default_cache_dir", lambda: str(blocked))
+    probe_cpu_machine_wide(torch.device("cpu"))
+    assert seen == [str(machine)] and os.environ[CACHE_ENV] == job  # not called this time
+    probe_cpu_machine_wide(torch.device("meta"))  # off the CPU: nothing to probe
+    assert len(seen) == 1

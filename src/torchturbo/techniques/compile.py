@@ -68,15 +68,24 @@ def probe_cpu_machine_wide(device: torch.device) -> None:
     of a regional compile's cold 16 s, against 1.1 s with the libraries found. The answer is the
     machine's, so it is computed where inductor keeps its machine-wide files (its default
     folder, beside its precompiled headers); the process remembers it, and the job's folder
-    never sees it. A folder the user chose is left alone. Nothing to do off the CPU.
+    never sees it. A folder the user chose is left alone, and so is the job's where inductor's
+    own cannot be written (a failed probe would compile every kernel without vectors, quietly).
+    Nothing to do off the CPU.
     """
     if device.type != "cpu" or os.environ.get(CACHE_ENV) not in _SET_HERE:
         return
     from torch._inductor.cpu_vec_isa import pick_vec_isa
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
+    machine_folder = default_cache_dir()
+    try:
+        os.makedirs(machine_folder, exist_ok=True)
+    except OSError:
+        return
+    if not os.access(machine_folder, os.W_OK):
+        return
     job_folder = os.environ[CACHE_ENV]
-    os.environ[CACHE_ENV] = default_cache_dir()
+    os.environ[CACHE_ENV] = machine_folder
     try:
         pick_vec_isa()
     finally:
