@@ -203,3 +203,5 @@ def test_a_memory_plans_row_shows_its_measured_footprint() -> None:
     }
     rows = incremental_rows(results)
     assert [row[5] for row in rows] == ["140.3 MiB", "59.4 MiB", "57.2 MiB"]
+    results["confirmation"]["rows"][2]["name"] = ""  # a row without a name still prints
+    assert [row[5] for row in incremental_rows(results)][2] == "n/a"

@@ -101,7 +101,7 @@ def _adoption_names(joined: str, adopted: Iterable[str]) -> list[str]:
         part = found if found is not None else joined.split(" + ", 1)[0]
         names.append(part)
         joined = joined[len(part) :].removeprefix(" + ")
-    return names
+    return names or [""]
 
 
 def incremental_rows(results: dict) -> list[tuple[str, ...]]:
