@@ -284,7 +284,8 @@ def _graph_breaks_and_grads(model: nn.Module, x: torch.Tensor) -> tuple[int, lis
 @pytest.mark.parametrize("scope", ["model", "blocks"])
 def test_compile_traces_a_checkpointed_block_that_sets_python_state(scope):
     """Compiled in name only before: dynamo refused the checkpoint region (it mutates state
-    outside it) and ran the block eager. Now one graph, the gradients of eager checkpointing."""
+    outside it) and ran the block eager. Now no graph break, and eager checkpointing's
+    gradients."""
     from torch._dynamo import config as dynamo_config
 
     _ACTIVE.compiled = False  # as in a fresh process
