@@ -11,15 +11,15 @@ block a graph of its own: docs/techniques/regional_compile.md). Three measuremen
   and its first training step; the compile's share is that minus a later step. On a shared
   machine wall time follows the load, so the CPU seconds of the whole process (its compiler
   subprocesses included) are read too, less an eager process's doing the same steps: the
-  compile's CPU seconds. ``--rounds`` rounds, the
-  variants in a different order each round. ``--machine-warm``: a new model on a machine that
-  has compiled before, the TMPDIR keeping inductor's precompiled C++ header and its probe of
-  the CPU's vector instructions (``machine_tmp``).
+  compile's CPU seconds. ``--rounds`` rounds, the variants in a different order each round.
+  ``--machine-warm``: a new model on a machine that has compiled before, the TMPDIR keeping
+  inductor's precompiled C++ header and its probe of the CPU's vector instructions
+  (``machine_tmp``).
 * **the floor**: a fresh process on an empty cache folder compiles a one-op function (forward
   and backward): what any first torch.compile of a process costs whatever the model (importing
   inductor, its cache keys, the vector-ISA probe, the compile workers, two kernels), through
-  torchturbo's cache folder and machine-wide probe as the models' compiles go. The
-  summary also shows each variant's compile beyond it, the part the model's size decides.
+  torchturbo's cache folder and machine-wide probe as the models' compiles go. The summary
+  also shows each variant's compile beyond it, the part the model's size decides.
 * **warm cache**: a second fresh process on the folder and TMPDIR the cold one filled, as when
   ``train`` follows ``tune`` (``[compile] cache_dir``).
 * **per step**: eager, whole and regional side by side in one process (``compare_configs``:
@@ -191,19 +191,16 @@ def _one_op(t: torch.Tensor) -> torch.Tensor:
 
 
 def machine_tmp(folder: Path) -> Path:
-    """A TMPDIR as on a machine that has compiled before: a throwaway compile (the floor's
-    function, forward and backward) in inductor's default folder there, which keeps what
-    inductor learns once per machine and torch: its precompiled C++ header (about 10 s) and
-    its probe of the CPU's vector instructions (about 8 s)."""
+    """A TMPDIR as on a machine that has compiled before: a throwaway run of the floor's
+    process there fills inductor's default folder with what it learns once per machine and
+    torch: its precompiled C++ header (about 10 s) and its probe of the CPU's vector
+    instructions (about 8 s, kept there by ``probe_cpu_machine_wide``)."""
     tmp = folder / "machine-tmp"
     tmp.mkdir()
-    warm_up = (
-        "import torch; x = torch.randn(64, 64, requires_grad=True); "
-        "torch.compile(lambda t: (t.sin() * 2).relu().sum())(x).backward()"
-    )
     env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
     env["TMPDIR"] = str(tmp)
-    subprocess.run([sys.executable, "-c", warm_up], env=env, check=True, capture_output=True)
+    warm_up = [sys.executable, __file__, "--child", FLOOR, "--cache", str(folder / "throwaway")]
+    subprocess.run(warm_up, env=env, check=True, capture_output=True)
     return tmp
 
 
