@@ -141,7 +141,7 @@ def triton_op(run: Run) -> dict[str, Any]:
         x = torch.randn(4096, 1024, device=run.device, dtype=dtype, requires_grad=True)
         bias = torch.randn(1024, device=run.device, dtype=dtype, requires_grad=True)
         grad = torch.randn_like(x)
-        with torch.profiler.profile() as profile:
+        with torch.profiler.profile(acc_events=True) as profile:  # torch 2.11 warns without
             out = bias_gelu(x, bias)
             out.backward(grad)
             torch.cuda.synchronize()

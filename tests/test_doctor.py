@@ -368,7 +368,7 @@ from torchturbo.doctor.profiling import quiet_kineto
 
 if sys.argv[1] == "quiet":
     quiet_kineto()
-with profile(activities=[ProfilerActivity.CPU]):
+with profile(activities=[ProfilerActivity.CPU], acc_events=True):
     torch.ones(4) + 1
 """
 

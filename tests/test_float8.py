@@ -114,7 +114,8 @@ def test_converted_linears_run_fp8_matmuls_within_fp8_rounding_of_fp32() -> None
     converted = copy.deepcopy(reference)
     convert_linears(converted)
     x = torch.randn(64, 64)
-    with torch.profiler.profile() as profile:
+    # acc_events: torch 2.11 warns on entering profile() without it (its first cycle too).
+    with torch.profiler.profile(acc_events=True) as profile:
         out = converted(x)
     assert "aten::_scaled_mm" in {event.name for event in profile.events()}
     expected = reference(x)

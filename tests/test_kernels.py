@@ -42,7 +42,10 @@ def test_ops_are_registered() -> None:
 
 def test_cpu_path_runs_the_cpp_kernel_not_the_composite() -> None:
     x, bias = _inputs()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    # acc_events: torch 2.11 warns on entering profile() without it (its first cycle too).
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU], acc_events=True
+    ) as prof:
         bias_gelu(x, bias).sum().backward()
     names = {event.name for event in prof.events()}
     assert "torchturbo_cpu::bias_gelu_forward" in names

@@ -116,7 +116,8 @@ def test_without_triton_cuda_runs_the_composite_and_says_so(monkeypatch) -> None
 @needs_cuda
 def test_cuda_op_runs_triton_and_equals_the_reference() -> None:
     x, bias, grad = (t.cuda().requires_grad_(i < 2) for i, t in enumerate(_inputs()))
-    with torch.profiler.profile() as profile:
+    # acc_events: torch 2.11 warns on entering profile() without it (its first cycle too).
+    with torch.profiler.profile(acc_events=True) as profile:
         out = bias_gelu(x, bias)
         out.backward(grad)
     names = " ".join(event.name for event in profile.events())

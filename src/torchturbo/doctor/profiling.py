@@ -129,7 +129,11 @@ def _profile(
     with (
         turbo.recording(_TraceLabels()),
         torch.profiler.profile(
-            activities=activities, schedule=schedule, on_trace_ready=export
+            activities=activities,
+            schedule=schedule,
+            on_trace_ready=export,
+            # One cycle either way; torch 2.11 warns on its first cycle without it.
+            acc_events=True,
         ) as prof,
     ):
         for _ in range(steps + 2):
