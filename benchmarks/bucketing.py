@@ -28,9 +28,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from torchturbo.base.device import to_device
 from torchturbo.data.bucketing import BucketBatchSampler, pack_batches, padding_fraction
 from torchturbo.data.collate import pad_collate
-from torchturbo.data.loader import to_device
 from torchturbo.measure.timing import measure_interleaved
 from torchturbo.output.results_file import write_results
 from torchturbo.recipe import Recipe

@@ -37,8 +37,9 @@ import torch.nn.functional as F
 from PIL import Image
 from torch.utils.data import Dataset
 
+from torchturbo.base.device import to_device
 from torchturbo.config import DataConfig
-from torchturbo.data.loader import build_loader, to_device
+from torchturbo.data.loader import build_loader
 from torchturbo.measure.timing import Timing, measure_interleaved, sync
 from torchturbo.output.results_file import write_results
 from torchturbo.tune.loader_search import default_candidates, describe, tune_loader, usable_cpus

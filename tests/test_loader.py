@@ -16,8 +16,9 @@ import pytest
 import torch
 from torch.utils.data import BatchSampler, Dataset, SequentialSampler, TensorDataset
 
+from torchturbo.base.device import to_device
 from torchturbo.config import ConfigError, DataConfig
-from torchturbo.data.loader import build_loader, to_device
+from torchturbo.data.loader import build_loader
 from torchturbo.tune.loader_search import (
     _choose,
     _Run,

@@ -8,8 +8,8 @@ from typing import NamedTuple
 
 import torch
 
+from torchturbo.base.device import to_device
 from torchturbo.base.nested import iter_tensors, map_tensors, named_tensors
-from torchturbo.data.loader import to_device
 from torchturbo.reliability.oom import leading_size, split_batch
 
 

@@ -1,7 +1,7 @@
 """The ground floor: small helpers that import nothing else of torchturbo.
 
 Every other package may use them, so they sit below all of them: walking nested batches
-(``nested``), saved-tensor hooks that compose (``saved_tensors``), what the NHWC layout applies
-to (``nhwc``), and the signals that stop a run and what a loader worker does on one
-(``stop_signals``).
+(``nested``), the model's device and the one move of a batch to it (``device``), saved-tensor
+hooks that compose (``saved_tensors``), what the NHWC layout applies to (``nhwc``), and the
+signals that stop a run and what a loader worker does on one (``stop_signals``).
 """

@@ -2,25 +2,20 @@
 
 :func:`build_loader` passes only the DataLoader arguments that apply to the device and the
 worker count; the settings themselves are chosen by measurement in the tuner
-(:mod:`torchturbo.tune.loader_search`). :func:`to_device` moves a nested batch through
-:mod:`torchturbo.base.nested` (the one walker every module shares; its docstring says why
-no library served).
+(:mod:`torchturbo.tune.loader_search`). Batches reach the device through
+:func:`torchturbo.base.device.to_device`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
-from torchturbo.base.nested import map_tensors
-from torchturbo.base.nhwc import is_image
 from torchturbo.base.stop_signals import leave_stop_signals_to_the_trainer
 from torchturbo.config import ConfigError, DataConfig
-
-T = TypeVar("T")
 
 
 def build_loader(
@@ -89,24 +84,3 @@ def build_loader(
         drop_last=drop_last,
         **kwargs,
     )
-
-
-def to_device(
-    batch: T, device: torch.device | str, *, non_blocking: bool, channels_last: bool = False
-) -> T:
-    """Move every tensor of a nested batch to ``device``, keeping the structure and its types.
-
-    The containers seen into are those of :func:`torchturbo.base.nested.map_tensors`;
-    anything else (ints, strings) passes through unchanged. With ``channels_last``, image tensors
-    (:func:`~torchturbo.base.nhwc.is_image`) are laid out NHWC in the same copy;
-    integer tensors (labels, masks, token ids) never are. ``non_blocking=True`` makes the copy
-    asynchronous only from pinned (page-locked) host memory to CUDA; from pageable memory it behaves
-    as a blocking copy, and on CPU it changes nothing.
-    """
-
-    def move(tensor: torch.Tensor) -> torch.Tensor:
-        nhwc = channels_last and is_image(tensor)
-        layout = torch.channels_last if nhwc else torch.preserve_format
-        return tensor.to(device, non_blocking=non_blocking, memory_format=layout)
-
-    return map_tensors(move, batch)

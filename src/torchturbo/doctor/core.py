@@ -20,9 +20,10 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
+from torchturbo.base.device import to_device
 from torchturbo.config import CompileConfig, Precision, PrecisionConfig, TurboConfig
 from torchturbo.data.bucketing import padding_fractions
-from torchturbo.data.loader import build_loader, to_device
+from torchturbo.data.loader import build_loader
 from torchturbo.distributed.launch import current_env
 from torchturbo.doctor.checklist import judge
 from torchturbo.doctor.data_facts import (

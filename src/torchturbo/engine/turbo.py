@@ -26,8 +26,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from torchturbo.base.device import to_device
 from torchturbo.config import TurboConfig
-from torchturbo.data.loader import to_device
 from torchturbo.distributed.comm import CommStats
 from torchturbo.distributed.launch import init_distributed
 from torchturbo.distributed.select import select_strategy

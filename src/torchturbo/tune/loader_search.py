@@ -30,10 +30,11 @@ import psutil
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from torchturbo.base.device import to_device
 from torchturbo.base.nested import iter_tensors
 from torchturbo.config import ConfigError, DataConfig
 from torchturbo.data.length import length_or_none
-from torchturbo.data.loader import build_loader, to_device
+from torchturbo.data.loader import build_loader
 from torchturbo.measure.system import usable_cores
 from torchturbo.measure.timing import Timing, sync
 

@@ -15,9 +15,9 @@ from typing import Any
 
 from torch.utils.data import DataLoader, IterableDataset
 
+from torchturbo.base.device import to_device
 from torchturbo.config import DataConfig
 from torchturbo.data.length import length_or_none
-from torchturbo.data.loader import to_device
 from torchturbo.distributed.consensus import agree
 from torchturbo.measure.timing import time_once
 from torchturbo.tune.loader_search import default_candidates, describe, tune_loader
