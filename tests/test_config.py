@@ -25,7 +25,8 @@ from torchturbo.config import (
 INVALID = [
     ("[chunked_loss]\nchunk_tokens = 0", "[chunked_loss] chunk_tokens = 0"),
     ('[activation_compression]\ndtype = "int8"', "[activation_compression] dtype = 'int8'"),
-    ('device = "tpu"', "device = 'tpu'"),
+    ('device = "tpu 0"', "device = 'tpu 0'"),
+    ('device = "xpu:"', "or another accelerator's name as torch spells it"),
     ('device = "cuda:banana"', "device = 'cuda:banana' is invalid"),
     ('device = "cuda:128"', "with N from 0 to 127"),  # torch's int8 index: cuda:-128
     ('device = "cuda:01"', "device = 'cuda:01'"),
@@ -252,6 +253,20 @@ CPU_ONLY = Environment(cuda_devices=0, processes=1, cpu_fp16=False)
     [
         (TurboConfig(), CPU_ONLY, [], []),  # negative control: the defaults pass anywhere
         (TurboConfig(device="cuda"), CPU_ONLY, ["needs CUDA"], []),
+        # Another accelerator is a name torch knows; whether it is here, the environment says.
+        (TurboConfig(device="tpu"), CPU_ONLY, ["torch finds no tpu device here"], []),
+        (
+            TurboConfig(device="xpu:1"),
+            Environment(cuda_devices=0, other_devices={"xpu": 1}, processes=1, cpu_fp16=False),
+            ["xpu:0 to xpu:0"],
+            [],
+        ),
+        (
+            TurboConfig(device="xpu"),
+            Environment(cuda_devices=0, other_devices={"xpu": 1}, processes=1, cpu_fp16=False),
+            [],
+            [],
+        ),
         (
             TurboConfig(device="cuda:3"),
             Environment(cuda_devices=2, processes=1, cpu_fp16=False),

@@ -185,7 +185,8 @@ def add_target_arguments(parser: argparse.ArgumentParser) -> None:
         "--device",
         type=device_argument,
         metavar="DEVICE",
-        help="cpu, cuda or cuda:N (default: cuda when available)",
+        help="cpu, cuda or cuda:N, or another accelerator as torch names it (mps, xpu) "
+        "(default: cuda when available)",
     )
 
 
@@ -194,6 +195,13 @@ def device_argument(text: str) -> str:
     from torchturbo.config import device_problem
 
     problem = device_problem(text, name="")
+    if problem is None and text != "auto":
+        import torch
+
+        try:
+            torch.device(text)
+        except RuntimeError:
+            problem = f"{text!r} is invalid: torch knows no device of that name"
     if problem is not None:
         raise argparse.ArgumentTypeError(problem + did_you_mean(text, ("auto", "cpu", "cuda")))
     return text

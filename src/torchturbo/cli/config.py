@@ -51,7 +51,7 @@ def add_parser(commands: Any) -> None:
         "--device",
         type=device_argument,
         metavar="DEVICE",
-        help="cpu, cuda or cuda:N (default: auto)",
+        help="cpu, cuda or cuda:N, or another accelerator as torch names it (default: auto)",
     )
     add_config_arguments(show, default_preset=None)
     show.set_defaults(run=run_show, command="config show")

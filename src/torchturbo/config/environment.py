@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 if sys.version_info >= (3, 11):
     pass
@@ -22,6 +23,9 @@ class Environment:
     """What the machine and the launch offer: the facts :func:`check_environment` reads."""
 
     cuda_devices: int
+    #: Devices of the accelerator torch finds here other than CUDA (mps, xpu, a PrivateUse1
+    #: backend), by type: what a config's ``device = "xpu:1"`` is checked against.
+    other_devices: Mapping[str, int] = field(default_factory=dict)
     #: Processes of the run: torchrun's WORLD_SIZE, 1 without torchrun.
     processes: int
     #: The CPU has native fp16 arithmetic (AVX512-FP16 or AMX-FP16).
@@ -34,8 +38,14 @@ class Environment:
         from torchturbo.measure.system import cpu_flags
 
         world_size = os.environ.get("WORLD_SIZE", "1")
+        accelerator = torch.accelerator.current_accelerator()
+        other = {}
+        if accelerator is not None and accelerator.type != "cuda":
+            available = torch.accelerator.is_available()
+            other[accelerator.type] = torch.accelerator.device_count() if available else 0
         return cls(
             cuda_devices=torch.cuda.device_count() if torch.cuda.is_available() else 0,
+            other_devices=other,
             processes=int(world_size) if world_size.isdigit() else 1,
             cpu_fp16=bool(cpu_flags() & {"avx512_fp16", "amx_fp16"}),
         )
@@ -48,14 +58,8 @@ def check_environment(config: TurboConfig, env: Environment) -> tuple[list[str],
     their name promises here. Each is one sentence naming the fields.
     """
     errors, warnings = [], []
-    index = DEVICE_NAME.fullmatch(config.device)["index"]  # type: ignore[index]  # validated
-    if config.device.startswith("cuda") and env.cuda_devices == 0:
-        errors.append(f"device = {config.device!r} needs CUDA; this machine has no CUDA device")
-    elif index is not None and int(index) >= env.cuda_devices:
-        errors.append(
-            f"device = {config.device!r} is not on this machine: it has {env.cuda_devices} "
-            f"CUDA device(s), cuda:0 to cuda:{env.cuda_devices - 1}"
-        )
+    if (problem := _device_missing(config.device, env)) is not None:
+        errors.append(problem)
     on_cpu = config.device == "cpu" or (config.device == "auto" and env.cuda_devices == 0)
     if config.precision.dtype == "fp16" and on_cpu and not env.cpu_fp16:
         warnings.append(
@@ -73,3 +77,24 @@ def check_environment(config: TurboConfig, env: Environment) -> tuple[list[str],
             "(torchrun --nproc-per-node N -m torchturbo ...); this is one process"
         )
     return errors, warnings
+
+
+def _device_missing(device: str, env: Environment) -> str | None:
+    """Why ``device`` (a valid name) is not on this machine, or None."""
+    match = DEVICE_NAME.fullmatch(device)
+    kind, index = match["type"], match["index"]  # type: ignore[index]  # validated
+    if kind in (None, "cpu"):
+        return None
+    count = env.cuda_devices if kind == "cuda" else env.other_devices.get(kind, 0)
+    if count == 0:
+        if kind == "cuda":
+            return f"device = {device!r} needs CUDA; this machine has no CUDA device"
+        here = {"cpu": 1, "cuda": env.cuda_devices, **env.other_devices}
+        found = ", ".join(name for name, n in here.items() if n)
+        return f"device = {device!r}: torch finds no {kind} device here (devices here: {found})"
+    if index is not None and int(index) >= count:
+        return (
+            f"device = {device!r} is not on this machine: it has {count} {kind} device(s), "
+            f"{kind}:0 to {kind}:{count - 1}"
+        )
+    return None

@@ -50,7 +50,7 @@ def _device_schema(field: ConfigField) -> dict[str, Any]:
     indices = "|".join(str(index) for index in range(MAX_CUDA_INDEX + 1))
     return {
         "type": "string",
-        "pattern": rf"^(?:auto|cpu|cuda(?::(?:{indices}))?)$",
+        "pattern": rf"^(?:auto|[a-z][a-z0-9_]*(?::(?:{indices}))?)$",
         "default": field.default,
         "description": field.doc,
     }

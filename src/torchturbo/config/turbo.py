@@ -46,7 +46,8 @@ from torchturbo.config.validation import ConfigError, device_problem, did_you_me
 class TurboConfig:
     """The whole configuration. Build it in code, from a preset, or from a TOML file."""
 
-    #: "auto" (CUDA when available, else CPU), "cpu", "cuda" or "cuda:N".
+    #: "auto" (CUDA when available, else CPU), "cpu", "cuda" or "cuda:N"; another accelerator
+    #: as torch names it ("mps", "xpu:N") where torch finds one.
     device: str = "auto"
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     memory_format: MemoryFormatConfig = field(default_factory=MemoryFormatConfig)

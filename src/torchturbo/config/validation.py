@@ -53,7 +53,10 @@ class ConfigError(ValueError):
 INT64_MAX = 2**63 - 1
 #: torch's device index is an int8: "cuda:128" silently becomes cuda:-128.
 MAX_CUDA_INDEX = 127
-DEVICE_NAME = re.compile(r"auto|cpu|cuda(?::(?P<index>0|[1-9][0-9]{0,2}))?")
+#: "auto", or a device type with an optional index: cpu, cuda, cuda:N, and the accelerators
+#: torch knows beside CUDA (mps, xpu, a PrivateUse1 backend's name); whether this machine has
+#: the device is checked against the environment (``check_environment``), not here.
+DEVICE_NAME = re.compile(r"auto|(?P<type>[a-z][a-z0-9_]*)(?::(?P<index>0|[1-9][0-9]{0,2}))?")
 #: A config file is a few hundred bytes; a larger one is the wrong file.
 
 
@@ -200,5 +203,6 @@ def device_problem(device: Any, *, name: str = "device = ") -> str | None:
         return None
     return (
         f"{name}{quote(device)} is invalid: expected 'auto', 'cpu', 'cuda' or 'cuda:N' "
-        f"with N from 0 to {MAX_CUDA_INDEX}"
+        f"with N from 0 to {MAX_CUDA_INDEX}, or another accelerator's name as torch spells it "
+        "('mps', 'xpu:N')"
     )

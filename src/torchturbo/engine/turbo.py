@@ -79,12 +79,18 @@ class StepMetrics:
 
 
 def resolve_device(name: str) -> torch.device:
-    """``auto`` is CUDA when available, else CPU; an unavailable CUDA is a clear error."""
+    """``auto`` is CUDA when available, else CPU; a device that is not here is a clear error
+    (another accelerator, "mps" or "xpu", only when named)."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device = {name!r} was asked for, but no CUDA device is available")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"device = {name!r} is not a device torch knows") from None
+    if device.type != "cpu" and not torch.get_device_module(device).is_available():
+        raise ValueError(
+            f"device = {name!r} was asked for, but no {device.type} device is available"
+        )
     return device
 
 
