@@ -45,6 +45,7 @@ except ImportError as err:  # pragma: no cover - exercised only without the extr
         "pip install 'torchturbo[transformers]'"
     ) from err
 
+from torchturbo.base.device import model_device
 from torchturbo.config import DistributedConfig, TurboConfig
 from torchturbo.data.batch_plan import BatchSource
 from torchturbo.data.collate import IGNORE_INDEX
@@ -307,8 +308,9 @@ class TurboCallback(TrainerCallback):
         if model is None or model in self._transformed:
             return
         self._transformed.add(model)
-        device = next(model.parameters()).device
-        self.results |= registry.compose_model(model, self.config, device, "transformers")
+        self.results |= registry.compose_model(
+            model, self.config, model_device(model), "transformers"
+        )
 
 
 class PreemptionCallback(TrainerCallback):

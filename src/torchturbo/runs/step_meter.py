@@ -31,6 +31,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
+from torchturbo.base.device import model_device, to_device
 from torchturbo.engine import StepMetrics, Turbo
 from torchturbo.measure.flops import count_step_flops
 from torchturbo.measure.peak import dtype_for_precision, measured_peak_flops, mfu
@@ -134,7 +135,7 @@ def unit_flops(recipe: Recipe) -> float | None:
     """FLOPs of one fp32 training step (forward + backward) per sample or token, counted by
     ``FlopCounterMode`` on a fresh model and one batch; None when the batch counts nothing."""
     model, _ = recipe.build()
-    (batch,) = fixed_batches(recipe, 1, seed=recipe.seed)
+    (batch,) = to_device(fixed_batches(recipe, 1, seed=recipe.seed), model_device(model))
     counts: list[float] = []
 
     def step() -> None:

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torchturbo.base.device import to_device
 from torchturbo.base.language_models import language_models, output_embedding
 from torchturbo.config import TurboConfig
 from torchturbo.config.sections import CHUNK_TOKENS
@@ -231,9 +232,8 @@ def _check(
     model: nn.Module, head: nn.Linear, original: Callable[..., Any], patched: Callable[..., Any]
 ) -> str:
     """Why the chunked loss differs from the model's own on a few tokens, or ""."""
-    ids = torch.randint(
-        head.weight.shape[0], (1, 8), generator=torch.Generator().manual_seed(0)
-    ).to(head.weight.device)
+    ids = torch.randint(head.weight.shape[0], (1, 8), generator=torch.Generator().manual_seed(0))
+    ids = to_device(ids, head.weight.device)
     modes = {module: module.training for module in model.modules()}
     model.eval()  # no dropout: both paths must see the same network
     try:

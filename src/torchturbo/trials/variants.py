@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from torchturbo.base.device import model_device, to_device
 from torchturbo.base.nhwc import has_2d_convolutions
 from torchturbo.config import DataConfig, TurboConfig
 from torchturbo.distributed.launch import current_env
@@ -61,8 +62,10 @@ class VariantResult:
 
 
 def model_flops_per_step(recipe: Recipe, batch: Any) -> int:
-    """Useful FLOPs of one fp32 eager training step (forward + backward, no recompute)."""
+    """Useful FLOPs of one fp32 eager training step (forward + backward, no recompute), on the
+    device the recipe builds its model on."""
     model, _ = recipe.build()
+    batch = to_device(batch, model_device(model))
 
     def step() -> None:
         out = recipe.loss_fn(model, batch)

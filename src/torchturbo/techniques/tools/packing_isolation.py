@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from torchturbo.base.device import model_device, to_device
 from torchturbo.data.packing import packed_collate, takes_boundaries
 
 __all__ = ["TOLERANCE", "Isolation", "check_isolation", "isolation_documents"]
@@ -86,8 +87,7 @@ def isolation_documents(samples: Sequence[Any], count: int = 3, longest: int = 3
 
 
 def _compare(model: nn.Module, documents: list[torch.Tensor], tol: float, start: int) -> Isolation:
-    device = next(model.parameters()).device
-    documents = [d.to(device).long() for d in documents]
+    documents = [d.long() for d in documents]
     boundaries = takes_boundaries(model)
     differences = _differences(model, documents, boundaries, start)
     if differences is None:
@@ -118,7 +118,7 @@ def _differences(
     params = [p for p in model.parameters() if p.requires_grad]
     generator = torch.Generator().manual_seed(0)
     alone = [_call(model, [d], boundaries, start) for d in documents]
-    weights = [torch.randn(o.shape, generator=generator).to(o) for o in alone]
+    weights = [to_device(torch.randn(o.shape, generator=generator), o.device) for o in alone]
     packed = _call(model, documents, boundaries, start)
     if packed.shape[0] != sum(o.shape[0] for o in alone):
         return None
@@ -211,6 +211,7 @@ def _call(
         boundaries=boundaries,
         position_ids_start=start or 0,
     )
+    batch = to_device(batch, model_device(model))
     parameters = inspect.signature(model.forward).parameters
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
     kwargs = {k: v for k, v in batch.items() if k != "labels" and (takes_any or k in parameters)}
