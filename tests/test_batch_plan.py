@@ -52,6 +52,8 @@ CONFIGS = {
     "buckets, pad to 8": CPU.replace(data__bucketing=True, data__pad_to_multiple=8),
     "packing": CPU.replace(data__packing=True),
     "packing, max_tokens": CPU.replace(data__packing=True, data__max_tokens=64),
+    "buckets, 4 shapes": CPU.replace(data__bucketing=True, data__max_shapes=4),
+    "packing, one shape": CPU.replace(data__packing=True, data__max_shapes=1),
 }
 
 

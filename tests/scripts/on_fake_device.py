@@ -87,7 +87,10 @@ def train() -> int:
 
 
 def bench() -> int:
-    buckets = _cli("bench", LLAMA, "--steps", "2", "--data.bucketing", *GPU_CONFIG)
+    buckets = _cli(
+        *("bench", LLAMA, "--steps", "2", "--data.bucketing", "--data.max_shapes", "4"),
+        *GPU_CONFIG,
+    )
     return buckets or _cli(
         "bench", "--workload", "segmentation", "--device", DEVICE, "--steps", "2"
     )

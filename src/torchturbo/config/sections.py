@@ -271,6 +271,14 @@ class DataConfig:
     max_tokens: int | None = between(None, 1)
     #: Pad sequence lengths up to a multiple of this (8 suits tensor cores).
     pad_to_multiple: int = between(1, 1, high=65536, why="every sequence is padded to it")
+    #: Batches of at most this many shapes, so that CUDA graphs (compile mode reduce-overhead)
+    #: and shape-specialised compiled code are built once per shape, not per batch: buckets pad
+    #: their length up a ladder of this many lengths and their rows to the token budget (empty
+    #: rows), packed rows are all filled to max_tokens (one shape); labels on the padding are
+    #: ignored (data/shapes.py). None: shapes follow the data. Needs bucketing or packing.
+    max_shapes: int | None = between(
+        None, 1, high=1024, why="each shape is a graph to build", absent="shapes follow the data"
+    )
 
     def __post_init__(self) -> None:
         validate_section(self, self._combinations)
@@ -303,6 +311,11 @@ class DataConfig:
             problems.append(
                 f"[data] max_tokens = {self.max_tokens} is only used with bucketing = true or "
                 "packing = true"
+            )
+        if self.max_shapes is not None and not (self.bucketing or self.packing):
+            problems.append(
+                f"[data] max_shapes = {self.max_shapes} is only used with bucketing = true or "
+                "packing = true (the plans whose batches torchturbo pads)"
             )
         if self.max_tokens is not None and self.pad_to_multiple > self.max_tokens:
             problems.append(

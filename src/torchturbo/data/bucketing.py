@@ -30,18 +30,29 @@ count, with no token budget; fairseq's ``batch_by_size`` would bring in all of f
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+import functools
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
+from torchturbo.data.shapes import rung
+
 __all__ = ["BucketBatchSampler", "pack_batches", "padding_fraction"]
 
 
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
+
+
+def _padder(pad_to_multiple: int, ladder: Sequence[int]) -> Callable[[int], int]:
+    """A batch's padded length from its longest sample's: up the ladder when there is one
+    (``data/shapes.py``), else up to the multiple."""
+    if ladder:
+        return functools.partial(rung, tuple(ladder))
+    return functools.partial(_round_up, multiple=pad_to_multiple)
 
 
 def _check_positive_int(name: str, value: Any) -> int:
@@ -78,9 +89,10 @@ def _check_budget(max_tokens: int | None, batch_size: int | None) -> None:
         _check_positive_int("batch_size", batch_size)
 
 
-def _check_fits(lengths: np.ndarray, max_tokens: int, pad_to_multiple: int) -> None:
+def _check_fits(lengths: np.ndarray, max_tokens: int, pad: Callable[[int], int]) -> None:
     """Every sample must fit the budget on its own: dropping it silently would lose data."""
-    padded = -(-lengths // pad_to_multiple) * pad_to_multiple
+    distinct, where = np.unique(lengths, return_inverse=True)
+    padded = np.array([pad(int(n)) for n in distinct])[where]
     too_long = np.flatnonzero(padded > max_tokens)
     if too_long.size:
         first = int(too_long[0])
@@ -98,16 +110,18 @@ def pack_batches(
     max_tokens: int | None = None,
     batch_size: int | None = None,
     pad_to_multiple: int = 1,
+    ladder: Sequence[int] = (),
 ) -> list[list[int]]:
     """Cut ``indices`` into consecutive batches, in the order given, under a budget.
 
     With ``max_tokens`` a batch grows while ``rows x padded length`` stays within the budget
-    (padded length = the batch's longest sample rounded up to ``pad_to_multiple``); with
-    ``batch_size`` every batch but the last has that many rows. The order decides the padding:
-    sorted indices give tight batches, a random order gives the naive baseline.
+    (padded length = the batch's longest sample rounded up to ``pad_to_multiple``, or up the
+    ``ladder`` of lengths when one is given); with ``batch_size`` every batch but the last has
+    that many rows. The order decides the padding: sorted indices give tight batches, a random
+    order gives the naive baseline.
     """
     _check_budget(max_tokens, batch_size)
-    pad_to_multiple = _check_positive_int("pad_to_multiple", pad_to_multiple)
+    pad = _padder(_check_positive_int("pad_to_multiple", pad_to_multiple), ladder)
     batches: list[list[int]] = []
     current: list[int] = []
     longest = 0
@@ -115,13 +129,13 @@ def pack_batches(
         length = int(lengths[index])
         grown = max(longest, length)
         if max_tokens is not None:
-            full = (len(current) + 1) * _round_up(grown, pad_to_multiple) > max_tokens
+            full = (len(current) + 1) * pad(grown) > max_tokens
         else:
             full = len(current) == batch_size
         if current and full:
             batches.append(current)
             current, grown = [], length
-        if max_tokens is not None and _round_up(length, pad_to_multiple) > max_tokens:
+        if max_tokens is not None and pad(length) > max_tokens:
             raise ValueError(
                 f"sample {index} has length {length}, more than max_tokens={max_tokens} on its own"
             )
@@ -177,7 +191,8 @@ class BucketBatchSampler(Sampler[list[int]]):
 
     Use with ``collate_fn=pad_collate`` (``torchturbo.data.collate``), passing it the same
     ``pad_to_multiple``. Give exactly one of ``max_tokens`` (budget of *padded* tokens per batch:
-    rows x longest length rounded up to ``pad_to_multiple``) or ``batch_size`` (rows per batch).
+    rows x longest length rounded up to ``pad_to_multiple``, or up ``ladder``, a few fixed
+    lengths: ``data/shapes.py``) or ``batch_size`` (rows per batch).
     ``mega_batch_size`` is the number of batches' worth of samples sorted together.
 
     Distributed: ``num_replicas``/``rank`` default to the initialized process group, else 1/0.
@@ -202,6 +217,7 @@ class BucketBatchSampler(Sampler[list[int]]):
         max_tokens: int | None = None,
         batch_size: int | None = None,
         pad_to_multiple: int = 1,
+        ladder: Sequence[int] = (),
         mega_batch_size: int = 64,
         shuffle: bool = True,
         seed: int = 0,
@@ -214,6 +230,7 @@ class BucketBatchSampler(Sampler[list[int]]):
         self.max_tokens = max_tokens
         self.batch_size = batch_size
         self.pad_to_multiple = _check_positive_int("pad_to_multiple", pad_to_multiple)
+        self.ladder = tuple(int(n) for n in ladder)
         self.mega_batch_size = _check_positive_int("mega_batch_size", mega_batch_size)
         if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
             raise ValueError(f"seed must be a non-negative int, got {seed!r}")
@@ -222,7 +239,7 @@ class BucketBatchSampler(Sampler[list[int]]):
         self.drop_last = bool(drop_last)
         self.num_replicas, self.rank = _world(num_replicas, rank)
         if max_tokens is not None:
-            _check_fits(self.lengths, max_tokens, self.pad_to_multiple)
+            _check_fits(self.lengths, max_tokens, _padder(self.pad_to_multiple, self.ladder))
         self._length_list = self.lengths.tolist()  # Python ints: the packing loop is per sample
         self.epoch = 0
         self._plan_key: tuple[int, int] | None = None
@@ -255,6 +272,7 @@ class BucketBatchSampler(Sampler[list[int]]):
                 max_tokens=self.max_tokens,
                 batch_size=self.batch_size,
                 pad_to_multiple=self.pad_to_multiple,
+                ladder=self.ladder,
             )
         if self.shuffle:
             batches = [batches[i] for i in generator.permutation(len(batches))]

@@ -147,6 +147,11 @@ def _hf_data(config: TurboConfig, kwargs: dict[str, Any], notes: dict[str, str])
         notes[_key("data", "pad_to_multiple")] = (
             f"pass pad_to_multiple_of={data.pad_to_multiple} to your data collator"
         )
+    if data.max_shapes is not None:
+        notes[_key("data", "max_shapes")] = (
+            f"{data.max_shapes}: applied by TurboTrainer, which pads its planned batches to a "
+            "few shapes; a plain Trainer's batches take the shapes of the data"
+        )
 
 
 def _reliability(
@@ -265,6 +270,11 @@ def _lightning_data(config: TurboConfig, notes: dict[str, str]) -> None:
     if data.pad_to_multiple > 1:
         notes[_key("data", "pad_to_multiple")] = (
             f"pad to a multiple of {data.pad_to_multiple} in your collate function"
+        )
+    if data.max_shapes is not None:
+        notes[_key("data", "max_shapes")] = (
+            f"{data.max_shapes}: applied by TurboLightningCallback, whose rebuilt train "
+            "DataLoader pads its batches to a few shapes"
         )
     if data.pin_memory and not data.non_blocking:
         notes[_key("data", "non_blocking")] = "not carried: Lightning copies non-blocking"

@@ -15,6 +15,7 @@ from torchturbo.config import DataConfig, TurboConfig
 from torchturbo.data.batch_plan import BatchPlan, BatchSource, token_budget
 from torchturbo.data.bucketing import BucketBatchSampler
 from torchturbo.data.collate import pad_collate
+from torchturbo.data.shapes import ShapedCollate, length_ladder
 from torchturbo.techniques.framework import levers
 from torchturbo.techniques.framework.proposal import Candidate, StageContext, candidate
 from torchturbo.techniques.framework.spec import Lever, Stage, Technique, TrainerArguments
@@ -39,29 +40,34 @@ def _batches(config: TurboConfig, source: BatchSource) -> BatchPlan:
     the host has a collate of its own."""
     data = config.data
     lengths = source.require_lengths("bucketing")
+    multiple = data.pad_to_multiple
+    # [data] max_shapes: lengths up a ladder of a few, so that batches take a few shapes.
+    ladder = length_ladder(lengths, data.max_shapes, multiple) if data.max_shapes else ()
 
     def sampler(lengths: Sequence[int], budget: int, replicas: int = 1, rank: int = 0) -> Any:
         return BucketBatchSampler(
             lengths,
             max_tokens=budget,
-            pad_to_multiple=data.pad_to_multiple,
+            pad_to_multiple=multiple,
+            ladder=ladder,
             seed=source.seed,
             num_replicas=replicas,
             rank=rank,
         )
 
-    multiple = data.pad_to_multiple
     budget, note = token_budget(
         data.max_tokens,
         source,
         sampler,
         field="bucketing",
-        smallest=-(-max(lengths) // multiple) * multiple,
+        smallest=ladder[-1] if ladder else -(-max(lengths) // multiple) * multiple,
         unit="padded tokens",
     )
     collate = source.collate or functools.partial(
-        pad_collate, pad_to_multiple=data.pad_to_multiple, pad_values=source.pad_values
+        pad_collate, pad_to_multiple=multiple, pad_values=source.pad_values
     )
+    if ladder:
+        collate = ShapedCollate(collate, ladder, budget, source.pad_values)
     return BatchPlan(
         "buckets",
         sampler(lengths, budget, source.num_replicas, source.rank),

@@ -27,6 +27,7 @@ from torchturbo.data.batch_plan import (
 )
 from torchturbo.data.length import length_or_none
 from torchturbo.data.packing import PackingBatchSampler, packed_collate, takes_boundaries
+from torchturbo.data.shapes import FilledRows
 from torchturbo.recipe import Recipe
 from torchturbo.techniques.framework.proposal import Candidate, StageContext
 from torchturbo.techniques.framework.spec import Stage, Technique, TrainerArguments
@@ -96,6 +97,8 @@ def _batches(config: TurboConfig, source: BatchSource) -> BatchPlan:
         packed_collate, boundaries=takes_boundaries(model), flash_attn_kwargs=flash
     )
     collate = keep_fields(pack, collated_fields(source.collate, source.dataset))
+    if config.data.max_shapes:  # one shape: every row filled to the budget
+        collate = FilledRows(collate, tokens)
     return BatchPlan(
         "packed",
         sampler(lengths, tokens, source.num_replicas, source.rank),
