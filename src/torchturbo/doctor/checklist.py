@@ -20,6 +20,7 @@ from torchturbo.doctor.findings import (
     Findings,
 )
 from torchturbo.doctor.model_facts import SIGNIFICANT_FLOP_SHARE, Misaligned
+from torchturbo.measure.device_busy import regime_words
 from torchturbo.output.tables import format_bytes
 
 Verdict = tuple[State, str, str | None]
@@ -421,10 +422,12 @@ def _distributed(f: Findings) -> Verdict:
 def _profiler(f: Findings) -> Verdict:
     ops = ", ".join(f"{name} {share:.0%}" for name, _, share in f.profile.top_operators[:3])
     trace = f"; trace: {f.profile.trace_path}" if f.profile.trace_path else ""
+    busy = f.profile.device_busy
+    device = "" if busy is None else f"; {regime_words(busy, f.step_seconds)}"
     return (
         "applied",
         f"profiled here; top self time: {ops}; {f.bound}: input wait is {f.input_share:.0%} of "
-        f"the step{trace}",
+        f"the step{device}{trace}",
         None,
     )
 

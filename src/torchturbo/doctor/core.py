@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -141,9 +142,12 @@ def diagnose(
         processes=current_env().world_size,
         comm_bytes_per_step=profile.comm_bytes_per_step,
         comm_seconds_per_step=profile.comm_seconds_per_step,
-        levers=with_measurements(registry.ranked_levers(machine), speedups),
+        levers=with_measurements(
+            registry.ranked_levers(replace(machine, device_busy=profile.device_busy)), speedups
+        ),
         memory_estimate=memory,
         memory_estimate_note=memory_note,
+        device_busy=profile.device_busy,
     )
 
 

@@ -27,7 +27,9 @@ CHECKLIST: dict[str, tuple[str, ...]] = {
 State = Literal["applied", "recommended", "within noise", "not applicable", "ok"]
 STATES: tuple[str, ...] = ("applied", "recommended", "within noise", "not applicable", "ok")
 
-Bound = Literal["input-bound", "compute-bound"]
+#: input-bound: the step waits for its batches; launch-bound: the GPU is idle most of the step
+#: (``measure.device_busy``); compute-bound: neither.
+Bound = Literal["input-bound", "launch-bound", "compute-bound"]
 
 
 @dataclass(frozen=True)
@@ -95,6 +97,8 @@ class Diagnosis:
     #: (``trials.memory_estimate``); None, and the reason in the note, where it failed.
     memory_estimate: MemoryEstimate | None = None
     memory_estimate_note: str = ""
+    #: The GPU's busy share of a step (``measure.device_busy``); None on a CPU.
+    device_busy: float | None = None
 
     def item(self, name: str) -> Item:
         """The item called ``name`` (a KeyError lists the names)."""

@@ -14,6 +14,7 @@ from torchturbo.doctor.diagnosis import Bound
 from torchturbo.doctor.gains import Gain
 from torchturbo.doctor.model_facts import ModelFacts
 from torchturbo.doctor.profiling import ProfileResult
+from torchturbo.measure.device_busy import regime
 from torchturbo.recipe import Recipe
 
 #: Input wait above this share of the step is worth fixing in the loader...
@@ -79,7 +80,13 @@ class Findings:
 
     @property
     def bound(self) -> Bound:
-        return "input-bound" if self.input_share >= INPUT_BOUND_SHARE else "compute-bound"
+        if self.input_share >= INPUT_BOUND_SHARE:
+            return "input-bound"
+        return (
+            "launch-bound"
+            if regime(self.profile.device_busy) == "launch-bound"
+            else ("compute-bound")
+        )
 
     @property
     def memory_capacity(self) -> int:

@@ -26,6 +26,7 @@ from torchturbo.distributed.launch import current_env
 from torchturbo.doctor.data_facts import BatchShapes, batch_shapes
 from torchturbo.engine import Turbo
 from torchturbo.measure.breakdown import PHASES, PhaseRecorder
+from torchturbo.measure.device_busy import measure_device_busy
 from torchturbo.measure.memory import PeakMemory, track_peak_memory
 from torchturbo.recipe import Recipe
 
@@ -51,6 +52,8 @@ class ProfileResult:
     #: step with a bucket reduction in flight (it overlaps backward). None otherwise.
     comm_bytes_per_step: float | None = None
     comm_seconds_per_step: float | None = None
+    #: The GPU's busy share of a step (``measure.device_busy``); None on a CPU.
+    device_busy: float | None = None
 
 
 def profile_training(
@@ -61,7 +64,8 @@ def profile_training(
     steps: int,
     trace_dir: Path | None,
 ) -> ProfileResult:
-    """Train a fresh model of the recipe for ``2 * steps + 3`` steps and measure them."""
+    """Train a fresh model of the recipe for ``2 * steps + 3`` steps and measure them (and four
+    more on a GPU, for the device's busy share: ``measure.device_busy``)."""
     turbo = Turbo(config)
     model, optimizer = recipe.build()
     distributed = current_env().is_distributed
@@ -76,6 +80,7 @@ def profile_training(
         breakdown, peak = _breakdown(turbo, recipe, batches, steps)
         comm_totals = comm.as_dict() if comm is not None else None
         top, trace_path = _profile(turbo, recipe, batches, steps, trace_dir)
+        busy = measure_device_busy(lambda: turbo.step(recipe.loss_fn, batches.next()), turbo.device)
     finally:
         batches.close()
         turbo.close()
@@ -93,6 +98,7 @@ def profile_training(
             if comm_totals and comm is not None and comm.timed
             else None
         ),
+        device_busy=busy,
     )
 
 

@@ -8,6 +8,7 @@ from rich.table import Table
 from rich.text import Text
 
 from torchturbo.doctor.diagnosis import CHECKLIST, Diagnosis
+from torchturbo.measure.device_busy import regime_words
 from torchturbo.measure.footprint import describe
 from torchturbo.output.tables import format_bytes
 
@@ -44,6 +45,12 @@ def render(diagnosis: Diagnosis, console: Console | None = None) -> None:
         f"[bold]verdict[/] {diagnosis.bound}: input wait is {share:.0%} of a "
         f"{diagnosis.step_seconds * 1e3:.1f} ms step"
     )
+    if diagnosis.device_busy is not None:
+        console.print(
+            Text.assemble(
+                ("device ", "bold"), regime_words(diagnosis.device_busy, diagnosis.step_seconds)
+            )
+        )
     recommended = [i.name for i in diagnosis.items if i.state == "recommended"]
     if recommended:
         console.print(f"[bold]recommended[/] {', '.join(recommended)}")

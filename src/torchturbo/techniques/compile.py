@@ -270,9 +270,9 @@ def compile_stage(ctx: StageContext) -> list[Candidate] | str:
     short job may take the regional compile that a whole-model compile does not pay back."""
     modes = ["default"]
     if ctx.device.type == "cuda":
-        # CUDA graphs (reduce-overhead) remove launch overhead; max-autotune-no-cudagraphs
-        # searches matmul/conv kernels. On CPU neither applies, and each compile costs minutes.
-        modes += ["reduce-overhead", "max-autotune-no-cudagraphs"]
+        # max-autotune-no-cudagraphs searches matmul/conv kernels. On CPU it does not apply,
+        # and each compile costs minutes.
+        modes += ["max-autotune-no-cudagraphs"]
     expectation = levers.compile_(ctx.facts)
     # Varying batch shapes (text lengths) compile once with dynamic shapes: left to torch, a
     # new length recompiles (specialised, then dynamic), a one-time cost paid again in the job.
@@ -285,6 +285,8 @@ def compile_stage(ctx: StageContext) -> list[Candidate] | str:
         )
         for m in modes
     ]
+    if ctx.device.type == "cuda":
+        found.append(_cuda_graphs(ctx))
     regional = levers.regional_compile(ctx.facts)
     found.append(
         candidate(
@@ -296,6 +298,32 @@ def compile_stage(ctx: StageContext) -> list[Candidate] | str:
         )
     )
     return found
+
+
+#: The shapes a bucket plan is padded to for CUDA graphs: each is recorded once (a graph per
+#: shape is memory and a capture each), and more rungs waste less in padding.
+CUDA_GRAPH_SHAPES = 8
+
+
+def _cuda_graphs(ctx: StageContext) -> Candidate:
+    """CUDA graphs (reduce-overhead): they remove launch overhead where the device idles, and
+    are replayed only for a shape they recorded, so a plan of buckets or packed rows is padded to
+    a few shapes (``[data] max_shapes``) and compiled for each shape, not with dynamic ones."""
+    best = ctx.best
+    if best.data.bucketing or best.data.packing:
+        shapes = 1 if best.data.packing else CUDA_GRAPH_SHAPES
+        config = best.replace(
+            compile__mode="reduce-overhead",
+            compile__dynamic=False,
+            compile__scope="model",
+            data__max_shapes=best.data.max_shapes or shapes,
+        )
+    else:
+        dynamic = True if ctx.facts.shapes_vary else None
+        config = best.replace(
+            compile__mode="reduce-overhead", compile__dynamic=dynamic, compile__scope="model"
+        )
+    return candidate("compile:reduce-overhead", config, levers.cuda_graphs(ctx.facts))
 
 
 def _transform(model: nn.Module, config: TurboConfig, device: torch.device) -> TechniqueResult:
@@ -383,7 +411,7 @@ TECHNIQUES = (
         explain_failure=explain_compile_failure,
         carried_by={"transformers": lambda config: "TrainingArguments(torch_compile=True)"},
         stage=Stage("compile", 40, compile_stage),
-        levers=(Lever("compile", levers.compile_),),
+        levers=(Lever("compile", levers.compile_), Lever("CUDA graphs", levers.cuda_graphs)),
         translations={"transformers": _hf_arguments},
     ),
     Technique(

@@ -42,6 +42,7 @@ from torchturbo.distributed.consensus import agree
 from torchturbo.distributed.launch import current_env
 from torchturbo.engine import resolve_device
 from torchturbo.measure.breakdown import PhaseRecorder
+from torchturbo.measure.device_busy import measure_device_busy
 from torchturbo.measure.footprint import MemoryEstimate
 from torchturbo.measure.machine import summary
 from torchturbo.measure.timing import time_once
@@ -336,6 +337,7 @@ def _facts(recipe: Recipe, trial: Any, device: torch.device, phases: PhaseRecord
         comm_share=share,
         optimizer_share=optimizer,
         step_s=step,
+        device_busy=measure_device_busy(trial.step, device),
     )
     return agree(facts)
 

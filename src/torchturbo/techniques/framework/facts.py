@@ -10,7 +10,9 @@
   at the fp32 matrix-product rate measured here, over the step's measured time (what a faster
   precision can speed up; the rest, elementwise ops, norms, the optimizer, it cannot);
 * for a model with a linear LM head (``get_output_embeddings``), the bytes of its float32
-  logits in one forward and the bytes that forward holds for backward (``measure.memory``).
+  logits in one forward and the bytes that forward holds for backward (``measure.memory``);
+* on a GPU, the share of a training step in which the device computes (``measure.device_busy``):
+  a small model's step is launch-bound, and the levers for that are not faster maths.
 
 ``levers`` turns them into expected gains.
 """
@@ -71,6 +73,9 @@ class Facts:
     #: Leaf modules regional compilation traces (one block of each repeated kind,
     #: ``repeated_blocks``); None when the model repeats no block.
     block_leaf_modules: int | None = None
+    #: Share of a training step's wall time in which the GPU runs a kernel or a copy
+    #: (``measure.device_busy``); None on a CPU, or where not measured.
+    device_busy: float | None = None
 
 
 def gemm_speedups(device: torch.device) -> dict[str, float]:
@@ -159,10 +164,12 @@ def gather(
     comm_share: float | None = None,
     optimizer_share: float | None = None,
     step_s: float | None = None,
+    device_busy: float | None = None,
 ) -> Facts:
     """The facts for ``recipe``: ``model`` is a built model on ``device``, ``batches`` the
     batches it trains on, ``forward()`` one forward of it on the first batch (FLOPs are counted
-    on it, without gradients), ``step_s`` the seconds of a training step on that batch."""
+    on it, without gradients), ``step_s`` the seconds of a training step on that batch and
+    ``device_busy`` the device's busy share of one."""
     padding = None
     if recipe.lengths is not None:
         padding = padding_fractions(recipe.lengths, recipe.batch_size, recipe.seed)
@@ -185,4 +192,5 @@ def gather(
         activation_bytes=held,
         dense_share=dense,
         block_leaf_modules=traced_leaf_modules(model),
+        device_busy=device_busy,
     )
