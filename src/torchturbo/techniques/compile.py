@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from torchturbo.base.nested import map_tensors
 from torchturbo.config import CompileConfig, TurboConfig
 from torchturbo.techniques.framework import levers
 from torchturbo.techniques.framework.proposal import Candidate, StageContext, candidate
@@ -49,13 +50,35 @@ def apply_compile(model: nn.Module, config: CompileConfig) -> TechniqueResult:
             # is traced and inlines the rest. TODO: drop once torch >= the release with
             # pytorch/pytorch#185722 is the minimum.
             compiled = torch.compile(functools.partial(_run, model.forward), **options)
-            model.forward = compiled
+            model.forward = _replayable(compiled) if config.mode == "reduce-overhead" else compiled
         else:
             model.compile(**options)
+            compiled_call = model._compiled_call_impl  # Module.compile's (no public name)
+            if config.mode == "reduce-overhead" and compiled_call is not None:
+                model._compiled_call_impl = _replayable(compiled_call)
     except RuntimeError as err:
         return not_applied("compile", f"torch.compile refused the model: {_first_line(err)}")
     details = () if budget is None else (f"activation memory budget {budget:g}",)
     return applied("compile", details + (() if cache is None else (f"cache {cache}",)))
+
+
+def _replayable(call: Callable[..., Any]) -> Callable[..., Any]:
+    """``call`` (a model compiled with CUDA graphs) made safe for a training loop that keeps its
+    losses: each call begins a new step of the CUDA graph trees, and its scalar outputs (the
+    loss) are copied out of the graph's memory, which the next replay overwrites (reading a loss
+    kept from an earlier step would raise "accessing tensor output of CUDAGraphs that has been
+    overwritten"). Larger outputs (logits) are consumed within the step."""
+
+    @functools.wraps(call)
+    def step(*args: Any, **kwargs: Any) -> Any:
+        torch.compiler.cudagraph_mark_step_begin()
+        return map_tensors(_own_scalar, call(*args, **kwargs))
+
+    return step
+
+
+def _own_scalar(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.clone() if tensor.dim() == 0 else tensor
 
 
 def probe_cpu_machine_wide(device: torch.device) -> None:
