@@ -80,3 +80,14 @@ def test_splitting_and_moving_see_into_dataclasses_and_namedtuples():
     assert torch.equal(rows, torch.arange(4))  # every row once, in order
     moved = to_device(batch, "meta", non_blocking=False)
     assert {t.device.type for t in iter_tensors(moved)} == {"meta"}
+
+
+def test_a_hugging_face_model_output_is_mapped_item_by_item():
+    """ModelOutput is a dict that refuses update(); a compiled model's outputs are mapped."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    output = CausalLMOutputWithPast(loss=torch.tensor(2.0), logits=torch.ones(1, 2, 3))
+    mapped = map_tensors(lambda t: t * 2, output)
+    assert type(mapped) is CausalLMOutputWithPast
+    assert float(mapped.loss) == 4.0 and float(mapped["logits"].sum()) == 12.0
+    assert float(output.loss) == 2.0  # the original is left as it was

@@ -37,7 +37,8 @@ def _map(fn: Callable[[torch.Tensor], Any], obj: Any) -> Any:
         return fn(obj)
     if isinstance(obj, dict):
         out = copy.copy(obj)
-        out.update((key, _map(fn, value)) for key, value in obj.items())
+        for key, value in obj.items():  # item by item: ModelOutput refuses update()
+            out[key] = _map(fn, value)
         return out
     if isinstance(obj, Mapping):
         return type(obj)({key: _map(fn, value) for key, value in obj.items()})  # type: ignore[call-arg]
