@@ -10,7 +10,7 @@ import pytest
 
 from torchturbo import __version__
 from torchturbo.cli import main
-from torchturbo.cli.arguments import EXPORT_METHODS, WORKLOADS
+from torchturbo.cli.arguments import EXPORT_METHODS, SIZE_CHOICES, WORKLOADS
 from torchturbo.cli.parser import build_parser
 from torchturbo.recipe import RecipeError
 
@@ -80,9 +80,11 @@ def test_the_article_is_named_once() -> None:
 
 def test_listed_names_match_what_the_package_accepts() -> None:
     from torchturbo.techniques.tools.export import METHODS
+    from torchturbo.workloads import SIZE_CHOICES as SIZES
     from torchturbo.workloads import WORKLOADS as REGISTERED
 
     assert tuple(REGISTERED) == WORKLOADS
+    assert SIZES == SIZE_CHOICES
     assert METHODS == EXPORT_METHODS
 
 

@@ -238,3 +238,54 @@ def test_text_collate_is_naive_padding() -> None:
     assert isinstance(recipe.collate, functools.partial) and recipe.collate.func is pad_collate
     batch = _first_batch(recipe)
     assert batch["tokens"].shape[1] == int(batch["lengths"].max())
+
+
+# --- sized for the device --------------------------------------------------------------------
+
+H200_PEAK, H200_MEMORY = 762e12, 141 * 2**30  # measured bf16 rate and memory of the first GPU
+
+
+def test_the_batch_is_set_by_the_flop_target_the_memory_or_the_cpu_sizes_batch() -> None:
+    from torchturbo.workloads.sizing import BATCH_MULTIPLE, DENSE_S, MEMORY_SHARE, batch_for
+
+    batch, bound = batch_for(40e9, 64 * 2**20, H200_PEAK, H200_MEMORY, floor=16)
+    assert bound == "compute" and batch % BATCH_MULTIPLE == 0
+    assert batch <= DENSE_S * H200_PEAK / 40e9 < batch + BATCH_MULTIPLE
+    batch, bound = batch_for(40e9, 2**30, H200_PEAK, H200_MEMORY, floor=16)
+    assert bound == "memory" and batch * 2**30 <= MEMORY_SHARE * H200_MEMORY
+    assert batch_for(40e9, 64 * 2**20, 1e12, 24 * 2**30, floor=16) == (16, "floor")
+
+
+def test_auto_is_the_small_size_on_a_cpu() -> None:
+    recipe = get_workload("vision", "auto", device="cpu")
+    assert recipe.name == "vision" and recipe.batch_size == 16 and "sizing" not in recipe.extras
+
+
+@pytest.mark.parametrize("name", list(WORKLOADS))
+def test_on_a_gpu_each_workload_is_widened_and_batched_for_the_measured_device(
+    monkeypatch, name
+) -> None:
+    """The GPU size on this CPU, with the H200's measured rate and memory standing in for the
+    measurement: the FLOPs and bytes per sample are counted here, on the model the GPU builds."""
+    import torchturbo.workloads as workloads
+
+    monkeypatch.setattr(workloads, "best_peak", lambda device: H200_PEAK)
+    monkeypatch.setattr(workloads, "memory_capacity", lambda device: H200_MEMORY)
+    small = get_workload(name, num_samples=8)
+    recipe = get_workload(name, "gpu", device="cpu")
+    sizing = recipe.extras["sizing"]
+    assert recipe.name == f"{name}-gpu" and recipe.batch_size == sizing.batch_size
+    assert sizing.bound == "compute" and sizing.batch_size > 4 * small.batch_size
+    assert len(recipe.dataset) >= 8 * recipe.batch_size
+    step_flops = sizing.batch_size * sizing.flops_per_sample
+    assert 4e12 < step_flops <= 7.62e12  # DENSE_S at the peak, rounded down to the multiple
+    assert f"{name}-gpu sized for cpu: batch {sizing.batch_size} (compute-bound" in (
+        sizing.describe(recipe.name)
+    )
+    wider = sum(p.numel() for p in recipe.model().parameters())
+    assert wider > 3 * sum(p.numel() for p in small.model().parameters())
+
+
+def test_a_given_batch_size_skips_the_measurement() -> None:
+    recipe = get_workload("text", "gpu", device="cpu", batch_size=8, num_samples=32)
+    assert recipe.batch_size == 8 and "sizing" not in recipe.extras

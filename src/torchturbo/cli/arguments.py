@@ -87,10 +87,11 @@ def _suggesting(message: str) -> str:
     return message + did_you_mean(match["value"], choices)
 
 
-# Names from torchturbo.workloads.WORKLOADS, torchturbo.techniques.tools.export.METHODS and
-# torchturbo.runs.metrics_log.LOGGER_NAMES (tests keep them equal), listed here so that --help does
-# not import torch.
+# Names from torchturbo.workloads.WORKLOADS and SIZE_CHOICES,
+# torchturbo.techniques.tools.export.METHODS and torchturbo.runs.metrics_log.LOGGER_NAMES (tests
+# keep them equal), listed here so that --help does not import torch.
 WORKLOADS = ("vision", "segmentation", "text")
+SIZE_CHOICES = ("auto", "small", "large", "gpu")
 
 
 EXPORT_METHODS = ("export", "torchscript")
@@ -176,10 +177,11 @@ def add_target_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--size",
-        choices=("small", "large"),
-        default="small",
+        choices=SIZE_CHOICES,
+        default="auto",
         help="size of the built-in workload: small steps take 0.05-0.2 s on a 2-core CPU, "
-        "large ones 1-5 s, as real models do",
+        "large ones 1-5 s, as real models do; gpu widens the model and sizes the batch for the "
+        "device from its measured rate and memory; auto: gpu on a GPU, else small",
     )
     parser.add_argument(
         "--device",

@@ -62,9 +62,14 @@ def load_target(args: argparse.Namespace) -> Any:
         from torchturbo.recipe import load_recipe
 
         return load_recipe(args.recipe)
+    from torchturbo.distributed import is_main_process
     from torchturbo.workloads import get_workload
 
-    return get_workload(args.workload, args.size)
+    recipe = get_workload(args.workload, args.size, device=getattr(args, "device", None))
+    sizing = recipe.extras.get("sizing")
+    if sizing is not None and is_main_process():
+        print(sizing.describe(recipe.name), file=sys.stderr)
+    return recipe
 
 
 def format_of(config: Any) -> str:

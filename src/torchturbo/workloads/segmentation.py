@@ -159,11 +159,13 @@ def segmentation(
     image_size: int = 64,
     in_channels: int = 1,
     lr: float = 3e-3,
+    widths: tuple[int, ...] = WIDTHS,
 ) -> Recipe:
     """Small U-Net on synthetic shapes (see the module docstring).
 
-    ``image_size`` must be a multiple of 8 (three 2x poolings); 64 to 96 is the intended range.
-    ``in_channels`` is 1 (grey, like CT/MR slices) or 3. ``lr`` is the AdamW learning rate.
+    ``image_size`` must be a multiple of 8 (three 2x poolings); 64 to 96 is the intended range
+    on a CPU, 256 on a GPU. ``in_channels`` is 1 (grey, like CT/MR slices) or 3. ``lr`` is the
+    AdamW learning rate; ``widths`` the encoder's channels per level.
     """
     if image_size < 8 or image_size % 8:
         raise ValueError(
@@ -173,10 +175,16 @@ def segmentation(
         raise ValueError(f"segmentation: in_channels must be 1 or 3, got {in_channels!r}")
     if num_samples < 1:
         raise ValueError(f"segmentation: num_samples must be >= 1, got {num_samples!r}")
+    if len(widths) < 2 or any(w < 1 for w in widths):
+        raise ValueError(f"segmentation: widths must be 2+ channel counts, got {widths!r}")
+    if image_size % 2 ** (len(widths) - 1):
+        raise ValueError(
+            f"segmentation: image_size {image_size} must halve {len(widths) - 1} times evenly"
+        )
     images, masks = make_shapes(num_samples, image_size, in_channels, seed)
     return Recipe(
         name="segmentation",
-        model=functools.partial(UNet, in_channels, NUM_CLASSES),
+        model=functools.partial(UNet, in_channels, NUM_CLASSES, tuple(widths)),
         optimizer=functools.partial(torch.optim.AdamW, lr=lr),
         loss_fn=loss_fn,
         dataset=ShapesDataset(images, masks),
