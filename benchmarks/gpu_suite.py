@@ -101,6 +101,8 @@ class Run:
     budget_s: float
     out: Path
     only: frozenset[str] = frozenset()
+    #: Leave the compiled variants out (a short session's suite).
+    no_compile: bool = False
     started: float = field(default_factory=time.perf_counter)
     results: dict[str, Any] = field(default_factory=dict)
 
@@ -161,24 +163,26 @@ def triton_op(run: Run) -> dict[str, Any]:
     return checks
 
 
-def suite_workload(name: str, quick: bool) -> Any:
-    """The built-in workload ``name``: its default size, or the dry run's tiny one."""
-    if not quick:
-        return get_workload(name)
+def suite_workload(name: str, run: Run) -> Any:
+    """The built-in workload ``name`` sized for the device (on a GPU its ``gpu`` size: the small
+    sizes only measure launch overhead there), or the dry run's tiny one."""
+    if not run.quick:
+        return get_workload(name, "auto", device=run.device)
     return get_workload(name, batch_size=4, num_samples=32, **QUICK_SIZES[name])
 
 
-def suite_variants(recipe: Any, device: str, quick: bool) -> dict[str, TurboConfig]:
+def suite_variants(recipe: Any, run: Run) -> dict[str, TurboConfig]:
     """The techniques benchmark's variants, plus the fused optimizer step and, where the model
     has Linear layers float8 can convert, float8 on top of bf16."""
-    configs = variants(device, with_compile=not quick)
+    device, quick = run.device, run.quick
+    configs = variants(device, with_compile=not (quick or run.no_compile))
     if quick:  # the dry run needs every code path once, not every plain config
         configs = {name: configs[name] for name in ("baseline", "fast (bf16+channels_last)")}
     base = configs["baseline"]
     configs["optimizer:fused"] = base.replace(optimizer__implementation="fused")
     if convertible_linears(recipe.model()):
         configs["float8+bf16"] = base.replace(precision__dtype="bf16", precision__float8=True)
-        if not quick:
+        if not (quick or run.no_compile):
             configs["float8+bf16+compile"] = configs["float8+bf16"].replace(compile__mode="default")
     return configs
 
@@ -189,16 +193,16 @@ def workloads(run: Run) -> dict[str, Any]:
         if run.left() < 45 and not run.quick:
             measured[name] = {"skipped": f"{run.left():.0f} s left of the budget"}
             continue
-        recipe = suite_workload(name, run.quick)
+        recipe = suite_workload(name, run)
         rows = compare_configs(
             recipe,
-            suite_variants(recipe, run.device, run.quick),
+            suite_variants(recipe, run),
             baseline="baseline",
             warmup=1 if run.quick else 3,
             repeats=2 if run.quick else 7,
             steps_per_repeat=1 if run.quick else 5,
         )
-        measured[name] = [row.to_dict() for row in rows]
+        measured[name] = [row.to_dict() | {"workload": recipe.name} for row in rows]
         run.say(f"workload {name} done")
     return measured
 
@@ -208,7 +212,7 @@ def tune_section(workload: str) -> Callable[[Run], dict[str, Any]]:
         options = TuneOptions(
             time_budget_s=QUICK_TUNE_S if run.quick else TUNE_S, device=run.device
         )
-        recipe = suite_workload(workload, run.quick)
+        recipe = suite_workload(workload, run)
         tuned = tune(recipe, options)[1].to_dict()
         return {
             "confirmed_ratio": tuned["confirmed_ratio"],
@@ -369,6 +373,9 @@ def main() -> int:
     parser.add_argument("--out", type=Path, required=True, help="directory for JSON + markdown")
     parser.add_argument("--quick", action="store_true", help="dry run: tiny sizes, no compile")
     parser.add_argument(
+        "--no-compile", action="store_true", help="leave out the compiled variants (minutes each)"
+    )
+    parser.add_argument(
         "--budget", type=float, default=BUDGET_S, help=f"seconds (default {BUDGET_S})"
     )
     parser.add_argument(
@@ -382,7 +389,7 @@ def main() -> int:
             f"--only {','.join(unknown)}: unknown section(s); choose from {', '.join(SECTIONS)}"
         )
     args.out.mkdir(parents=True, exist_ok=True)
-    run = Run(args.device, args.quick, args.budget, args.out, only)
+    run = Run(args.device, args.quick, args.budget, args.out, only, args.no_compile)
     run.results.update(
         system=summary(), device=args.device, torch=torch.__version__, budget_s=args.budget
     )

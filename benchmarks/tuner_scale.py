@@ -24,6 +24,13 @@ DataLoader of 8 rows, fp32) and, where bf16 is native, ``precision="bf16-mixed"`
 ``recipe_from_lightning(module, datamodule, trainer=...)`` tuned the same way, and the tuned job
 with ``trainer_kwargs`` and ``TurboLightningCallback``.
 
+``--device cuda`` runs every job, and the tune, on the GPU; ``--model-size`` (45m, 166m, 400m)
+and ``--batch-size`` size them for it. On a GPU the trainer's own ways are those a GPU user
+sets: ``bf16=True`` with ``group_by_length``, with the padding-free
+``DataCollatorWithFlattening`` (decoder), and with ``torch_compile=True`` or
+``use_liger_kernel=True`` (where liger-kernel is installed) on top; fp32 defaults stay the
+reference.
+
 It prints, per setup, every job's train seconds, real tokens and real tokens per second, then
 the tuned job against the grid's best and against the trainer's best own way, and the tuner's
 measured step (its results.json) against the tuned job's median later step: what the tuner
@@ -32,12 +39,15 @@ measured should be what the job runs.
     python benchmarks/tuner_scale.py --json benchmarks/results/tuner_scale.json
     python benchmarks/tuner_scale.py --setups decoder --steps 20 --skip-grid   # a smoke run
     python benchmarks/tuner_scale.py --again out.json --repeats 2 --json out.json  # medians
+    python benchmarks/tuner_scale.py --device cuda --model-size 166m --batch-size 16 \
+        --setups decoder --steps 300 --skip-grid --tune-budget 90s --json gpu.json
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import importlib.util
 import itertools
 import json
 import os
@@ -71,6 +81,7 @@ from transformers import (
 )
 from transformers.utils import logging as hf_logging
 
+from torchturbo.base.device import to_device
 from torchturbo.config import TurboConfig
 from torchturbo.integrations.lightning import (
     TurboLightningCallback,
@@ -82,10 +93,13 @@ from torchturbo.integrations.transformers import (
     recipe_from_trainer,
     training_arguments,
 )
+from torchturbo.measure.flops import count_step_flops
 from torchturbo.measure.machine import summary
 from torchturbo.measure.native import emulated
+from torchturbo.measure.peak import measured_peak_flops
 from torchturbo.measure.timing import sync
 from torchturbo.output.results_file import write_results
+from torchturbo.output.units import parse_duration
 from torchturbo.recipe import Recipe
 
 VOCAB = 32_000
@@ -93,6 +107,19 @@ BATCH_SIZE = 8
 DOCUMENTS = 800
 SETUPS = ("decoder", "encoder", "lightning")
 CLASSES = 16
+#: Model sizes by their decoder's parameters: (hidden, layers). The 45M decoder and 36M encoder
+#: are the CPU's; 166m is the first H200 run's decoder (hidden 1024, 8 layers).
+MODEL_SIZES = {"45m": (512, 4), "166m": (1024, 8), "400m": (1536, 12)}
+
+
+def scale() -> tuple[str, str, int]:
+    """(device, model size, batch size) of this run: set by ``main`` in the environment, so
+    that the tune's and the jobs' fresh processes build the same models on the same device."""
+    return (
+        os.environ.get("TUNER_SCALE_DEVICE", "cpu"),
+        os.environ.get("TUNER_SCALE_MODEL", "45m"),
+        int(os.environ.get("TUNER_SCALE_BATCH", str(BATCH_SIZE))),
+    )
 
 
 def documents(setup: str, count: int = DOCUMENTS, seed: int = 0) -> list[dict[str, Any]]:
@@ -131,18 +158,19 @@ def tokenizer() -> PreTrainedTokenizerFast:
 
 
 def model(setup: str) -> torch.nn.Module:
-    """The decoder: a LlamaForCausalLM of 45M parameters (4 layers, hidden 512, SDPA); the
-    encoder: a BERT token tagger of 36M (6 layers, hidden 512)."""
+    """The decoder: a LlamaForCausalLM (45m: 4 layers, hidden 512, 45M parameters; SDPA); the
+    encoder: a BERT token tagger (45m: 6 layers, hidden 512, 36M); ``--model-size`` scales both."""
     torch.manual_seed(0)
+    hidden, layers = MODEL_SIZES[scale()[1]]
     if setup == "decoder":
         return LlamaForCausalLM(
             LlamaConfig(
                 vocab_size=VOCAB,
-                hidden_size=512,
-                intermediate_size=1376,
-                num_hidden_layers=4,
-                num_attention_heads=8,
-                num_key_value_heads=8,
+                hidden_size=hidden,
+                intermediate_size=32 * round(hidden * 2.6875 / 32),
+                num_hidden_layers=layers,
+                num_attention_heads=hidden // 64,
+                num_key_value_heads=hidden // 64,
                 max_position_embeddings=1024,
                 attn_implementation="sdpa",
                 use_cache=False,
@@ -151,10 +179,10 @@ def model(setup: str) -> torch.nn.Module:
     return BertForTokenClassification(
         BertConfig(
             vocab_size=VOCAB,
-            hidden_size=512,
-            num_hidden_layers=6,
-            num_attention_heads=8,
-            intermediate_size=2048,
+            hidden_size=hidden,
+            num_hidden_layers=layers + 2,
+            num_attention_heads=hidden // 64,
+            intermediate_size=4 * hidden,
             max_position_embeddings=512,
             num_labels=CLASSES,
         )
@@ -162,10 +190,11 @@ def model(setup: str) -> torch.nn.Module:
 
 
 def arguments(out: Path, steps: int, **extra: Any) -> TrainingArguments:
+    device, _, batch = scale()
     return TrainingArguments(
         **{
             "output_dir": str(out),
-            "per_device_train_batch_size": BATCH_SIZE,
+            "per_device_train_batch_size": batch,
             "learning_rate": 1e-3,
             "max_steps": steps,
             "seed": 0,
@@ -173,7 +202,7 @@ def arguments(out: Path, steps: int, **extra: Any) -> TrainingArguments:
             "logging_strategy": "no",
             "report_to": "none",
             "disable_tqdm": True,
-            "use_cpu": True,
+            "use_cpu": device == "cpu",
             **extra,
         }
     )
@@ -231,7 +260,7 @@ class Documents(pl.LightningDataModule):
     def train_dataloader(self) -> torch.utils.data.DataLoader:
         return torch.utils.data.DataLoader(
             documents("decoder"),
-            batch_size=BATCH_SIZE,
+            batch_size=scale()[2],
             shuffle=True,
             generator=torch.Generator().manual_seed(0),
             collate_fn=collator("decoder"),
@@ -240,7 +269,7 @@ class Documents(pl.LightningDataModule):
 
 def lightning_trainer(steps: int, callbacks: list[pl.Callback], **kwargs: Any) -> pl.Trainer:
     settings: dict[str, Any] = {
-        "accelerator": "cpu",
+        "accelerator": "gpu" if scale()[0] == "cuda" else "cpu",
         "devices": 1,
         "logger": False,
         "enable_checkpointing": False,
@@ -322,12 +351,17 @@ def job_trainer(setup: str, way: str, steps: int, out: Path, config: Path | None
         args = arguments(out, steps, **training_arguments(turbo).kwargs)
         made = TurboTrainer(args=args, turbo_config=turbo, data_collator=collator(setup), **common)
         return made, meter
+    settings = set(way.split("+"))
     extra: dict[str, Any] = {}
-    if "group_by_length" in way:
+    if "group_by_length" in settings:
         extra["train_sampling_strategy"] = "group_by_length"
-    if way.startswith("bf16"):
+    if "bf16" in settings:
         extra["bf16"] = True
-    flatten = way == "flattening"
+    if "torch_compile" in settings:
+        extra["torch_compile"] = True
+    if "liger" in settings:
+        extra["use_liger_kernel"] = True
+    flatten = "flattening" in settings
     made = Trainer(
         args=arguments(out, steps, **extra), data_collator=collator(setup, flatten), **common
     )
@@ -358,8 +392,32 @@ def child(args: argparse.Namespace) -> None:
     )
 
 
-def run_job(setup: str, way: str, steps: int, out: Path, config: Path | None) -> dict[str, Any]:
-    """``way``'s job in a fresh process (its own compile cache folder, cold)."""
+#: A job may take this many times the first job's process seconds, plus a cold compile where
+#: its way compiles, before it is stopped: sized from a measurement, not a guess (the first GPU
+#: run lost two peers' jobs to a fixed 60-s timeout).
+JOB_TIMEOUT_FACTOR = 3
+COMPILE_ALLOWANCE_S = 180
+
+
+def job_timeout(first_job: dict[str, Any], way: str) -> float | None:
+    """The seconds ``way``'s job may take, from the first job's (None: no limit)."""
+    seconds = first_job.get("process_s")
+    if seconds is None:
+        return None
+    compiles = "compile" in way or way in ("torchturbo",)
+    return JOB_TIMEOUT_FACTOR * seconds + (COMPILE_ALLOWANCE_S if compiles else 0)
+
+
+def run_job(
+    setup: str,
+    way: str,
+    steps: int,
+    out: Path,
+    config: Path | None,
+    timeout: float | None = None,
+) -> dict[str, Any]:
+    """``way``'s job in a fresh process (its own compile cache folder, cold), stopped after
+    ``timeout`` seconds."""
     folder = out / f"{setup}-{way}"
     command = [sys.executable, __file__, "--child", way, "--setup", setup]
     command += ["--steps", str(steps), "--out", str(folder)]
@@ -367,7 +425,12 @@ def run_job(setup: str, way: str, steps: int, out: Path, config: Path | None) ->
         command += ["--config", str(config)]
     env = os.environ | {"TORCHINDUCTOR_CACHE_DIR": str(folder / "inductor-cache")}
     begin = time.perf_counter()
-    done = subprocess.run(command, capture_output=True, text=True, check=False, env=env)
+    try:
+        done = subprocess.run(
+            command, capture_output=True, text=True, check=False, env=env, timeout=timeout
+        )
+    except subprocess.TimeoutExpired:
+        return {"error": f"stopped after {timeout:.0f} s (the limit sized from the first job)"}
     line = next((x for x in done.stdout.splitlines() if x.startswith("JOB ")), None)
     if done.returncode or line is None:
         error = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "no output"
@@ -377,7 +440,7 @@ def run_job(setup: str, way: str, steps: int, out: Path, config: Path | None) ->
 
 def grid_configs(setup: str, precisions: list[str]) -> dict[str, TurboConfig]:
     """Every precision x batching x compile x chunked-loss combination of the setup."""
-    base = TurboConfig(device="cpu")
+    base = TurboConfig(device=scale()[0])
     batchings = {"rows": {}, "buckets": {"data__bucketing": True}}
     if setup == "decoder":
         batchings["packing"] = {"data__packing": True}
@@ -396,6 +459,8 @@ def grid_configs(setup: str, precisions: list[str]) -> dict[str, TurboConfig]:
 
 def peer_ways(setup: str, native_bf16: bool) -> tuple[list[str], dict[str, str]]:
     """The trainer's own ways that run here, and those left out with the reason."""
+    if scale()[0] == "cuda":
+        return gpu_peer_ways(setup)
     ways = ["defaults", "group_by_length"]
     left_out = {}
     if native_bf16:
@@ -404,6 +469,21 @@ def peer_ways(setup: str, native_bf16: bool) -> tuple[list[str], dict[str, str]]
         left_out["bf16+group_by_length"] = f"not run: {emulated('cpu', 'bf16')}"
     if setup == "decoder":
         ways.append("flattening")
+    return ways, left_out
+
+
+def gpu_peer_ways(setup: str) -> tuple[list[str], dict[str, str]]:
+    """A GPU user's ways: bf16 with length grouping or, for the decoder, the padding-free
+    collator, then torch.compile or Liger-Kernel on top (fp32 is no GPU user's setting)."""
+    batching = "flattening" if setup == "decoder" else "group_by_length"
+    ways = ["bf16+group_by_length", f"bf16+{batching}+torch_compile"]
+    if setup == "decoder":
+        ways.insert(1, "bf16+flattening")
+    left_out = {}
+    if importlib.util.find_spec("liger_kernel") is None:
+        left_out[f"bf16+{batching}+liger"] = "not run: liger-kernel is not installed"
+    elif setup == "decoder":
+        ways.append(f"bf16+{batching}+liger")
     return ways, left_out
 
 
@@ -417,6 +497,10 @@ def job_config(out: Path, setup: str, way: str) -> Path | None:
     return None
 
 
+#: Seconds a tune may take beyond its budget (start-up, the model's facts, writing its report).
+TUNE_OVERHEAD_S = 240
+
+
 def tune_setup(setup: str, steps: int, budget: str, out: Path) -> tuple[Path, dict[str, Any]]:
     """``torchturbo tune`` in a fresh process, as a user runs it, on the recipe of the setup's
     default Trainer (``max_steps`` is the job's length)."""
@@ -424,11 +508,15 @@ def tune_setup(setup: str, steps: int, budget: str, out: Path) -> tuple[Path, di
     assert toml is not None
     folder = toml.parent
     target = f"{__file__}:{setup}_recipe"
-    command = [sys.executable, "-m", "torchturbo", "tune", target, "--device", "cpu"]
+    command = [sys.executable, "-m", "torchturbo", "tune", target, "--device", scale()[0]]
     command += ["--time-budget", budget, "--out", str(folder)]
     env = os.environ | {"TUNER_SCALE_OUT": str(out), "TUNER_SCALE_STEPS": str(steps)}
     begin = time.perf_counter()
-    done = subprocess.run(command, capture_output=True, text=True, check=False, env=env)
+    # The tune keeps to its budget; its start-up, facts and report come on top.
+    limit = parse_duration(budget) + TUNE_OVERHEAD_S
+    done = subprocess.run(
+        command, capture_output=True, text=True, check=False, env=env, timeout=limit
+    )
     elapsed = time.perf_counter() - begin
     if done.returncode:
         raise RuntimeError(f"tune failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
@@ -451,7 +539,7 @@ def measure_setup(
 ) -> dict[str, Any]:
     """The tuner and its job first, then the trainer's ways, then the grid; ``save`` is called
     with the row after every job, so that a run stopped part way keeps what it measured."""
-    native_bf16 = emulated("cpu", "bf16") is None
+    native_bf16 = emulated(scale()[0], "bf16") is None
     peers, left_out = peer_ways(setup, native_bf16)
     if setup == "lightning":  # Lightning has no group_by_length: its obvious setting is bf16
         peers = ["defaults", *(["bf16-mixed"] if native_bf16 else [])]
@@ -477,7 +565,8 @@ def measure_setup(
     print(f"{setup} torchturbo ({', '.join(results['adopted'])}): {jobs['torchturbo']}")
     save(row)
     for way in peers:
-        jobs[way] = run_job(setup, way, args.steps, args.out, None)
+        limit = job_timeout(jobs["torchturbo"], way)
+        jobs[way] = run_job(setup, way, args.steps, args.out, None, limit)
         print(f"{setup} {way}: {jobs[way]}", flush=True)
         save(row)
     precisions = [p for p in args.precisions if native_bf16 or p == "fp32"]
@@ -488,10 +577,42 @@ def measure_setup(
         assert path is not None
         path.parent.mkdir(parents=True, exist_ok=True)
         config.save(path)
-        jobs[f"grid {name}"] = run_job(setup, f"grid-{name}", args.steps, args.out, path)
+        limit = job_timeout(jobs["torchturbo"], name)
+        jobs[f"grid {name}"] = run_job(setup, f"grid-{name}", args.steps, args.out, path, limit)
         print(f"{setup} grid {name}: {jobs[f'grid {name}']}", flush=True)
         save(row)
     return row
+
+
+def flops_per_token(setup: str) -> float:
+    """Useful FLOPs of a training step per real token (``FlopCounterMode``, fp32 eager, on
+    eight documents without padding: flattened for the decoder, one row each for the encoder)."""
+    device = scale()[0]
+    net = model(setup).to(device)
+    samples = documents(setup, count=8)
+    if setup == "encoder":
+        total = 0.0
+        for sample in samples:
+            batch = to_device(collator(setup)([sample]), device)
+            total += count_step_flops(lambda b=batch: net(**b).loss.backward())
+        return total / sum(len(s["input_ids"]) for s in samples)
+    batch = to_device(collator(setup, flatten=True)(samples), device)
+    flops = count_step_flops(lambda: net(**batch).loss.backward())
+    return flops / int((batch["labels"][..., 1:] != -100).sum())
+
+
+def add_mfu(row: dict[str, Any], setup: str) -> None:
+    """Each job's model FLOPs utilisation: useful FLOPs per real token x real tokens per second,
+    over the matrix-product peak measured here in bf16 (fp32 on a CPU without it)."""
+    device = torch.device(scale()[0])
+    dtype = torch.bfloat16 if emulated(device, "bf16") is None else torch.float32
+    peak = measured_peak_flops(device, dtype)
+    per_token = flops_per_token(setup)
+    row["flops_per_token"], row["mfu_peak_tflops"] = per_token, peak / 1e12
+    row["mfu_peak"] = f"{str(dtype).removeprefix('torch.')} matmul peak measured here"
+    for job in row["jobs"].values():
+        if "tokens_per_s" in job:
+            job["mfu"] = per_token * job["tokens_per_s"] / peak
 
 
 def leaders(row: dict[str, Any]) -> list[str]:
@@ -532,13 +653,19 @@ MEDIAN_FIELDS = ("train_s", "first_step_s", "later_step_s", "tokens_per_s")
 def report(setup: str, row: dict[str, Any]) -> dict[str, Any]:
     """Print the setup's table and its ratios; return the ratios."""
     jobs = row["jobs"]
-    print(f"\n{setup}: whole jobs of {BATCH_SIZE}-row batches, fresh processes")
-    print(f"{'way':<36} {'train s':>8} {'tokens':>8} {'tokens/s':>9}")
+    device, size, batch = scale()
+    print(f"\n{setup} ({size}, {device}): whole jobs of {batch}-row batches, fresh processes")
+    print(f"{'way':<36} {'train s':>8} {'tokens':>8} {'tokens/s':>9} {'MFU':>6}")
     for way, job in jobs.items():
         if "error" in job:
             print(f"{way:<36} error: {job['error']}")
             continue
-        print(f"{way:<36} {job['train_s']:8.1f} {job['tokens']:8,} {job['tokens_per_s']:9.1f}")
+        mfu = f"{job['mfu']:6.1%}" if job.get("mfu") is not None else f"{'n/a':>6}"
+        print(
+            f"{way:<36} {job['train_s']:8.1f} {job['tokens']:8,} {job['tokens_per_s']:9.1f} {mfu}"
+        )
+    if row.get("mfu_peak"):
+        print(f"MFU against the {row['mfu_peak']}, {row['mfu_peak_tflops']:.0f} TFLOP/s")
     for way, why in row["left_out"].items():
         print(f"{way:<36} {why}")
     rate = {w: j["tokens_per_s"] for w, j in jobs.items() if "tokens_per_s" in j}
@@ -580,6 +707,11 @@ def main() -> None:
         default=["fp32", "bf16"],
         help="the grid's precisions (both; bf16 only where this CPU runs it natively)",
     )
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument(
+        "--model-size", choices=tuple(MODEL_SIZES), default="45m", help="the decoder's size"
+    )
+    parser.add_argument("--batch-size", type=int, default=BATCH_SIZE, help="rows per batch")
     parser.add_argument("--out", type=Path, default=Path("tuner-scale-out"))
     parser.add_argument("--json", type=Path)
     parser.add_argument(
@@ -601,6 +733,12 @@ def main() -> None:
     if args.steps < 2:
         parser.error("--steps must be >= 2 (a first step and a later one)")
     hf_logging.set_verbosity_error()
+    if not args.child:  # the children, and the tune's process, inherit them
+        os.environ.update(
+            TUNER_SCALE_DEVICE=args.device,
+            TUNER_SCALE_MODEL=args.model_size,
+            TUNER_SCALE_BATCH=str(args.batch_size),
+        )
     if args.child:
         child(args)
         return
@@ -608,6 +746,9 @@ def main() -> None:
         "machine": summary(),
         "torch": torch.__version__,
         "steps": args.steps,
+        "device": args.device,
+        "model_size": args.model_size,
+        "batch_size": args.batch_size,
         "tune_budget": args.tune_budget,
         "grid_precisions": args.precisions,
         "load_average_before": os.getloadavg(),
@@ -632,6 +773,7 @@ def main() -> None:
         row = measure_setup(setup, args, functools.partial(save, setup))
         if args.repeats:
             repeat_leaders(setup, row, args)
+        add_mfu(row, setup)
         row["ratios"] = report(setup, row)
         save(setup, row)
 
