@@ -81,7 +81,9 @@ def test_on_a_gpu_the_compile_stage_proposes_cuda_graphs_over_a_few_shapes():
         context = cpu_stage_context(recipe, facts=facts, device=gpu, best=best)
         graphs = {c.name: c for c in compile_stage(context)}["compile:reduce-overhead"]
         assert graphs.config.compile.mode == "reduce-overhead"
-        assert graphs.config.data.max_shapes == shapes and graphs.config.compile.dynamic is False
+        assert graphs.config.data.max_shapes == shapes
+        # One compile for every shape (a graph recorded per shape), one shape compiled for.
+        assert graphs.config.compile.dynamic is (shapes > 1)
         assert graphs.expected_gain > 2
     # Rows the user's collate pads: no plan of ours to bound, a graph per shape.
     rows = cpu_stage_context(recipe, facts=facts, device=gpu)

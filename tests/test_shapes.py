@@ -50,6 +50,27 @@ def test_the_ladder_has_at_most_the_count_of_rungs_and_holds_every_length():
         rung(ladder, 1000)
 
 
+def test_the_ladder_pads_least_of_any_choice_of_its_rungs():
+    import itertools
+    import random
+
+    def positions(ladder, lengths):
+        return sum(rung(ladder, n) for n in lengths)
+
+    rng = random.Random(0)
+    for _ in range(300):
+        lengths = [rng.choice([1, 2, 2, 3, 5, 8, 8, 13, 21]) for _ in range(rng.randint(1, 10))]
+        count = rng.randint(1, 4)
+        distinct = sorted(set(lengths))
+        fewest = min(
+            positions(sorted({*chosen, max(lengths)}), lengths)
+            for size in range(count)
+            for chosen in itertools.combinations(distinct, size)
+        )
+        ladder = length_ladder(lengths, count)
+        assert len(ladder) <= count and positions(ladder, lengths) == fewest, (lengths, count)
+
+
 def test_buckets_take_at_most_max_shapes_shapes_and_every_sample_once():
     recipe = text_recipe()
     _, plain = epoch(CPU.replace(data__bucketing=True), recipe)
