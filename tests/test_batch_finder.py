@@ -208,13 +208,23 @@ def test_tune_find_batch_writes_the_micro_batches_into_turbo_toml(tmp_path, caps
     assert "Batch for the budget" in (out / "report.md").read_text()
 
 
-def test_find_batch_without_a_budget_is_a_one_line_error(capsys):
+def test_find_batch_without_a_budget_is_a_one_line_error_on_a_cpu(capsys):
     assert main(["tune", TINY, "--device", "cpu", "--find-batch"]) == 2
     err = capsys.readouterr().err
     assert err == (
-        "torchturbo tune: error: --find-batch needs a memory budget to fit: give "
-        "--memory-budget SIZE\n"
+        "torchturbo tune: error: --find-batch needs --memory-budget on a CPU (give the memory a "
+        "step may use, e.g. --memory-budget 8GiB); on a GPU it defaults to 90% of the GPU's "
+        "memory\n"
     )
+
+
+def test_on_a_gpu_find_batch_fills_most_of_its_memory_by_default(monkeypatch):
+    from torchturbo.tune import search
+
+    monkeypatch.setattr(search, "memory_capacity", lambda device: 100 * 2**30)
+    gpu = torch.device("cuda")  # a device object: no GPU is asked anything
+    assert search.batch_budget(None, gpu) == 90 * 2**30
+    assert search.batch_budget(2**30, gpu) == 2**30  # --memory-budget wins
 
 
 def test_a_budget_below_one_sample_on_the_cli_is_one_line(tmp_path, capsys):

@@ -70,8 +70,9 @@ def add_parser(commands: Any) -> None:
         default=None,
         metavar="keep|max",
         help=(
-            "before tuning, find the largest micro-batch whose step fits --memory-budget, "
-            "measured at a few sizes (every rank under torchrun; the smallest fit wins). "
+            "before tuning, find the largest micro-batch whose step fits --memory-budget (on a "
+            "GPU, without one: 90%% of its memory), measured at a few sizes (every rank under "
+            "torchrun; the smallest fit wins). "
             "keep (the default): keep the global batch (batch x processes): each batch runs "
             "as N micro-batches accumulated exactly ([accumulation] micro_batches = N in "
             "turbo.toml); max: when the recipe's batch fits, the largest batch that fits "
@@ -149,6 +150,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.text import Text
 
     from torchturbo.distributed import is_main_process, launched
+    from torchturbo.engine import resolve_device
     from torchturbo.measure.footprint import MemoryEstimate, describe
     from torchturbo.output.live import TuneLine
     from torchturbo.output.table_fit import print_table
@@ -159,7 +161,13 @@ def run(args: argparse.Namespace) -> int:
         read_previous,
         write_report,
     )
-    from torchturbo.tune.search import TuneInterrupted, TuneOptions, select_stages, tune
+    from torchturbo.tune.search import (
+        TuneInterrupted,
+        TuneOptions,
+        batch_budget,
+        select_stages,
+        tune,
+    )
     from torchturbo.tune.stages import PRECISION_FORMATS, STAGES
     from torchturbo.tune.summary import batch_line, headline
 
@@ -176,6 +184,8 @@ def run(args: argparse.Namespace) -> int:
         refuse_impossible=True,
     )
     select_stages(STAGES, options)  # a misspelt stage is refused before anything runs
+    if options.find_batch is not None:  # a budget to fit, before anything runs
+        batch_budget(options.memory_budget, resolve_device(args.device or "auto"))
     check_writable(args.out)
     previous = read_previous(args.out)
     recipe = load_target(args)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import psutil
 import torch
 
 from torchturbo.config import TurboConfig
@@ -15,6 +14,7 @@ from torchturbo.doctor.gains import Gain
 from torchturbo.doctor.model_facts import ModelFacts
 from torchturbo.doctor.profiling import ProfileResult
 from torchturbo.measure.device_busy import regime
+from torchturbo.measure.memory import memory_capacity
 from torchturbo.recipe import Recipe
 
 #: Input wait above this share of the step is worth fixing in the loader...
@@ -90,9 +90,7 @@ class Findings:
 
     @property
     def memory_capacity(self) -> int:
-        if self.device.type == "cuda":
-            return torch.cuda.get_device_properties(self.device).total_memory
-        return psutil.virtual_memory().total
+        return memory_capacity(self.device)
 
     @property
     def memory_share(self) -> float:

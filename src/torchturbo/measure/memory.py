@@ -35,6 +35,13 @@ CHECKPOINT_MARKER = "_torchturbo_checkpointed"
 _StorageKey = tuple[str, int]
 
 
+def memory_capacity(device: torch.device) -> int:
+    """Bytes of memory on ``device``: the GPU's, or the machine's RAM for a CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    return int(psutil.virtual_memory().total)
+
+
 def storage_key(tensor: torch.Tensor) -> tuple[_StorageKey, int] | None:
     """(device, address) of the tensor's storage and its size; None for storage-less tensors."""
     try:

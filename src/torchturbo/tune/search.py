@@ -45,6 +45,7 @@ from torchturbo.measure.breakdown import PhaseRecorder
 from torchturbo.measure.device_busy import measure_device_busy
 from torchturbo.measure.footprint import MemoryEstimate
 from torchturbo.measure.machine import summary
+from torchturbo.measure.memory import memory_capacity
 from torchturbo.measure.timing import time_once
 from torchturbo.output.suggest import did_you_mean
 from torchturbo.output.tables import format_bytes
@@ -147,10 +148,29 @@ def _find_batch(
 ) -> BatchPlan | None:
     """The batch finder's plan when asked for (``--find-batch``): the baseline, hence every
     candidate built on it, trains in its micro-batches."""
-    if options.find_batch is None or options.memory_budget is None:
+    if options.find_batch is None:
         return None
-    say("batch", f"largest micro-batch within {format_bytes(options.memory_budget)}", budget.left())
-    return find_batch(recipe, options.memory_budget, config=config, mode=options.find_batch)
+    within = batch_budget(options.memory_budget, resolve_device(config.device))
+    say("batch", f"largest micro-batch within {format_bytes(within)}", budget.left())
+    return find_batch(recipe, within, config=config, mode=options.find_batch)
+
+
+#: Without --memory-budget, the batch finder fills this share of a GPU's memory (the rest is
+#: the caching allocator's slack and what other processes hold).
+GPU_MEMORY_SHARE = 0.9
+
+
+def batch_budget(memory_budget: int | None, device: torch.device) -> int:
+    """The bytes ``--find-batch`` fits a step into: ``--memory-budget``, else on a GPU most of
+    its memory; on a CPU there is no such default (RAM is shared with everything else)."""
+    if memory_budget is not None:
+        return memory_budget
+    if device.type != "cuda":
+        raise ValueError(
+            "--find-batch needs --memory-budget on a CPU (give the memory a step may use, e.g. "
+            "--memory-budget 8GiB); on a GPU it defaults to 90% of the GPU's memory"
+        )
+    return int(GPU_MEMORY_SHARE * memory_capacity(device))
 
 
 def _tune(

@@ -66,9 +66,9 @@ class TuneOptions:
     #: the chosen config names it and the one-time cost a compile is judged on is its
     #: warm-cache cost, which is what the job that loads this cache pays.
     compile_cache_dir: str = ""
-    #: Find the largest micro-batch that fits ``memory_budget`` before tuning
-    #: (``tune.batch_probe``): "keep" keeps the global batch by micro-batching, "max" may grow
-    #: it; None: do not.
+    #: Find the largest micro-batch that fits ``memory_budget`` (on a GPU without one, most of
+    #: its memory: ``search.batch_budget``) before tuning (``tune.batch_probe``): "keep" keeps
+    #: the global batch by micro-batching, "max" may grow it; None: do not.
     find_batch: BatchMode | None = None
     #: Refuse, with a ``tune.budget.BudgetError``, budgets no run can keep: a memory budget
     #: under the weights, gradients and optimizer state, a time budget under what one decision
@@ -88,8 +88,6 @@ class TuneOptions:
                 raise ValueError(f"{name} = {getattr(self, name)!r} is out of range")
         if self.memory_budget is not None and self.memory_budget <= 0:
             raise ValueError(f"memory budget {self.memory_budget} bytes is not positive")
-        if self.find_batch is not None and self.memory_budget is None:
-            raise ValueError("--find-batch needs a memory budget to fit: give --memory-budget SIZE")
 
 
 @dataclass

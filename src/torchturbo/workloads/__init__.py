@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from torchturbo.measure.memory import memory_capacity
 from torchturbo.output.suggest import did_you_mean
 from torchturbo.recipe import Recipe
 from torchturbo.workloads.segmentation import segmentation
@@ -27,7 +28,6 @@ from torchturbo.workloads.sizing import (
     Sizing,
     batch_for,
     best_peak,
-    memory_capacity,
     per_sample,
 )
 from torchturbo.workloads.text import text

@@ -21,7 +21,6 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-import psutil
 import torch
 
 from torchturbo.base.device import to_device
@@ -95,13 +94,6 @@ def batch_for(
     if rounded <= floor:
         return floor, "floor"
     return rounded, bound
-
-
-def memory_capacity(device: torch.device) -> int:
-    """Bytes of memory on ``device``: the GPU's, or the machine's RAM for a CPU."""
-    if device.type == "cuda":
-        return int(torch.cuda.get_device_properties(device).total_memory)
-    return int(psutil.virtual_memory().total)
 
 
 def best_peak(device: torch.device) -> float:
