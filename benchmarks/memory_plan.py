@@ -44,10 +44,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from torchturbo.base.blocks import find_blocks
 from torchturbo.config import TurboConfig
 from torchturbo.measure.timing import measure_interleaved, time_once
 from torchturbo.recipe import Recipe
-from torchturbo.techniques.checkpointing import find_blocks, select_blocks
+from torchturbo.techniques.checkpointing import select_blocks
 from torchturbo.trials.memory_estimate import estimate_recipe_memory
 from torchturbo.trials.trial import Trial, fixed_batches
 from torchturbo.tune.compare import compare

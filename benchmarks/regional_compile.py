@@ -50,10 +50,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from torchturbo.base.compiler import use_compile_cache
 from torchturbo.config import TurboConfig
 from torchturbo.output.results_file import write_results
 from torchturbo.recipe import Recipe
-from torchturbo.techniques.compile import probe_cpu_machine_wide, use_compile_cache
+from torchturbo.techniques.compile import probe_cpu_machine_wide
 from torchturbo.trials.trial import fixed_batches, start_trial
 from torchturbo.trials.variants import compare_configs
 

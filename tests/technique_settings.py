@@ -25,11 +25,11 @@ import torch
 from conftest import ConvNet
 from torch import nn
 
+from torchturbo.base.compiler import CACHE_ENV, compiled_graphs
 from torchturbo.base.nested import iter_tensors
 from torchturbo.base.saved_tensors import saved_tensor_packer
 from torchturbo.measure.memory import activation_bytes
 from torchturbo.techniques.checkpointing import CHECKPOINTED_MARK
-from torchturbo.techniques.compile import CACHE_ENV, compiled_graphs
 from torchturbo.techniques.float8 import float8_unavailable
 from torchturbo.techniques.liger import liger_unavailable
 

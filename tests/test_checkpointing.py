@@ -13,12 +13,9 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from torchturbo import Turbo, TurboConfig
+from torchturbo.base.blocks import find_blocks
 from torchturbo.config import CheckpointConfig
-from torchturbo.techniques.checkpointing import (
-    apply_activation_checkpointing,
-    find_blocks,
-    select_blocks,
-)
+from torchturbo.techniques.checkpointing import apply_activation_checkpointing, select_blocks
 
 CONFIGS = {
     "full": CheckpointConfig(mode="full"),

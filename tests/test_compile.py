@@ -85,7 +85,7 @@ def test_a_compile_failure_is_raised_and_reported():
 
 
 def test_the_compile_cache_folder_is_inductors_unless_the_user_set_one(tmp_path, monkeypatch):
-    from torchturbo.techniques.compile import CACHE_ENV, use_compile_cache
+    from torchturbo.base.compiler import CACHE_ENV, use_compile_cache
 
     monkeypatch.delenv(CACHE_ENV, raising=False)
     assert use_compile_cache("") is None and CACHE_ENV not in os.environ
@@ -124,7 +124,7 @@ def test_a_compiled_trials_memory_is_measured_and_counts_what_backward_keeps():
 
 
 def test_the_tuners_compile_cache_leaves_the_environment_as_it_found_it(tmp_path, monkeypatch):
-    from torchturbo.techniques.compile import CACHE_ENV, compile_cache
+    from torchturbo.base.compiler import CACHE_ENV, compile_cache
 
     monkeypatch.delenv(CACHE_ENV, raising=False)
     with compile_cache(str(tmp_path / "c")) as folder:
@@ -141,7 +141,7 @@ def test_inductors_own_default_in_the_environment_is_not_taken_for_the_users(tmp
     folder must still replace it (the first step after tune compiled cold without this)."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-    from torchturbo.techniques.compile import CACHE_ENV, use_compile_cache
+    from torchturbo.base.compiler import CACHE_ENV, use_compile_cache
 
     monkeypatch.setenv(CACHE_ENV, default_cache_dir())
     assert use_compile_cache(str(tmp_path / "cache")) == str((tmp_path / "cache").resolve())
@@ -150,7 +150,8 @@ def test_inductors_own_default_in_the_environment_is_not_taken_for_the_users(tmp
 # A fresh process: inductor remembers its probe of the CPU for the process's life.
 _PROBE = """
 import sys, torch
-from torchturbo.techniques.compile import probe_cpu_machine_wide, use_compile_cache
+from torchturbo.base.compiler import use_compile_cache
+from torchturbo.techniques.compile import probe_cpu_machine_wide
 use_compile_cache(sys.argv[1])
 if sys.argv[2] == "machine-wide":
     probe_cpu_machine_wide(torch.device("cpu"))
@@ -197,7 +198,8 @@ def test_the_cpu_probe_stays_in_the_jobs_folder_where_inductors_own_cannot_be_ma
     import torch._inductor.cpu_vec_isa as vec_isa
     import torch._inductor.runtime.cache_dir_utils as cache_dir_utils
 
-    from torchturbo.techniques.compile import CACHE_ENV, probe_cpu_machine_wide, use_compile_cache
+    from torchturbo.base.compiler import CACHE_ENV, use_compile_cache
+    from torchturbo.techniques.compile import probe_cpu_machine_wide
 
     seen: list[str] = []
     monkeypatch.setattr(vec_isa, "pick_vec_isa", lambda: seen.append(os.environ[CACHE_ENV]))

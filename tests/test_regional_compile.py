@@ -18,11 +18,12 @@ from technique_settings import tiny_llama
 from torch import nn
 
 from torchturbo import Turbo, TurboConfig
-from torchturbo.base.repeated_blocks import repeated_blocks, traced_leaf_modules
+from torchturbo.base.blocks import repeated_blocks, traced_leaf_modules
+from torchturbo.base.compiler import compiled_graphs
 from torchturbo.config import ConfigError
 from torchturbo.integrations.translate import hf_arguments
 from torchturbo.recipe import Recipe
-from torchturbo.techniques.compile import compile_stage, compiled_graphs
+from torchturbo.techniques.compile import compile_stage
 from torchturbo.techniques.framework.facts import leaf_module_count
 from torchturbo.techniques.regional_compile import apply_regional_compile
 from torchturbo.tune.budget import compile_seconds

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from torchturbo import TurboConfig
+from torchturbo.base.compiler import compiled_graphs
 from torchturbo.data.collate import IGNORE_INDEX, pad_collate
 from torchturbo.data.shapes import length_ladder, pad_batch, rung
 from torchturbo.techniques import registry
-from torchturbo.techniques.compile import compiled_graphs
 from torchturbo.trials.trial import recipe_source
 from torchturbo.workloads import get_workload
 from torchturbo.workloads.text import loss_fn as text_loss

@@ -24,11 +24,11 @@ import torch
 from technique_settings import SETTINGS, Run, Setting, model_for, token_batches
 
 from torchturbo import Turbo, TurboConfig
+from torchturbo.base.compiler import CACHE_ENV
 from torchturbo.config import ConfigError
 from torchturbo.config.turbo import sections
 from torchturbo.integrations.translate import hf_arguments, lightning_arguments
 from torchturbo.techniques import registry
-from torchturbo.techniques.compile import CACHE_ENV
 from torchturbo.techniques.framework.spec import Host
 
 ROOT = Path(__file__).resolve().parents[1]

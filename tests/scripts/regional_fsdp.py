@@ -18,10 +18,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from torchturbo.base.compiler import compiled_graphs
 from torchturbo.config import TurboConfig
 from torchturbo.distributed import init_distributed, shutdown
 from torchturbo.engine import Turbo
-from torchturbo.techniques.compile import compiled_graphs
 
 
 class Block(nn.Module):

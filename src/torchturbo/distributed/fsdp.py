@@ -26,12 +26,12 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from torchturbo.base.blocks import find_blocks
 from torchturbo.config import DistributedConfig
 from torchturbo.distributed.comm import CommStats
 from torchturbo.distributed.normalize import Reference, scale_output_gradients
 from torchturbo.distributed.strategy import DataParallel
 from torchturbo.resume.files import SHARDS, CheckpointError, checkpoint_name
-from torchturbo.techniques.checkpointing import find_blocks
 from torchturbo.techniques.framework.result import TechniqueResult, applied
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -20,9 +20,9 @@ import torch.fx
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from torchturbo.base.blocks import find_blocks
 from torchturbo.base.nhwc import has_2d_convolutions
 from torchturbo.measure.memory import activation_bytes
-from torchturbo.techniques.checkpointing import find_blocks
 
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 _ALL_CONVS = (*_CONVS, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)

@@ -28,6 +28,7 @@ from typing import Any
 import torch.utils.checkpoint
 from torch import nn
 
+from torchturbo.base.blocks import find_blocks
 from torchturbo.config import CheckpointConfig, TurboConfig
 from torchturbo.techniques.framework.result import TechniqueResult, applied, not_applied
 from torchturbo.techniques.framework.spec import Technique, TrainerArguments
@@ -35,26 +36,6 @@ from torchturbo.techniques.framework.spec import Technique, TrainerArguments
 #: Attribute set on every checkpointed module; measure/memory.py reads it to count the inputs
 #: that checkpoint keeps alive through a closure rather than through saved-tensor hooks.
 CHECKPOINTED_MARK = "_torchturbo_checkpointed"
-
-
-def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The outermost repeated blocks of the model, as (qualified name, module) pairs."""
-    blocks: list[tuple[str, nn.Module]] = []
-    taken: list[str] = []
-    for name, module in model.named_modules():
-        if not isinstance(module, (nn.Sequential, nn.ModuleList)):
-            continue
-        if any(name == t or name.startswith(t + ".") for t in taken):
-            continue
-        for child_name, child in module.named_children():
-            if next(child.children(), None) is None:
-                continue  # a leaf layer (Conv, Linear): too fine-grained to be a block
-            qualified = f"{name}.{child_name}" if name else child_name
-            blocks.append((qualified, child))
-            taken.append(qualified)
-    if blocks:
-        return blocks
-    return [(n, m) for n, m in model.named_children() if any(True for _ in m.parameters())]
 
 
 def select_blocks(model: nn.Module, config: CheckpointConfig) -> list[tuple[str, nn.Module]]:

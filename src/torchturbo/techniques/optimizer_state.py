@@ -30,7 +30,12 @@ import torch
 
 from torchturbo.config import TurboConfig
 from torchturbo.techniques.framework import levers
-from torchturbo.techniques.framework.proposal import Candidate, StageContext, candidate
+from torchturbo.techniques.framework.proposal import (
+    Candidate,
+    PlannedState,
+    StageContext,
+    candidate,
+)
 from torchturbo.techniques.framework.result import TechniqueResult, applied, not_applied
 from torchturbo.techniques.framework.spec import Lever, Stage, Technique, TrainerArguments
 from torchturbo.techniques.optimizer import held_elsewhere
@@ -221,6 +226,19 @@ def step_compile_seconds(parameters: Iterable[torch.Tensor], state: str) -> floa
     return STEP_COMPILE_BASE_S + STEP_COMPILE_PER_SHAPE_S * len(shapes)
 
 
+def _planned_states(optimizer: torch.optim.Optimizer) -> dict[str, PlannedState]:
+    """``Technique.optimizer_states``: every state ``optimizer`` can be rebuilt with, and its
+    bytes and first step's one-time cost over the optimizer's parameters."""
+    parameters = _parameters(optimizer)
+    return {
+        state: PlannedState(
+            planned_state_bytes(parameters, state), step_compile_seconds(parameters, state)
+        )
+        for state in STATES
+        if state_unsupported(optimizer, state) is None
+    }
+
+
 def _parameters(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
@@ -273,6 +291,7 @@ TECHNIQUE = Technique(
         "replace a fused or foreach one, and says so"
     ),
     rebuild_optimizer=_rebuild,
+    optimizer_states=_planned_states,
     stage=Stage("optimizer_state", 55, optimizer_state_stage),
     levers=tuple(
         Lever(f"{state} optimizer state", functools.partial(levers.optimizer_state, state=state))

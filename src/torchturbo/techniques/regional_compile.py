@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from torchturbo.base.repeated_blocks import repeated_blocks
+from torchturbo.base.blocks import repeated_blocks
 from torchturbo.config import CompileConfig, TurboConfig
 from torchturbo.techniques.compile import (
     compile_options,

@@ -26,6 +26,7 @@ import torchturbo.techniques
 from torchturbo.data.batch_plan import BatchPlan, BatchSource
 from torchturbo.techniques.framework.facts import Facts
 from torchturbo.techniques.framework.levers import RankedLever
+from torchturbo.techniques.framework.proposal import PlannedState
 from torchturbo.techniques.framework.result import TechniqueResult, applied, not_applied
 from torchturbo.techniques.framework.spec import Host, Lever, Stage, Technique, TrainerArguments
 
@@ -172,6 +173,16 @@ def rebuild_optimizer(
         if entry.rebuild_optimizer is not None and entry.requested(config):
             optimizer, results[entry.name] = entry.rebuild_optimizer(optimizer, config)
     return optimizer, results
+
+
+def optimizer_states(optimizer: torch.optim.Optimizer) -> dict[str, PlannedState]:
+    """Every smaller optimizer state a technique can rebuild ``optimizer`` with, and its bytes
+    (``Technique.optimizer_states``): what the memory planner chooses from."""
+    states: dict[str, PlannedState] = {}
+    for entry in techniques():
+        if entry.optimizer_states is not None:
+            states.update(entry.optimizer_states(optimizer))
+    return states
 
 
 def explain_failure(

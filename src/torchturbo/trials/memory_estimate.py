@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from torchturbo.base.blocks import find_blocks
 from torchturbo.base.nested import iter_tensors, map_tensors
 from torchturbo.base.saved_tensors import saved_tensor_packer
 from torchturbo.config import TurboConfig
@@ -40,7 +41,6 @@ from torchturbo.measure.memory import storage_key, tensor_bytes
 from torchturbo.measure.timing import sync
 from torchturbo.recipe import Recipe
 from torchturbo.reliability.oom import leading_size
-from torchturbo.techniques.checkpointing import find_blocks
 from torchturbo.trials.trial import Trial
 
 #: What is saved outside every named module: the loss, and ops in the model's own forward.

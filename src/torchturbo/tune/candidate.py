@@ -17,11 +17,11 @@ from dataclasses import dataclass
 
 import torch
 
+from torchturbo.base.compiler import compiled_graphs
 from torchturbo.config import TurboConfig
 from torchturbo.distributed.consensus import agree, any_rank
 from torchturbo.measure.timing import time_once
 from torchturbo.techniques import registry
-from torchturbo.techniques.compile import compiled_graphs
 from torchturbo.techniques.framework.facts import shape_key
 from torchturbo.techniques.framework.proposal import Candidate
 from torchturbo.trials.trial import Trial, start_trial

@@ -50,11 +50,12 @@ from dataclasses import dataclass
 from torchturbo.config import CheckpointConfig, TurboConfig
 from torchturbo.measure.footprint import BlockMemory, MemoryEstimate
 from torchturbo.recipe import Recipe
-from torchturbo.techniques.framework.proposal import Candidate, StageContext, memory_not_needed
-from torchturbo.techniques.optimizer_state import (
-    planned_state_bytes,
-    state_unsupported,
-    step_compile_seconds,
+from torchturbo.techniques import registry
+from torchturbo.techniques.framework.proposal import (
+    Candidate,
+    PlannedState,
+    StageContext,
+    memory_not_needed,
 )
 from torchturbo.tune.knapsack import cheapest_cover
 
@@ -381,14 +382,6 @@ def _evidence(plan: Plan, estimate: MemoryEstimate, states: Mapping[str, Planned
     )
 
 
-@dataclass(frozen=True)
-class PlannedState:
-    """An optimizer state a plan may use: its bytes, and its first step's one-time cost."""
-
-    bytes: int
-    one_time_s: float
-
-
 def optimizer_states(ctx: StageContext, estimate: MemoryEstimate) -> dict[str, PlannedState]:
     """The optimizer states a plan may use, with the bytes each would take: those the
     recipe's optimizer can be rebuilt with, while the best keeps the optimizer's own."""
@@ -408,15 +401,9 @@ def recipe_optimizer_states(recipe: Recipe, estimate: MemoryEstimate) -> dict[st
     """The smaller optimizer states the recipe's optimizer can be rebuilt with, and their bytes."""
     if estimate.optimizer_bytes == 0:
         return {}
-    model, optimizer = recipe.build()
-    parameters = list(model.parameters())
-    planned = {
-        state: PlannedState(
-            planned_state_bytes(parameters, state), step_compile_seconds(parameters, state)
-        )
-        for state in PLANNER_STATES
-        if state_unsupported(optimizer, state) is None
-    }
+    _, optimizer = recipe.build()
+    offered = registry.optimizer_states(optimizer)
+    planned = {state: offered[state] for state in PLANNER_STATES if state in offered}
     # torchao leaves tensors under 4,096 values in float32: on a small model a state may free
     # next to nothing, and is then no plan.
     limit = MIN_STATE_SHARE * estimate.optimizer_bytes

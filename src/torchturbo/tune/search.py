@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from torchturbo.base.compiler import compile_cache
 from torchturbo.config import TurboConfig
 from torchturbo.distributed.consensus import agree
 from torchturbo.distributed.launch import current_env
@@ -50,7 +51,6 @@ from torchturbo.measure.timing import time_once
 from torchturbo.output.suggest import did_you_mean
 from torchturbo.output.tables import format_bytes
 from torchturbo.recipe import Recipe
-from torchturbo.techniques.compile import compile_cache
 from torchturbo.techniques.framework.facts import gather
 from torchturbo.techniques.framework.levers import priority
 from torchturbo.techniques.framework.proposal import Candidate, StageContext

@@ -27,9 +27,9 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from torchturbo.base.blocks import traced_leaf_modules
 from torchturbo.base.language_models import language_models, output_embedding
 from torchturbo.base.nhwc import has_2d_convolutions
-from torchturbo.base.repeated_blocks import traced_leaf_modules
 from torchturbo.data.bucketing import padding_fractions
 from torchturbo.measure.memory import activation_bytes
 from torchturbo.measure.native import emulated, gemm_speedup

@@ -20,6 +20,16 @@ from torchturbo.techniques.framework.facts import Facts
 
 
 @dataclass(frozen=True)
+class PlannedState:
+    """A smaller optimizer state the memory planner may give a plan (``Technique.
+    optimizer_states``): its bytes over the model's parameters, and its first step's one-time
+    cost (torchao compiles its step)."""
+
+    bytes: int
+    one_time_s: float
+
+
+@dataclass(frozen=True)
 class Candidate:
     """One configuration to try.
 

@@ -39,7 +39,7 @@ from torchturbo.config import TurboConfig
 from torchturbo.data.batch_plan import BatchPlan, BatchSource
 from torchturbo.techniques.framework.facts import Facts
 from torchturbo.techniques.framework.levers import Expectation
-from torchturbo.techniques.framework.proposal import Candidate, StageContext
+from torchturbo.techniques.framework.proposal import Candidate, PlannedState, StageContext
 from torchturbo.techniques.framework.result import TechniqueResult
 
 #: Where a technique runs: torchturbo's own engine, or a trainer's torchturbo callback.
@@ -147,6 +147,9 @@ class Technique:
         ]
         | None
     ) = None
+    #: ``(optimizer) -> {state: PlannedState}``: the smaller optimizer states it can rebuild
+    #: ``optimizer`` with, and their bytes: what the tuner's memory planner may give a plan.
+    optimizer_states: Callable[[torch.optim.Optimizer], dict[str, PlannedState]] | None = None
     #: ``(config, source) -> plan``: the batches it trains on (``data/batch_plan.py``), which
     #: every host and the tuner's trials build alike.
     batches: Callable[[TurboConfig, BatchSource], BatchPlan] | None = None
