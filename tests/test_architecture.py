@@ -374,3 +374,65 @@ def test_the_readme_layout_is_the_package(readme: str) -> None:
     assert sorted(set(listed) - present) == [], f"{readme}'s layout lists what does not exist"
     floors = [entry.removesuffix("/").removesuffix(".py") for entry in listed[1:]]
     assert floors == LAYERS[: len(floors)], f"{readme} lists the floors out of order"
+
+
+#: The registered techniques are reached through the registry and their framework only: a host
+#: that imports one directly is a second route to it, which the registry's order and tests miss.
+#: The tools (unregistered building blocks) may be used directly.
+def technique_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Every import of a registered technique module from outside ``techniques``."""
+    registered = TECHNIQUE_FLOORS.index("")
+    return [
+        f"{module} -> {target}"
+        for module, imported in sorted(graph.items())
+        if not module.startswith(f"{PACKAGE}.techniques")
+        for target in sorted(imported)
+        if _technique_floor(target) == registered
+    ]
+
+
+def test_nothing_outside_the_techniques_imports_a_technique_module() -> None:
+    assert technique_imports(import_graph()) == []
+
+
+def test_the_technique_import_check_sees_a_planted_import(tmp_path: Path) -> None:
+    _write(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "engine/__init__.py": "",
+            "engine/turbo.py": "from torchturbo.techniques.precision import Precision\n",
+            "techniques/__init__.py": "",
+            "techniques/precision.py": "",
+            "techniques/registry.py": "",
+            "techniques/tools/__init__.py": "",
+            "techniques/tools/accumulation.py": "",
+            "doctor/__init__.py": "from torchturbo.techniques import registry\n"
+            "from torchturbo.techniques.tools import accumulation\n",
+        },
+    )
+    assert technique_imports(import_graph(tmp_path)) == [
+        "torchturbo.engine.turbo -> torchturbo.techniques.precision"
+    ]
+
+
+def engine_names(root: Path = SRC) -> list[str]:
+    """Technique names the engine's source spells out as strings: a technique named by the
+    engine is driven by it rather than through the registry. ("optimizer" is the engine's own
+    word too: the torch optimizer it steps, and the phase of the step so named.)"""
+    from torchturbo.techniques import registry
+
+    names = {t.name for t in registry.techniques()} - {"optimizer"}
+    return [
+        f"{path.name}:{node.lineno} {node.value!r}"
+        for path in sorted((root / PACKAGE / "engine").glob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Constant) and node.value in names
+    ]
+
+
+def test_the_engine_names_no_technique(tmp_path: Path) -> None:
+    assert engine_names() == []
+    # Negative control: the engine of a year ago, which asked for precision by name.
+    _write(tmp_path, {"engine/turbo.py": 'result = results.get("precision")\n'})
+    assert engine_names(tmp_path) == ["turbo.py:1 'precision'"]

@@ -141,10 +141,10 @@ def test_fp16_overflow_is_still_the_scalers_to_skip():
     model = _model()
     turbo.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
     before = [p.detach().clone() for p in model.parameters()]
-    scale = turbo.scaler.get_scale()
+    scale = turbo.steps["precision"].scaler.get_scale()
     for _ in range(5):  # x 1e35, then x the scale (65536): the gradients overflow fp32
         assert turbo.step(lambda m, b: _loss(m, b) * 1e35, _batch()).skipped
-    assert turbo.guard.streak == 0 and turbo.scaler.get_scale() < scale
+    assert turbo.guard.streak == 0 and turbo.steps["precision"].scaler.get_scale() < scale
     assert all(torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))
 
 

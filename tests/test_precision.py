@@ -12,7 +12,7 @@ from conftest import ConvNet, classification_loss
 
 from torchturbo import Turbo, TurboConfig
 from torchturbo.config import PrecisionConfig
-from torchturbo.techniques.precision import Precision, float32_matmul_precision
+from torchturbo.techniques.precision import float32_matmul_precision
 
 
 def _data(n: int = 32, seed: int = 0):
@@ -70,7 +70,8 @@ def test_clipping_under_fp16_scaler_clips_the_unscaled_gradient():
     # fp16 autocast computes the convs in half precision: the norm agrees to ~1%.
     torch.testing.assert_close(metrics.grad_norm, true_norm, rtol=2e-2, atol=0)
     # Negative control: a norm read before unscale_ is the loss scale (65536) times too large.
-    assert turbo.scaler.get_scale() * float(true_norm) > 1000 * float(metrics.grad_norm)
+    scale = turbo.steps["precision"].scaler.get_scale()
+    assert scale * float(true_norm) > 1000 * float(metrics.grad_norm)
     expected = [p - g * (max_norm / true_norm) for p, g in _params_and_grads(reference)]
     for got, want in zip(model.parameters(), expected, strict=True):
         torch.testing.assert_close(got.detach(), want, rtol=2e-2, atol=2e-4)
@@ -132,16 +133,19 @@ def test_loss_scale_round_trips_through_the_state_dict():
     x, y = _data()
     x[0, 0, 0, 0] = float("inf")
     turbo.step(classification_loss, (x, y))  # the scaler halves its scale on the overflow
-    state = turbo.precision.state_dict()
-    fresh = Precision(turbo.config.precision, torch.device("cpu"))
-    fresh.load_state_dict(state)
-    assert fresh.scaler.get_scale() == turbo.scaler.get_scale() == 2.0**15
+    state = turbo.steps.state_dict()
+    fresh = Turbo(turbo.config)
+    fresh.steps.load_state_dict(state)
+    scalers = (fresh.steps["precision"].scaler, turbo.steps["precision"].scaler)
+    assert scalers[0].get_scale() == scalers[1].get_scale() == 2.0**15
 
 
-def test_fp32_has_no_scaler_and_fp16_has_one():
-    assert Turbo(TurboConfig(device="cpu")).scaler is None
-    assert Turbo(TurboConfig(device="cpu").replace(precision__dtype="bf16")).scaler is None
-    assert Turbo(TurboConfig(device="cpu").replace(precision__dtype="fp16")).scaler is not None
+def test_fp32_has_no_precision_step_hooks_bf16_no_scaler_and_fp16_one():
+    """The engine reaches precision through the registry's step hooks alone."""
+    cpu = TurboConfig(device="cpu")
+    assert "precision" not in Turbo(cpu).steps.hooks
+    assert Turbo(cpu.replace(precision__dtype="bf16")).steps["precision"].scaler is None
+    assert Turbo(cpu.replace(precision__dtype="fp16")).steps["precision"].scaler is not None
 
 
 @pytest.mark.cuda
@@ -161,3 +165,26 @@ def test_tf32_holds_high_matmul_precision_during_a_cuda_step_only():
     assert turbo.applied["precision"] is None
     turbo.step(classification_loss, _data(8))
     assert seen == ["high"] and torch.get_float32_matmul_precision() == before
+
+
+def test_the_loss_scale_survives_a_checkpoint_and_an_older_ones_file_name(tmp_path):
+    """Saved as the precision hooks' own file (precision.pt); a version-1 checkpoint's
+    scaler.pt still loads (``StepHooks.older_state``)."""
+    config = TurboConfig(device="cpu").replace(precision__dtype="fp16")
+    turbo = Turbo(config)
+    model = ConvNet()
+    turbo.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = _data()
+    x[0, 0, 0, 0] = float("inf")
+    turbo.step(classification_loss, (x, y))  # halves the scale
+    saved = turbo.save(tmp_path / "ckpt")
+    assert (saved / "precision.pt").is_file()
+    fresh = Turbo(config)
+    other = ConvNet()
+    fresh.setup(other, torch.optim.SGD(other.parameters(), lr=0.1))
+    fresh.load(tmp_path / "ckpt")
+    assert fresh.steps["precision"].scaler.get_scale() == 2.0**15
+    scaler_state = turbo.steps["precision"].scaler.state_dict()
+    older = fresh.steps.states_in({"scaler.pt": scaler_state})
+    assert older == {"precision": {"scaler": scaler_state}}
+    assert fresh.steps.states_in({}) == {}  # fp32-era checkpoints: nothing to restore

@@ -29,6 +29,7 @@ from torchturbo.measure.breakdown import PHASES, PhaseRecorder
 from torchturbo.measure.device_busy import measure_device_busy
 from torchturbo.measure.memory import PeakMemory, track_peak_memory
 from torchturbo.recipe import Recipe
+from torchturbo.techniques.framework.result import TechniqueResult
 
 #: How many operators the result lists.
 TOP_OPERATORS = 10
@@ -91,7 +92,7 @@ def profile_training(
         shapes=batches.shapes,
         trace_path=trace_path,
         applied=dict(turbo.applied),
-        checkpointed_blocks=list(turbo.checkpointed_blocks),
+        checkpointed_blocks=_targets(turbo.results.get("checkpointing")),
         comm_bytes_per_step=comm_totals["bytes"] / steps if comm_totals else None,
         comm_seconds_per_step=(
             comm_totals["seconds"] / steps
@@ -100,6 +101,11 @@ def profile_training(
         ),
         device_busy=busy,
     )
+
+
+def _targets(result: TechniqueResult | None) -> list[str]:
+    """The modules a technique acted on (checkpointing's blocks); none when it did not run."""
+    return list(result.targets) if result is not None else []
 
 
 def _breakdown(

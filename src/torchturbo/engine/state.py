@@ -30,6 +30,7 @@ from torchturbo.reliability.epochs import EpochLoader, LoaderPosition
 from torchturbo.reliability.guard import refuse_nonfinite_state
 from torchturbo.resume.checks import STATE_VERSION, check_resumable, lacking_files
 from torchturbo.resume.files import CheckpointError
+from torchturbo.techniques.framework.steps import Steps
 
 
 class Resumable(Protocol):
@@ -43,6 +44,7 @@ class Resumable(Protocol):
     loader: EpochLoader | None
     optimizer_steps: int
     batches_in_window: int
+    steps: Steps
 
     @property
     def window_open(self) -> bool: ...
@@ -82,8 +84,8 @@ def save_training_state(turbo: Resumable, directory: str | Path, scheduler: Any 
         },
         "config.toml": turbo.config.to_toml(),
     }
-    if state["precision"]:
-        files["precision.pt"] = state["precision"]
+    for name, kept in state["steps"].items():  # the step hooks' state (fp16's loss scale)
+        files[f"{name}.pt"] = kept
     if scheduler is not None:
         files["scheduler.pt"] = scheduler.state_dict()
     per_rank = {
@@ -145,7 +147,7 @@ def load_training_state(turbo: Resumable, directory: str | Path, scheduler: Any 
     plain = files.get("random.json", saved)  # version 1 kept them in state.json
     state.update(tensors)
     state.update(
-        precision=files.get("precision.pt") or _version1_scaler(files),
+        steps=turbo.steps.states_in(files),
         optimizer_steps=saved["optimizer_steps"],
         skipped_steps=saved["skipped_steps"],
         micro_batch_split=saved["micro_batch_split"],
@@ -164,10 +166,6 @@ def load_training_state(turbo: Resumable, directory: str | Path, scheduler: Any 
         )
     turbo.load_state_dict(state)
     return path
-
-
-def _version1_scaler(files: dict[str, Any]) -> dict[str, Any]:
-    return {"scaler": files["scaler.pt"]} if "scaler.pt" in files else {}
 
 
 def _warn_on_config_change(path: Path, saved_toml: str, current: TurboConfig) -> None:

@@ -1,13 +1,14 @@
 """Turbo: compose the configured techniques around a user's model, optimizer and data.
 
-The engine holds no technique logic of its own: each technique declares its hooks once
-(``techniques/framework/spec.py``) and the engine reaches them only through the registry
-(``techniques/registry.py``: model transforms in their order, the optimizer rebuild, the batch plan,
-input layout, failures, process-wide switches); ``compose.compose`` adds the device and the
-strategy's wrapping. What differs across processes is the strategy (``distributed/strategy.py``,
-chosen from the launch environment), and everything precision changes is one
-:class:`~torchturbo.techniques.precision.Precision`. This module runs one training micro-step
-(``step``) with exact accumulation and clipping, and owns the run's state (``state_dict``).
+The engine holds no technique logic of its own and names no technique: each technique declares
+its hooks once (``techniques/framework/spec.py``) and the engine reaches them only through the
+registry (``techniques/registry.py``: model transforms in their order, the optimizer rebuild, the
+batch plan, input layout, failures, process-wide switches, and the step hooks: autocast, loss
+scaling and the optimizer step, ``framework/steps.py``); ``compose.compose`` adds the device and
+the strategy's wrapping. What differs across processes is the strategy
+(``distributed/strategy.py``, chosen from the launch environment). This module runs one training
+micro-step (``step``) with exact accumulation and clipping, and owns the run's state
+(``state_dict``).
 Reliability lives beside it: ``oom`` (micro-batching on out-of-memory), ``guard`` (non-finite
 losses, unreadable batches), ``resume`` and ``checkpoint`` (``save``/``load``), ``epochs`` (the
 resumable loader).
@@ -49,7 +50,6 @@ from torchturbo.reliability.preemption import StopRequest, agree_to_stop
 from torchturbo.reliability.random_state import capture_random_state, restore_random_state
 from torchturbo.techniques import registry
 from torchturbo.techniques.framework.result import TechniqueResult, reasons
-from torchturbo.techniques.precision import Precision
 from torchturbo.techniques.tools.accumulation import (
     AccumulationWindow,
     scale_and_clip_gradients,
@@ -109,8 +109,9 @@ class Turbo:
     def __init__(self, config: TurboConfig | None = None) -> None:
         self.config = config or TurboConfig()
         self.device = resolve_device(self.config.device)
-        #: Autocast, loss scaling, TF32 and their state (``techniques/precision.py``).
-        self.precision = Precision(self.config.precision, self.device)
+        #: What the requested techniques do inside each step (autocast, loss scaling, TF32),
+        #: and the state they keep: ``techniques/framework/steps.py``.
+        self.steps = registry.step_hooks(self.config, self.device)
         #: Times the phases of each step; swap it with :meth:`recording`.
         self.recorder: Recorder = NullRecorder()
         self.optimizer_steps = 0
@@ -182,10 +183,9 @@ class Turbo:
             reference=self._window_reference,
             comm_stats=comm_stats,
         )
-        precision = {} if self.precision.result is None else {"precision": self.precision.result}
         # A rebuilt optimizer is a new object: callers use the one setup returns.
         optimizer, rebuilt = registry.rebuild_optimizer(optimizer, self.config)
-        self._results = {**precision, **results, **rebuilt}
+        self._results = {**self.steps.results, **results, **rebuilt}
         self.optimizer = optimizer
         self._channels_last_inputs = registry.channels_last_inputs(self._results)
         self.microbatcher = self._microbatcher(self.model)
@@ -235,17 +235,6 @@ class Turbo:
         """What each technique requested by the config did, as ``setup`` composed them."""
         return dict(self._results)
 
-    @property
-    def checkpointed_blocks(self) -> list[str]:
-        """Qualified names of the blocks activation checkpointing recomputes."""
-        result = self._results.get("checkpointing")
-        return list(result.targets) if result is not None else []
-
-    @property
-    def scaler(self) -> torch.amp.GradScaler | None:
-        """fp16's GradScaler (``precision.scaler``); None for other dtypes."""
-        return self.precision.scaler
-
     # -- training -----------------------------------------------------------------------------
 
     @property
@@ -286,7 +275,7 @@ class Turbo:
         last_batch = self.loader is not None and self.loader.at_last_batch
         closing = self.batches_in_window + 1 >= self._window.micro_steps or last_batch
         micro_step = functools.partial(self._micro_step, loss_fn)
-        with self.precision.step_context(), self.switches():
+        with self.steps.step_context(), self.switches():
             try:
                 loss, count, pieces = self.microbatcher.run(
                     batch, micro_step, self._restart, closing
@@ -326,7 +315,7 @@ class Turbo:
                 self.guard.observe(loss, functools.partial(self.forward, loss_fn, batch), batch)
                 weighted = loss.float() * self._window.weight(count)
                 try:
-                    self.precision.scale_loss(weighted).backward()
+                    self.steps.scale_loss(weighted).backward()
                 except RuntimeError as err:  # the graph was freed by a backward in loss_fn
                     if backward_inside(err):
                         raise LossFnError(BACKWARD_INSIDE) from err
@@ -350,7 +339,7 @@ class Turbo:
             non_blocking=self.config.data.non_blocking,
             channels_last=self._channels_last_inputs,
         )
-        with self.precision.step_context(), self.precision.forward_context():
+        with self.steps.step_context(), self.steps.forward_context():
             return _split_loss(call_loss_fn(loss_fn, self.model, batch), batch, self.device)
 
     def flush(self) -> bool:
@@ -360,7 +349,7 @@ class Turbo:
         """
         if self._window.seen == 0:
             return False
-        with self.precision.step_context():
+        with self.steps.step_context():
             self._optimizer_step()
         return True
 
@@ -369,7 +358,7 @@ class Turbo:
         assert self.strategy is not None and self.microbatcher is not None
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         with self.recorder.phase("optimizer"):
-            self.precision.unscale_gradients(self.optimizer)  # clipping must see true gradients
+            self.steps.unscale_gradients(self.optimizer)  # clipping must see true gradients
             total = self.strategy.reduce_count(self._window.total)  # type: ignore[arg-type]
             correction = self._window.correction(total)
             grad_norm, clip = None, self.config.clipping
@@ -379,10 +368,11 @@ class Turbo:
                 )
             elif not self._unit_correction():
                 scale_gradients(params, correction)
-            # Without a scaler the guard skips a non-finite step rather than write NaN weights.
-            check = self.precision.scaler is None
+            # Unless a technique's step skips non-finite gradients itself (a GradScaler), the
+            # guard skips such a step rather than write NaN weights.
+            check = not self.steps.checks_finite()
             nonfinite = self.guard.window_nonfinite(params, grad_norm, check)
-            skipped = self.precision.optimizer_step(self.optimizer, finite=not nonfinite)
+            skipped = self.steps.optimizer_step(self.optimizer, finite=not nonfinite)
             self.optimizer.zero_grad(set_to_none=True)
         self._window.reset()
         self.batches_in_window = 0
@@ -425,7 +415,7 @@ class Turbo:
         return {
             "model": model_state,
             "optimizer": optimizer_state,
-            "precision": self.precision.state_dict(),
+            "steps": self.steps.state_dict(),
             "optimizer_steps": self.optimizer_steps,
             "skipped_steps": self.skipped_steps,
             "micro_batch_split": self.microbatcher.split,
@@ -443,7 +433,7 @@ class Turbo:
         self.strategy.load_state_dicts(
             self.model, self.optimizer, state["model"], state["optimizer"]
         )
-        self.precision.load_state_dict(state["precision"])
+        self.steps.load_state_dict(state["steps"])
         self.optimizer_steps = state["optimizer_steps"]
         self.skipped_steps = state["skipped_steps"]
         self.microbatcher.split = state["micro_batch_split"]

@@ -1,10 +1,11 @@
 """Numeric precision as one object: autocast, loss scaling, TF32, and their saved state.
 
-:class:`Precision` is what the engine asks every precision question of, as Lightning Fabric's
-precision plugins are: the forward's autocast context, scaling the loss before backward,
-unscaling the gradients before clipping, the optimizer step (which a GradScaler may skip), the
-TF32 switches, and a ``state_dict`` for checkpoints. One class rather than a hierarchy: the
-configs differ only in an autocast dtype, an optional GradScaler and an optional TF32 scope.
+:class:`Precision` is the technique's step hooks (``framework/steps.py``), as Lightning
+Fabric's precision plugins are: the forward's autocast context, scaling the loss before
+backward, unscaling the gradients before clipping, the optimizer step (which a GradScaler may
+skip), the TF32 switches, and a ``state_dict`` for checkpoints. The engine reaches it through
+the registry alone. One class rather than a hierarchy: the configs differ only in an autocast
+dtype, an optional GradScaler and an optional TF32 scope.
 
 Uses the device-generic ``torch.amp`` API (the article's ``torch.cuda.amp`` is deprecated).
 bf16 keeps fp32's exponent range and needs no loss scaling; fp16 does, and gradients must be
@@ -25,12 +26,13 @@ from torchturbo.techniques.framework import levers
 from torchturbo.techniques.framework.proposal import Candidate, StageContext, candidate
 from torchturbo.techniques.framework.result import TechniqueResult, applied, not_applied
 from torchturbo.techniques.framework.spec import Lever, Stage, Technique, TrainerArguments
+from torchturbo.techniques.framework.steps import StepHooks
 
 AUTOCAST_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16}
 _NULL = contextlib.nullcontext()
 
 
-class Precision:
+class Precision(StepHooks):
     """The precision of training steps on ``device`` as ``config`` asks."""
 
     def __init__(self, config: PrecisionConfig, device: torch.device) -> None:
@@ -71,22 +73,25 @@ class Precision:
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)
 
-    def optimizer_step(self, optimizer: torch.optim.Optimizer, *, finite: bool) -> bool:
-        """Step ``optimizer`` unless the gradients are not finite; returns whether it skipped.
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, *, finite: bool) -> bool | None:
+        """With a GradScaler, step ``optimizer`` through it and return whether it skipped;
+        without one, leave the step to the engine (None).
 
         ``finite`` is the engine's guard, which sees the gradients as they will be applied
         (after unscaling and clipping). A GradScaler also skips on inf/NaN of its own and then
         lowers its scale, which is how its skip is told apart; it updates its scale either way.
         """
         if self.scaler is None:
-            if finite:
-                optimizer.step()
-            return not finite
+            return None
         scale_before = self.scaler.get_scale()
         if finite:
             self.scaler.step(optimizer)
         self.scaler.update()
         return not finite or self.scaler.get_scale() < scale_before
+
+    def checks_finite(self) -> bool:
+        """A GradScaler skips non-finite gradients itself (and lowers its scale)."""
+        return self.scaler is not None
 
     def state_dict(self) -> dict[str, Any]:
         """The loss scaler's state (its scale and growth tracker); empty without one."""
@@ -95,6 +100,10 @@ class Precision:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.scaler is not None and "scaler" in state:
             self.scaler.load_state_dict(state["scaler"])
+
+    def older_state(self, files: dict[str, Any]) -> dict[str, Any] | None:
+        """Checkpoint version 1 kept the loss scale as scaler.pt."""
+        return {"scaler": files["scaler.pt"]} if "scaler.pt" in files else None
 
 
 def check_precision(config: PrecisionConfig, device: torch.device) -> TechniqueResult:
@@ -217,8 +226,9 @@ TECHNIQUE = Technique(
     doc="docs/techniques/precision.md",
     requested=lambda config: config.precision.dtype != "fp32",
     switch=_tf32_switch,
+    step=lambda config, device: Precision(config.precision, device),
     carried_by={
-        "engine": lambda config: "Turbo's Precision holds autocast, the scaler and TF32 per step",
+        "engine": lambda config: "its step hooks hold autocast, the scaler and TF32 per step",
         "transformers": _hf_carries,
         "lightning": lambda config: (
             None if config.precision.dtype == "tf32" else "Trainer(precision=...)"

@@ -29,6 +29,7 @@ from torchturbo.techniques.framework.levers import RankedLever
 from torchturbo.techniques.framework.proposal import PlannedState
 from torchturbo.techniques.framework.result import TechniqueResult, applied, not_applied
 from torchturbo.techniques.framework.spec import Host, Lever, Stage, Technique, TrainerArguments
+from torchturbo.techniques.framework.steps import Steps
 
 
 @functools.cache
@@ -117,6 +118,14 @@ def step_switches(config: Any, host: Host) -> list[Technique]:
         for t in techniques()
         if t.switch is not None and t.requested(config) and t.carried(host, config) is None
     ]
+
+
+def step_hooks(config: Any, device: torch.device) -> Steps:
+    """The step hooks of every technique ``config`` asks for that has them, in order: all the
+    engine runs of techniques inside a step (autocast, loss scaling, the optimizer step)."""
+    return Steps(
+        [(t.name, t.step(config, device)) for t in techniques() if t.step and t.requested(config)]
+    )
 
 
 def channels_last_inputs(results: dict[str, TechniqueResult]) -> bool:

@@ -41,6 +41,7 @@ from torchturbo.techniques.framework.facts import Facts
 from torchturbo.techniques.framework.levers import Expectation
 from torchturbo.techniques.framework.proposal import Candidate, PlannedState, StageContext
 from torchturbo.techniques.framework.result import TechniqueResult
+from torchturbo.techniques.framework.steps import StepHooks
 
 #: Where a technique runs: torchturbo's own engine, or a trainer's torchturbo callback.
 Host = Literal["engine", "transformers", "lightning"]
@@ -147,6 +148,10 @@ class Technique:
         ]
         | None
     ) = None
+    #: ``(config, device) -> hooks``: what it does inside each step the engine runs (the
+    #: forward's context, the loss backward is called on, the optimizer step, checkpointed
+    #: state: ``framework/steps.py``); trainers run their own steps.
+    step: Callable[[TurboConfig, torch.device], StepHooks] | None = None
     #: ``(optimizer) -> {state: PlannedState}``: the smaller optimizer states it can rebuild
     #: ``optimizer`` with, and their bytes: what the tuner's memory planner may give a plan.
     optimizer_states: Callable[[torch.optim.Optimizer], dict[str, PlannedState]] | None = None
