@@ -489,10 +489,11 @@ def trainer_signal(bench: Bench, trainer: str) -> Row | None:
 
 
 def packing(bench: Bench) -> Row:
-    argv = ["train", "--workload", "text", "--device", "cpu", "--steps", "2", "--data.packing"]
+    argv = ["train", "--workload", "text", "--device", "cpu", "--steps", "2"]
+    argv += ["--data.batches", "packed"]
     proc = run([*TORCHTURBO, *argv])
     return Row(
-        "train --workload text --data.packing",
+        "train --workload text --data.batches packed",
         proc.process.returncode,
         None,
         None,

@@ -98,8 +98,8 @@ def main() -> int:
     base = TurboConfig(device="cpu")
     configs = {
         "random batches": base,
-        "length buckets": base.replace(data__bucketing=True),
-        "packing": base.replace(data__packing=True),
+        "length buckets": base.replace(data__batches="buckets"),
+        "packing": base.replace(data__batches="packed"),
     }
     rows = compare_configs(job, configs, baseline="random batches", repeats=args.repeats)
     print_rows("batching on a tiny Llama (real tokens/s)", rows)

@@ -75,8 +75,8 @@ def plan_figures(recipe: Recipe, config: TurboConfig) -> dict[str, Any]:
 
 def plans(device: str) -> dict[str, dict[str, TurboConfig]]:
     base = TurboConfig(device=device)
-    buckets = base.replace(data__bucketing=True)
-    packed = base.replace(data__packing=True)
+    buckets = base.replace(data__batches="buckets")
+    packed = base.replace(data__batches="packed")
     return {
         "text": {
             "buckets": buckets,
@@ -95,7 +95,7 @@ def timed(device: str) -> list[dict[str, Any]]:
     """bf16 text on buckets: eager, compiled (dynamic), CUDA graphs over 16 shapes (the tuner's
     candidate: one dynamic compile, a graph recorded per shape)."""
     recipe = get_workload("text", "auto", device=device)
-    bf16 = TurboConfig(device=device).replace(precision__dtype="bf16", data__bucketing=True)
+    bf16 = TurboConfig(device=device).replace(precision__dtype="bf16", data__batches="buckets")
     configs = {
         "buckets eager": bf16,
         "buckets compiled (dynamic)": bf16.replace(compile__mode="default", compile__dynamic=True),

@@ -68,8 +68,8 @@ def measure(sizes: list[int], batch_size: int) -> list[dict[str, Any]]:
     )
     dataset = [{"input_ids": torch.ones(n, dtype=torch.long)} for n in sizes]
     source = BatchSource(dataset, sizes, batch_size, model=lambda: Identity())
-    for name, field in (("buckets", "bucketing"), ("packing", "packing")):
-        config = TurboConfig(device="cpu").replace(**{f"data__{field}": True})
+    for name, plan in (("buckets", "buckets"), ("packing", "packed")):
+        config = TurboConfig(device="cpu").replace(data__batches=plan)
         plan = registry.batch_plan(config, source)
         rows.append(
             row(

@@ -441,9 +441,9 @@ def run_job(
 def grid_configs(setup: str, precisions: list[str]) -> dict[str, TurboConfig]:
     """Every precision x batching x compile x chunked-loss combination of the setup."""
     base = TurboConfig(device=scale()[0])
-    batchings = {"rows": {}, "buckets": {"data__bucketing": True}}
+    batchings = {"rows": {}, "buckets": {"data__batches": "buckets"}}
     if setup == "decoder":
-        batchings["packing"] = {"data__packing": True}
+        batchings["packing"] = {"data__batches": "packed"}
     compiles = {"eager": {}, "compile": {"compile__mode": "default"}}
     losses = {"": {}}
     if setup == "decoder":

@@ -244,7 +244,7 @@ SETTINGS: dict[str, Setting] = {
         lm=True,
     ),
     "length_buckets": Setting(
-        on={"data__bucketing": True},
+        on={"data__batches": "buckets"},
         tolerance=1e-5,  # the same samples, once each, summed in other batches
         took_effect=lambda run: (
             run.baseline is not None and run.input_elements < run.baseline.input_elements
@@ -254,7 +254,7 @@ SETTINGS: dict[str, Setting] = {
         data=True,
     ),
     "packing": Setting(
-        on={"data__packing": True},
+        on={"data__batches": "packed"},
         tolerance=1e-5,  # the same samples, once each, pooled per document of packed rows
         took_effect=lambda run: (
             "document_ids" in run.batch

@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import math
 import random
+import sys
 from typing import Any
 
 import pytest
@@ -47,13 +48,13 @@ pytestmark = [
 CPU = TurboConfig(device="cpu")
 BATCH_SIZE, BATCHES, SEED = 4, 6, 7
 CONFIGS = {
-    "buckets": CPU.replace(data__bucketing=True),
-    "buckets, max_tokens": CPU.replace(data__bucketing=True, data__max_tokens=96),
-    "buckets, pad to 8": CPU.replace(data__bucketing=True, data__pad_to_multiple=8),
-    "packing": CPU.replace(data__packing=True),
-    "packing, max_tokens": CPU.replace(data__packing=True, data__max_tokens=64),
-    "buckets, 4 shapes": CPU.replace(data__bucketing=True, data__max_shapes=4),
-    "packing, one shape": CPU.replace(data__packing=True, data__max_shapes=1),
+    "buckets": CPU.replace(data__batches="buckets"),
+    "buckets, max_tokens": CPU.replace(data__batches="buckets", data__max_tokens=96),
+    "buckets, pad to 8": CPU.replace(data__batches="buckets", data__pad_to_multiple=8),
+    "packing": CPU.replace(data__batches="packed"),
+    "packing, max_tokens": CPU.replace(data__batches="packed", data__max_tokens=64),
+    "buckets, 4 shapes": CPU.replace(data__batches="buckets", data__max_shapes=4),
+    "packing, one shape": CPU.replace(data__batches="packed", data__max_shapes=1),
 }
 
 
@@ -323,24 +324,31 @@ def test_packing_refuses_a_model_that_leaks_on_every_host(tmp_path: Any) -> None
 
 def test_a_plan_without_lengths_names_the_field_that_needs_them() -> None:
     source = BatchSource(documents(), None, BATCH_SIZE)
-    with pytest.raises(ValueError, match=r"\[data\] bucketing = true needs per-sample lengths"):
+    with pytest.raises(ValueError, match=r"\[data\] batches = 'buckets' needs per-sample lengths"):
         registry.batch_plan(CONFIGS["buckets"], source)
 
 
 def test_a_new_batch_technique_reaches_train_both_trainers_and_the_tuner(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Any
 ) -> None:
-    """A technique that only declares a ``batches`` hook in the registry (CONTRIBUTING.md's
+    """A technique that only declares a ``batches`` hook and the plan it names (CONTRIBUTING.md's
     promise: no host edited) plans the batches of the engine, TurboTrainer, the Lightning
     callback and the tuner's trials alike. The probe: batches of the user's rows, longest
-    samples first, asked for by ``[data] pad_to_multiple = 3``."""
+    samples first, asked for by ``[data] batches = "longest"`` (the value added to the field's
+    choices, as its module's config edit would)."""
+    from typing import Literal
+
     from torch.utils.data import BatchSampler
 
     from torchturbo.data.batch_plan import BatchPlan
     from torchturbo.techniques.framework.spec import Technique
 
+    choices = Literal["rows", "buckets", "packed", "longest"]
+    # config/__init__ names a function sections(): the module is reached through sys.modules.
+    monkeypatch.setattr(sys.modules["torchturbo.config.sections"], "BatchPlanName", choices)
+
     def longest_first(config: TurboConfig, source: BatchSource) -> BatchPlan:
-        lengths = source.require_lengths("pad_to_multiple")
+        lengths = source.require_lengths("longest")
         order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
         assert source.batch_size is not None
         sampler = BatchSampler(order, source.batch_size, drop_last=False)
@@ -351,14 +359,17 @@ def test_a_new_batch_technique_reaches_train_both_trainers_and_the_tuner(
         name="longest_first",
         section="data",
         doc="CONTRIBUTING.md",
-        requested=lambda config: config.data.pad_to_multiple == 3,
+        requested=lambda config: config.data.batches == "longest",
         batches=longest_first,
+        plans="longest",
+        needs=frozenset({"lengths"}),
         order=82,
         order_reason="plans the batches; a probe of the registry, after the real planners",
     )
     techniques = registry.techniques()
     monkeypatch.setattr(registry, "techniques", lambda: (*techniques, probe))
-    config = CPU.replace(data__pad_to_multiple=3)
+    config = CPU.replace(data__batches="longest")
+    assert registry.plan_needs(config) == {"lengths"}
     recipe = plain_recipe()
     lengths = list(recipe.lengths or ())
     trial = trial_batches(recipe, config)

@@ -74,7 +74,7 @@ def test_bench_trains_a_bucketing_config_on_length_buckets_and_says_what_it_left
     from torchturbo.workloads import get_workload
 
     recipe = get_workload("text", num_samples=256, d_model=64, num_layers=1)
-    bucketing = TurboConfig(device="cpu").replace(data__bucketing=True, data__num_workers=2)
+    bucketing = TurboConfig(device="cpu").replace(data__batches="buckets", data__num_workers=2)
     rows = compare_configs(
         recipe,
         {"baseline": TurboConfig(device="cpu"), "buckets": bucketing},

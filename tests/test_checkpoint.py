@@ -36,7 +36,7 @@ from torchturbo.resume.files import (
 
 TOTAL_STEPS = 9  # optimizer steps of 2-batch windows: more than two epochs of both datasets
 CONFIG = TurboConfig(device="cpu").replace(accumulation__steps=2)
-BUCKETED = CONFIG.replace(data__bucketing=True, data__max_tokens=96)
+BUCKETED = CONFIG.replace(data__batches="buckets", data__max_tokens=96)
 
 
 class Net(nn.Module):

@@ -293,13 +293,22 @@ CASES: dict[str, Callable[[Path], tuple[list, str]]] = {
         "'csv,wandbb' (did you mean 'wandb'?)",
     ),
     "misspelt device": lambda t: (["bench", TINY, "--device", "cdua"], "(did you mean 'cuda'?)"),
+    "an older flag": lambda t: (
+        [*train(TINY), "--data.bucketing"],
+        "--data.bucketing is now --data.batches buckets",
+    ),
+    "an older file": lambda t: (
+        [*train(TINY), "--config", toml(t, "[data]\npacking = true")],
+        "[data] packing = true is now [data] batches = 'packed'",
+    ),
     "a flag given a word it does not take": lambda t: (
         [*train(TINY), "--resume=maybe"],
         "--resume=maybe: a flag takes true or false",
     ),
     "a config flag given a word it does not take": lambda t: (
-        [*train(TINY), "--data.bucketing=maybe"],
-        "argument --data.bucketing/--no-data.bucketing: 'maybe' is not one of true, false",
+        [*train(TINY), "--chunked_loss.enabled=maybe"],
+        "argument --chunked_loss.enabled/--no-chunked_loss.enabled: 'maybe' is not one of true, "
+        "false",
     ),
     "a negative size after a space": lambda t: (
         ["tune", TINY, "--memory-budget", "-1GiB"],

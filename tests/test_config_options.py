@@ -52,7 +52,8 @@ def test_every_field_is_documented_and_its_choices_are_shown():
     for field in SECTION_FIELDS:
         assert field.doc, f"{field.key} has no #: comment in config.py"
     assert "--precision.dtype {fp32,tf32,bf16,fp16}" in help_text
-    assert "--[no-]data.bucketing" in help_text
+    assert "--data.batches {rows,buckets,packed}" in help_text
+    assert "--[no-]chunked_loss.enabled" in help_text
     assert "[--SECTION.FIELD VALUE ...]" in help_text
 
 
@@ -60,12 +61,13 @@ def test_every_field_is_documented_and_its_choices_are_shown():
 READ_AS_IN_THE_FILE = [
     (["--precision.dtype", "bf16"], {"precision.dtype": "bf16"}),
     (["--compile.mode=max-autotune"], {"compile.mode": "max-autotune"}),
-    (["--data.bucketing"], {"data.bucketing": True}),
+    (["--data.batches", "buckets"], {"data.batches": "buckets"}),
+    (["--data.batches=packed"], {"data.batches": "packed"}),
     (["--no-data.non_blocking"], {"data.non_blocking": False}),
     # a flag also says which: --flag=true|false (yes/no, on/off, 1/0), and --no-flag=false
-    (["--data.bucketing=true"], {"data.bucketing": True}),
-    (["--data.bucketing=false"], {"data.bucketing": False}),
-    (["--data.bucketing=Off"], {"data.bucketing": False}),
+    (["--chunked_loss.enabled=true"], {"chunked_loss.enabled": True}),
+    (["--chunked_loss.enabled=false"], {"chunked_loss.enabled": False}),
+    (["--chunked_loss.enabled=Off"], {"chunked_loss.enabled": False}),
     (["--data.pin_memory=1"], {"data.pin_memory": True}),
     (["--no-data.non_blocking=false"], {"data.non_blocking": True}),
     (
@@ -180,7 +182,7 @@ def test_a_flag_that_may_be_none_takes_none_true_or_false_but_never_the_next_wor
 
 
 def test_a_flag_that_cannot_be_none_never_takes_the_next_word_either():
-    args = build_parser().parse_args(["bench", "--data.bucketing", TINY])
+    args = build_parser().parse_args(["bench", "--chunked_loss.enabled", TINY])
     assert args.recipe == TINY and [o.value for o in args.config_overrides] == [True]
 
 
@@ -371,4 +373,4 @@ def test_zsh_loads_the_completion_with_the_config_options_and_their_choices(tmp_
     specs = result.stdout.splitlines()
     (dtype,) = [spec for spec in specs if spec.startswith("--precision.dtype[")]
     assert dtype.endswith(":(fp32 tf32 bf16 fp16)")
-    assert any(spec.startswith("--no-data.bucketing") for spec in specs)
+    assert any(spec.startswith("--no-chunked_loss.enabled") for spec in specs)

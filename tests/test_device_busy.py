@@ -73,10 +73,10 @@ def test_on_a_gpu_the_compile_stage_proposes_cuda_graphs_over_a_few_shapes():
     recipe = get_workload("text", num_samples=64)
     gpu = torch.device("cuda")  # a device object: no GPU is needed to ask the stage
     facts = {"device_busy": 0.15, "shapes_vary": True}
-    buckets = TurboConfig(device="cpu").replace(data__bucketing=True)
+    buckets = TurboConfig(device="cpu").replace(data__batches="buckets")
     for best, shapes in (
         (buckets, CUDA_GRAPH_SHAPES),
-        (buckets.replace(data__bucketing=False, data__packing=True), 1),
+        (buckets.replace(data__batches="packed"), 1),
     ):
         context = cpu_stage_context(recipe, facts=facts, device=gpu, best=best)
         graphs = {c.name: c for c in compile_stage(context)}["compile:reduce-overhead"]
@@ -180,7 +180,7 @@ def test_an_engine_with_cuda_graphs_keeps_every_loss_it_reports():
     config = TurboConfig(device="cuda").replace(
         compile__mode="reduce-overhead",
         compile__dynamic=False,
-        data__packing=True,
+        data__batches="packed",
         data__max_shapes=1,
     )
     turbo = Turbo(config)

@@ -208,3 +208,64 @@ def test_counting_ddp_traffic_in_one_process_is_refused():
     model = MLP()
     with pytest.raises(ValueError, match="this run has one process"):
         turbo.setup(model, torch.optim.SGD(model.parameters(), lr=0.1), comm_stats=CommStats())
+
+
+def test_a_step_technique_reaches_the_engine_through_the_registry_alone(monkeypatch):
+    """A loss-scaling variant declared only as a technique with a ``step`` hook (no engine
+    edit): it scales the loss by 1/8 and unscales the gradients before clipping, the engine runs
+    both and keeps its state, and the weights are those of an engine without it."""
+    from torchturbo.techniques.framework.spec import Technique
+    from torchturbo.techniques.framework.steps import StepHooks
+
+    calls: list[str] = []
+
+    class EighthScale(StepHooks):
+        def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+            calls.append("scale")
+            return loss / 8
+
+        def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+            calls.append("unscale")
+            for group in optimizer.param_groups:
+                for param in group["params"]:
+                    param.grad.mul_(8)
+
+        def state_dict(self) -> dict:
+            return {"scale": 8}
+
+    probe = Technique(
+        name="eighth_scale",
+        section="precision",
+        doc="CONTRIBUTING.md",
+        requested=lambda config: True,
+        step=lambda config, device: EighthScale(),
+        order=51,
+        order_reason="a probe of the step hooks, beside precision's",
+    )
+    def engine() -> Turbo:  # SGD: Adam would not see a gradient scale left over
+        torch.manual_seed(0)
+        model = MLP()
+        turbo = Turbo(TurboConfig(device="cpu").replace(accumulation__steps=2))
+        turbo.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        return turbo
+
+    techniques = registry.techniques()
+    batches = _batches(4, seed=1)
+    plain = engine()
+    _train(plain, batches, windows=2)
+    monkeypatch.setattr(registry, "techniques", lambda: (*techniques, probe))
+    scaled = engine()
+    _train(scaled, batches, windows=2)
+    assert calls.count("scale") == len(batches) and calls.count("unscale") == 2
+    assert scaled.state_dict()["steps"] == {"eighth_scale": {"scale": 8}}
+    for got, want in zip(scaled.model.parameters(), plain.model.parameters(), strict=True):
+        # Scaling by a power of two is exact: the same weights to the last bit.
+        assert torch.equal(got, want)
+    # Negative control: unscaling forgotten leaves gradients 8x too small: other weights.
+    monkeypatch.setattr(EighthScale, "unscale_gradients", lambda self, optimizer: None)
+    forgot = engine()
+    _train(forgot, batches, windows=2)
+    assert not all(
+        torch.equal(a, b)
+        for a, b in zip(forgot.model.parameters(), plain.model.parameters(), strict=True)
+    )

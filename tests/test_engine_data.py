@@ -27,7 +27,7 @@ def _token_dataset(n: int = 48, seed: int = 0):
     return samples, lengths
 
 
-BUCKETED = TurboConfig(device="cpu").replace(data__bucketing=True, data__max_tokens=256)
+BUCKETED = TurboConfig(device="cpu").replace(data__batches="buckets", data__max_tokens=256)
 
 
 def test_setup_with_bucketing_yields_padded_bucketed_batches_with_masks():

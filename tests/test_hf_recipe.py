@@ -40,7 +40,7 @@ def test_the_tuner_measures_and_adopts_length_buckets_on_a_transformers_encoder(
     # Every round took each of the bucketed (and random) batches once, the same work: a pass
     # over 8 batches, or over 4-7 where the first step was slow (tune.state.batch_count).
     assert buckets.comparison.steps_per_round >= MIN_BATCHES
-    assert config.data.bucketing
+    assert config.data.batches == "buckets"
     assert result.confirmation.state in ("confirmed", "consistent")
     assert result.elapsed_s <= 1.1 * options.time_budget_s
 
@@ -51,7 +51,7 @@ def test_bench_trains_the_encoder_on_length_buckets():
         recipe,
         {
             "baseline": TurboConfig(device="cpu"),
-            "buckets": TurboConfig(device="cpu").replace(data__bucketing=True),
+            "buckets": TurboConfig(device="cpu").replace(data__batches="buckets"),
         },
         baseline="baseline",
         warmup=1,

@@ -144,7 +144,7 @@ def train_probed(tmp_path, config: TurboConfig | None, trainer_class=Trainer, **
 
 
 def test_turbo_settings_reach_the_trainers_training_steps(tmp_path):
-    config = CPU.replace(precision__dtype="bf16", accumulation__steps=2, data__bucketing=True)
+    config = CPU.replace(precision__dtype="bf16", accumulation__steps=2, data__batches="buckets")
     trainer, probe = train_probed(tmp_path, config, TurboTrainer)
     # bf16 autocast is active in the forward: a Linear's output is bfloat16.
     assert set(probe.dtypes) == {torch.bfloat16}
@@ -165,7 +165,7 @@ def test_turbo_settings_reach_the_trainers_training_steps(tmp_path):
 
 
 def test_a_plain_trainer_gets_length_grouping_from_the_arguments(tmp_path):
-    config = CPU.replace(data__bucketing=True)
+    config = CPU.replace(data__batches="buckets")
     trainer, probe = train_probed(tmp_path, config, max_steps=4)
     sampler = trainer.get_train_dataloader().batch_sampler.sampler
     assert type(sampler).__name__ == "LengthGroupedSampler"
@@ -204,8 +204,7 @@ def test_every_config_field_is_carried_or_noted():
         ("data", "persistent_workers"): True,
         ("data", "prefetch_factor"): 4,
         ("data", "non_blocking"): False,
-        ("data", "bucketing"): True,
-        ("data", "packing"): True,
+        ("data", "batches"): "buckets",
         ("data", "max_tokens"): 4096,
         ("data", "pad_to_multiple"): 8,
         ("data", "max_shapes"): 8,
@@ -247,8 +246,8 @@ def test_every_config_field_is_carried_or_noted():
         "every_n": {"checkpointing__mode": "full"},
         "persistent_workers": {"data__num_workers": 2},
         "prefetch_factor": {"data__num_workers": 2},
-        "max_tokens": {"data__bucketing": True},
-        "max_shapes": {"data__bucketing": True},
+        "max_tokens": {"data__batches": "buckets"},
+        "max_shapes": {"data__batches": "buckets"},
         "non_blocking": {"data__pin_memory": True},
         "powersgd_rank": {"distributed__comm_hook": "powersgd"},
         "powersgd_warmup": {"distributed__comm_hook": "powersgd"},
@@ -274,7 +273,7 @@ def test_every_config_field_is_carried_or_noted():
 
 
 def test_transformers_4_names_are_used_when_the_installed_version_has_them():
-    config = CPU.replace(data__bucketing=True, checkpointing__mode="full")
+    config = CPU.replace(data__batches="buckets", checkpointing__mode="full")
     v4 = hf_arguments(config, fields={"group_by_length", "gradient_checkpointing"})
     assert v4.kwargs["group_by_length"] is True and v4.kwargs["gradient_checkpointing"] is True
     v5 = hf_arguments(config)
@@ -397,7 +396,7 @@ def test_recipe_from_trainer_tunes_dynamic_batching_and_benches(tmp_path):
     # Adopted or not is the machine's noise on a model this small (tests/test_hf_recipe.py holds
     # the adoption on a larger encoder); what the tuner chose is what the config says.
     assert buckets.verdict in ("adopted", "rejected")
-    assert config.data.bucketing == (buckets.verdict == "adopted")
+    assert (config.data.batches == "buckets") == (buckets.verdict == "adopted")
     assert result.unit == "tokens/s"
     rows = compare_configs(
         recipe,
@@ -447,7 +446,7 @@ from torchturbo.distributed import shutdown
 from torchturbo.integrations.transformers import TurboTrainer, training_arguments
 from pathlib import Path
 
-config = TurboConfig(device="cpu").replace(distributed__comm_hook="fp16", data__bucketing=True)
+config = TurboConfig(device="cpu").replace(distributed__comm_hook="fp16", data__batches="buckets")
 trainer = TurboTrainer(
     model=tiny_bert(),
     args=arguments(Path(sys.argv[1]), **training_arguments(config).kwargs),
@@ -496,7 +495,7 @@ def test_importing_the_package_does_not_import_the_libraries():
 def test_tune_writes_trainer_arguments_a_user_can_paste(tmp_path):
     config = CPU.replace(
         precision__dtype="bf16",
-        data__bucketing=True,
+        data__batches="buckets",
         compile__mode="default",
         distributed__comm_hook="fp16",
     )
@@ -508,7 +507,7 @@ def test_tune_writes_trainer_arguments_a_user_can_paste(tmp_path):
     args = TrainingArguments(output_dir=str(tmp_path / "out"), **namespace["TRAINING_ARGUMENTS"])
     assert args.bf16 and args.torch_compile and args.train_sampling_strategy == "group_by_length"
     # What the arguments cannot carry is in the file, with where it goes instead.
-    assert "[data] bucketing" in source and "[distributed] comm_hook" in source
+    assert "[data] batches" in source and "[distributed] comm_hook" in source
     assert "import torchturbo" not in source.split('"""')[-1]  # the arguments need no torchturbo
 
 
@@ -528,7 +527,7 @@ def test_peers_benchmark_runs_the_trainer_three_ways(tmp_path):
     from pathlib import Path
 
     config = tmp_path / "turbo.toml"
-    CPU.replace(precision__dtype="bf16", data__bucketing=True).save(config)
+    CPU.replace(precision__dtype="bf16", data__batches="buckets").save(config)
     script = Path(__file__).parent.parent / "benchmarks" / "peers.py"
     command = [sys.executable, str(script), "--quick", "--workloads", "text"]
     command += ["--config", str(config), "--out", str(tmp_path / "out")]
@@ -592,14 +591,14 @@ def _weights(trainer: Trainer) -> dict[str, torch.Tensor]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("trainer_class", "bucketing"),
-    [(TurboTrainer, True), (Trainer, False)],
+    ("trainer_class", "batches"),
+    [(TurboTrainer, "buckets"), (Trainer, "rows")],
     ids=["TurboTrainer, length buckets", "Trainer with PreemptionCallback"],
 )
 def test_a_stop_signal_saves_the_step_under_way_as_the_trainers_checkpoint_and_resumes_exactly(
-    tmp_path, trainer_class, bucketing
+    tmp_path, trainer_class, batches
 ):
-    config = CPU.replace(data__bucketing=bucketing)
+    config = CPU.replace(data__batches=batches)
     full = _stoppable(tmp_path / "full", config, trainer_class=trainer_class)
     full.train()
     expected = _weights(full)

@@ -39,8 +39,8 @@ def _replacing_results() -> dict:
     """Packing adopted, then length buckets over it; bf16, then fp16+scaler over it: turbo.toml
     holds length buckets and fp16 only. The confirmation measured bf16 above fp16+scaler."""
     base = TurboConfig()
-    packing = base.replace(data__packing=True)
-    buckets = packing.replace(data__packing=False, data__bucketing=True)
+    packing = base.replace(data__batches="packed")
+    buckets = packing.replace(data__batches="buckets")
     bf16 = buckets.replace(precision__dtype="bf16")
     fp16 = bf16.replace(precision__dtype="fp16")
     chain = [

@@ -303,10 +303,11 @@ def test_a_bert_encoder_is_refused_its_bidirectional_mask_ignores_the_documents(
 # --- configuration, training, the tuner and the translations -------------------------------
 
 
-def test_packing_and_bucketing_exclude_each_other():
-    with pytest.raises(ConfigError, match="exclude each other"):
-        CPU.replace(data__packing=True, data__bucketing=True)
-    assert CPU.replace(data__packing=True, data__max_tokens=256).data.max_tokens == 256
+def test_one_field_names_the_batch_plan_and_a_budget_needs_one():
+    """Packing and buckets are two values of one field: they cannot be asked for together."""
+    assert CPU.replace(data__batches="packed", data__max_tokens=256).data.max_tokens == 256
+    with pytest.raises(ConfigError, match="only used with batches = 'buckets' or 'packed'"):
+        CPU.replace(data__max_tokens=256)
 
 
 def _lm_dataset(n: int = 24) -> tuple[list[dict[str, torch.Tensor]], list[int]]:
@@ -330,7 +331,7 @@ def _train(model: nn.Module, config: TurboConfig, **setup_kw) -> tuple[list[floa
 
 
 def test_packed_training_reaches_the_unpacked_losses_on_the_same_documents():
-    config = CPU.replace(data__packing=True, data__max_tokens=64)
+    config = CPU.replace(data__batches="packed", data__max_tokens=64)
     packed, _ = _train(tiny_llama(), config)
     # The same bins, padded into rows of one document each (labels -100 on the padding).
     _, lengths = _lm_dataset()
@@ -371,14 +372,15 @@ def test_the_tuner_proposes_packing_only_on_a_model_that_passes_the_check():
     facts = types.SimpleNamespace(padding=(0.6, 0.1))
     context = types.SimpleNamespace(recipe=_recipe(tiny_llama), best=CPU, facts=facts)
     (candidate,) = packing_stage(context)
-    assert candidate.config.data.packing
+    assert candidate.config.data.batches == "packed"
     batches = planned_batches(context.recipe, candidate.config, 4)
     assert all(b["input_ids"].shape[0] == 1 and "attention_mask" not in b for b in batches)
-    buckets = CPU.replace(data__bucketing=True)
+    buckets = CPU.replace(data__batches="buckets")
     from_buckets = packing_stage(
         types.SimpleNamespace(recipe=context.recipe, best=buckets, facts=facts)
     )
-    assert not from_buckets[0].config.data.bucketing  # measured against buckets, instead of them
+    # Measured against buckets, instead of them.
+    assert from_buckets[0].config.data.batches == "packed"
     refused = packing_stage(
         types.SimpleNamespace(recipe=_recipe(CountedPositions), best=CPU, facts=facts)
     )
@@ -386,15 +388,15 @@ def test_the_tuner_proposes_packing_only_on_a_model_that_passes_the_check():
 
 
 def test_the_translations_tell_each_trainer_how_to_pack():
-    config = CPU.replace(data__packing=True)
-    note = hf_arguments(config).notes["[data] packing"]
+    config = CPU.replace(data__batches="packed")
+    note = hf_arguments(config).notes["[data] batches"]
     assert "DataCollatorWithFlattening(position_ids_start=0)" in note
     parameters = inspect.signature(DataCollatorWithFlattening).parameters
     assert {"position_ids_start", "return_flash_attn_kwargs"} <= set(parameters)
     lightning = lightning_arguments(config)
     assert (
         "TurboLightningCallback: it rebuilds the train DataLoader"
-        in lightning.notes["[data] packing"]
+        in lightning.notes["[data] batches"]
     )
     assert lightning.kwargs["use_distributed_sampler"] is False  # each rank its whole rows
 
@@ -417,7 +419,7 @@ def test_turbo_trainer_trains_on_packed_rows_and_refuses_a_model_that_leaks(tmp_
         disable_tqdm=True,
         save_strategy="no",
     )
-    config = CPU.replace(data__packing=True)
+    config = CPU.replace(data__batches="packed")
     TurboTrainer(model=model, args=args, train_dataset=dataset, turbo_config=config).train()
     trained = [kw for kw in seen if kw["input_ids"].requires_grad is False and "labels" in kw]
     assert trained and all(kw["input_ids"].shape[0] == 1 for kw in trained)
@@ -428,7 +430,7 @@ def test_turbo_trainer_trains_on_packed_rows_and_refuses_a_model_that_leaks(tmp_
         train_dataset=dataset,
         turbo_config=config,
     )
-    with pytest.raises(ValueError, match="packing = true refused on DocumentAttention"):
+    with pytest.raises(ValueError, match="batches = 'packed' refused on DocumentAttention"):
         leaky.get_train_dataloader()
 
 
@@ -476,7 +478,7 @@ def test_the_tuners_packed_rows_hold_only_what_the_recipes_collate_keeps():
         collate=collate,
         lengths=lengths,
     )
-    packing = CPU.replace(data__packing=True)
+    packing = CPU.replace(data__batches="packed")
     rows = planned_batches(recipe, packing, 2)
     assert rows and all("text" not in row and "position_ids" in row for row in rows)
     unfiltered = planned_batches(dataclasses.replace(recipe, collate=None), packing, 1)

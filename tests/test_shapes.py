@@ -73,8 +73,8 @@ def test_the_ladder_pads_least_of_any_choice_of_its_rungs():
 
 def test_buckets_take_at_most_max_shapes_shapes_and_every_sample_once():
     recipe = text_recipe()
-    _, plain = epoch(CPU.replace(data__bucketing=True), recipe)
-    indices, shaped = epoch(CPU.replace(data__bucketing=True, data__max_shapes=SHAPES), recipe)
+    _, plain = epoch(CPU.replace(data__batches="buckets"), recipe)
+    indices, shaped = epoch(CPU.replace(data__batches="buckets", data__max_shapes=SHAPES), recipe)
     assert len(shapes(shaped, "tokens")) <= SHAPES
     # Negative control: plain buckets take a shape per length, far more than the ladder's.
     assert len(shapes(plain, "tokens")) > 2 * SHAPES
@@ -87,7 +87,7 @@ def test_packed_rows_all_take_one_shape_and_every_document_once():
     from test_batch_plan import plain_recipe
 
     recipe = plain_recipe()
-    config = CPU.replace(data__packing=True, data__max_shapes=1)
+    config = CPU.replace(data__batches="packed", data__max_shapes=1)
     indices, rows = epoch(config, recipe)
     budget = registry.batch_plan(config, recipe_source(recipe)).max_tokens
     assert set(shapes(rows, "input_ids")) == {(1, budget)}
@@ -131,9 +131,9 @@ def test_a_packed_row_filled_with_a_padding_document_gives_the_same_loss():
     from test_batch_plan import llama, plain_recipe
 
     recipe = plain_recipe()
-    plan = registry.batch_plan(CPU.replace(data__packing=True), recipe_source(recipe))
+    plan = registry.batch_plan(CPU.replace(data__batches="packed"), recipe_source(recipe))
     filled = registry.batch_plan(
-        CPU.replace(data__packing=True, data__max_shapes=1), recipe_source(recipe)
+        CPU.replace(data__batches="packed", data__max_shapes=1), recipe_source(recipe)
     )
     lengths = recipe.lengths
     batch = next(b for b in plan.sampler if sum(lengths[i] for i in b) < plan.max_tokens)
@@ -165,15 +165,15 @@ def test_a_shape_specialised_compile_builds_one_graph_per_shape():
                 compiled(batch)
         return (compiled_graphs() or 0) - before, len(shapes(batches[:24], "tokens"))
 
-    built, distinct = graphs(CPU.replace(data__bucketing=True, data__max_shapes=SHAPES))
+    built, distinct = graphs(CPU.replace(data__batches="buckets", data__max_shapes=SHAPES))
     assert built == distinct <= SHAPES
-    plain_built, plain_distinct = graphs(CPU.replace(data__bucketing=True))
+    plain_built, plain_distinct = graphs(CPU.replace(data__batches="buckets"))
     assert plain_built == plain_distinct > 2 * SHAPES
 
 
 def test_max_shapes_needs_a_plan_that_torchturbo_pads():
     from torchturbo.config import ConfigError
 
-    with pytest.raises(ConfigError, match="max_shapes = 4 is only used with bucketing"):
+    with pytest.raises(ConfigError, match="max_shapes = 4 is only used with batches = 'buckets'"):
         CPU.replace(data__max_shapes=4)
-    assert dataclasses.replace(CPU.data, bucketing=True, max_shapes=4).max_shapes == 4
+    assert dataclasses.replace(CPU.data, batches="buckets", max_shapes=4).max_shapes == 4

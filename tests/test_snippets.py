@@ -51,7 +51,7 @@ def test_the_readme_snippet_runs_on_variable_length_data(tmp_path, monkeypatch):
 
 
 def test_with_length_buckets_the_readme_snippet_asks_for_the_lengths(tmp_path, monkeypatch):
-    config = torchturbo.TurboConfig(device="cpu").replace(data__bucketing=True)
+    config = torchturbo.TurboConfig(device="cpu").replace(data__batches="buckets")
     for snippet in _readme_snippets():
         namespace = _namespace(tmp_path, config, monkeypatch)
         if "lengths=" in snippet:
@@ -63,19 +63,40 @@ def test_with_length_buckets_the_readme_snippet_asks_for_the_lengths(tmp_path, m
             exec(compile(snippet, "README.md", "exec"), namespace)
 
 
-@pytest.mark.parametrize("bucketing", [False, True])
-def test_the_report_snippet_runs_as_written(tmp_path, monkeypatch, bucketing):
-    config = torchturbo.TurboConfig(device="cpu").replace(data__bucketing=bucketing)
+def _causal_lm_namespace(tmp_path: Path, config: torchturbo.TurboConfig, monkeypatch) -> dict:
+    """The snippet's names for a causal LM a packed plan can train (tests/recipes)."""
+    sys.path.insert(0, str(Path(__file__).parent / "recipes"))
+    import hf_causal_lm
+
+    model = hf_causal_lm.model()
+    model.config.use_cache = False  # as the Trainer sets it: a cache would let documents meet
+    documents = hf_causal_lm.documents()
+    (tmp_path / "turbo.toml").write_text(config.to_toml())
+    monkeypatch.chdir(tmp_path)
+    return {
+        "model": model,
+        "optimizer": torch.optim.AdamW(model.parameters(), lr=1e-3),
+        "dataset": documents,
+        "loss_fn": lambda m, batch: m(**batch).loss,
+        "lengths": [len(d["input_ids"]) for d in documents],
+    }
+
+
+@pytest.mark.parametrize("plan", ["rows", "buckets", "packed"])
+def test_the_report_snippet_runs_as_written_for_every_batch_plan(tmp_path, monkeypatch, plan):
+    """The report's setup snippet passes what the adopted plan needs (lengths for buckets and
+    packed rows): when packing won, the snippet it printed used to raise."""
+    config = torchturbo.TurboConfig(device="cpu").replace(data__batches=plan)
+    name = {"rows": "bf16", "buckets": "length buckets", "packed": "packing"}[plan]
     results = {
-        "adopted": ["length buckets"] if bucketing else [],
-        "candidates": [
-            {"name": "length buckets", "verdict": "adopted", "config": config.to_dict()}
-        ],
-        "fingerprint": {"batch_size": 16},
+        "adopted": [name],
+        "candidates": [{"name": name, "verdict": "adopted", "config": config.to_dict()}],
+        "fingerprint": {"batch_size": 4},
     }
     snippet = usage_snippet(results)
-    assert ("lengths=lengths" in snippet) == bucketing
-    namespace = _namespace(tmp_path, config, monkeypatch)
+    assert ("lengths=lengths" in snippet) == (plan != "rows")
+    build = _causal_lm_namespace if plan == "packed" else _namespace
+    namespace = build(tmp_path, config, monkeypatch)
     exec(compile(snippet, "report.md", "exec"), namespace)
     assert torch.isfinite(namespace["metrics"].loss)
 

@@ -266,13 +266,15 @@ def test_later_candidates_train_on_the_batches_an_earlier_one_adopted(monkeypatc
     trained_on = []
 
     def recording_start(recipe, config, batches, clock=time.perf_counter):
-        trained_on.append((config.data.bucketing, batches))
+        trained_on.append((config.data.batches == "buckets", batches))
         return start_trial(recipe, config, batches, clock)
 
     monkeypatch.setattr(candidate_module, "start_trial", recording_start)
     monkeypatch.setattr(candidate_module, "judge", lambda **_: Verdict(adopt=True, reason="forced"))
     stages = {
-        "batching": lambda ctx: [Candidate("buckets", ctx.best.replace(data__bucketing=True), 3.0)],
+        "batching": lambda ctx: [
+            Candidate("buckets", ctx.best.replace(data__batches="buckets"), 3.0)
+        ],
         "next": lambda ctx: [Candidate("clip", ctx.best.replace(clipping__max_norm=1.0), 1.1)],
     }
     _, result = tune(recipe, QUICK, stages=stages)

@@ -308,7 +308,7 @@ def check_bucketed_epoch() -> dict:
     config = TurboConfig(
         device="cpu",
         accumulation=AccumulationConfig(steps=2),
-        data=DataConfig(bucketing=True, max_tokens=160),
+        data=DataConfig(batches="buckets", max_tokens=160),
     )
     turbo = Turbo(config)
     torch.manual_seed(0)

@@ -73,11 +73,11 @@ def _cli(*argv: str) -> int:
 def train() -> int:
     folder = tempfile.mkdtemp()
     first = _cli(
-        *("train", LLAMA, "--steps", "3", "--data.packing", *GPU_CONFIG),
+        *("train", LLAMA, "--steps", "3", "--data.batches", "packed", *GPU_CONFIG),
         *("--checkpoint-dir", folder, "--save-every", "2"),
     )
     resumed = _cli(
-        *("train", LLAMA, "--steps", "4", "--data.packing", *GPU_CONFIG),
+        *("train", LLAMA, "--steps", "4", "--data.batches", "packed", *GPU_CONFIG),
         *("--checkpoint-dir", folder, "--resume"),
     )
     vision = _cli(
@@ -88,7 +88,7 @@ def train() -> int:
 
 def bench() -> int:
     buckets = _cli(
-        *("bench", LLAMA, "--steps", "2", "--data.bucketing", "--data.max_shapes", "4"),
+        *("bench", LLAMA, "--steps", "2", "--data.batches", "buckets", "--data.max_shapes", "4"),
         *GPU_CONFIG,
     )
     return buckets or _cli(
@@ -120,7 +120,7 @@ def transformers() -> int:
     os.environ["ACCELERATE_TORCH_DEVICE"] = DEVICE
     plain = hf_causal_lm.trainer(use_cpu=False, dataloader_pin_memory=False)
     config = TurboConfig().replace(
-        data__packing=True, precision__dtype="bf16", chunked_loss__enabled=True
+        data__batches="packed", precision__dtype="bf16", chunked_loss__enabled=True
     )
     trainer = TurboTrainer(
         model=plain.model,
@@ -194,7 +194,7 @@ def lightning() -> int:
             return DataLoader(hf_causal_lm.documents(), batch_size=4, collate_fn=collate)
 
     config = TurboConfig().replace(
-        data__packing=True, precision__dtype="bf16", chunked_loss__enabled=True
+        data__batches="packed", precision__dtype="bf16", chunked_loss__enabled=True
     )
     import torch
 

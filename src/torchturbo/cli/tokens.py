@@ -74,6 +74,10 @@ def resolve(name: str, actions: Mapping[str, argparse.Action]) -> argparse.Actio
         return None
     if len(starting) == 1 and "." not in starting[0]:
         return actions[starting[0]]
+    from torchturbo.config.options import renamed_option  # only for an unknown option
+
+    if (renamed := renamed_option(name)) is not None:
+        raise TokenError(f"{name} is now {renamed}")
     long_options = [option for option in actions if option.startswith("--")]
     match = closest(name, long_options)
     if match is not None:

@@ -1,4 +1,4 @@
-"""Every config field as a command-line option: ``--precision.dtype bf16``, ``--data.bucketing``.
+"""Every config field as a command-line option: ``--precision.dtype bf16``, ``--data.batches``.
 
 One option per key of turbo.toml (:func:`~torchturbo.config.fields.config_fields`), named as in
 the file and taking values in the file's units (bytes, MiB, counts): a choice for a ``Literal``
@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, get_origin
 
 from torchturbo.config.fields import ConfigField, config_fields
+from torchturbo.config.sections import RENAMED
 from torchturbo.output.units import BOOLEAN_WORDS, UnitError, parse_size
 
 #: Where the parsed options go in the namespace: a list of :class:`Override`, in command order.
@@ -86,7 +87,7 @@ class FlagOption(_SetValue):
 
     def __init__(self, *args: Any, field: ConfigField, **kwargs: Any) -> None:
         super().__init__(*args, nargs="?", field=field, **kwargs)
-        #: How --help shows the pair: one line, ``--[no-]data.bucketing``.
+        #: How --help shows the pair: one line, ``--[no-]chunked_loss.enabled``.
         self.invocation = f"--[no-]{field.key}" + "[=none]" * field.optional
 
     def __call__(
@@ -121,6 +122,18 @@ def explicit(tokens: Sequence[str], actions: Mapping[str, argparse.Action]) -> l
             out.extend(tokens[len(out) :])
             break
     return out
+
+
+def renamed_option(name: str) -> str | None:
+    """The new spelling of an older flag (``--data.bucketing`` is ``--data.batches buckets``),
+    or None: the line an older command gets instead of "unknown option"."""
+    value = not name.startswith("--no-")
+    section, _, key = name.removeprefix("--no-").removeprefix("--").partition(".")
+    spelling = RENAMED.get((section, key), {}).get(value)
+    if spelling is None:
+        return None
+    field, _, choice = spelling.partition(" = ")
+    return f"--{section}.{field} {choice.strip(chr(39))}"
 
 
 def add_config_options(parser: argparse.ArgumentParser) -> None:

@@ -33,6 +33,14 @@ ParamDtype = Literal["fp32", "bf16", "fp16"]
 OptimizerImplementation = Literal["as_built", "foreach", "fused"]
 OptimizerState = Literal["as_built", "bf16", "8bit", "4bit", "fp8"]
 PipelineSchedule = Literal["gpipe", "1f1b"]
+#: The batch plans (``[data] batches``): each but rows is planned by the technique that
+#: declares it (``Technique.plans``).
+BatchPlanName = Literal["rows", "buckets", "packed"]
+#: Keys of older files, and the line that names their new spelling, by value.
+RENAMED = {
+    ("data", "bucketing"): {True: "batches = 'buckets'", False: "batches = 'rows'"},
+    ("data", "packing"): {True: "batches = 'packed'", False: "batches = 'rows'"},
+}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -259,15 +267,15 @@ class DataConfig:
     )
     #: Host-to-device copies with non_blocking=True (asynchronous only from pinned memory).
     non_blocking: bool = True
-    #: Length-bucketed batches (data/bucketing.py); needs per-sample lengths from the recipe.
-    bucketing: bool = False
-    #: Whole documents packed into one row per batch up to max_tokens, positions restarting per
-    #: document (data/packing.py); needs per-sample lengths and a model that keeps documents
-    #: apart (techniques/tools/packing_isolation.py checks it). Excludes bucketing.
-    packing: bool = False
-    #: Token budget per bucketed batch, padding included (per packed row with packing); None =
-    #: the smallest budget that keeps the recipe's batches per epoch, so that a batch holds the
-    #: real tokens of the recipe's batch size on average (data/batch_plan.py).
+    #: Which samples form each batch: rows, the host's own batches of batch_size rows; buckets,
+    #: samples of similar length under a token budget (data/bucketing.py); packed, whole
+    #: documents in one row per batch up to max_tokens, positions restarting per document
+    #: (data/packing.py), for a model that keeps documents apart (checked first). buckets and
+    #: packed need per-sample lengths.
+    batches: BatchPlanName = "rows"
+    #: Token budget per batch of buckets, padding included (per packed row); None = the
+    #: smallest budget that keeps the recipe's batches per epoch, so that a batch holds the real
+    #: tokens of the recipe's batch size on average (data/batch_plan.py).
     max_tokens: int | None = between(None, 1)
     #: Pad sequence lengths up to a multiple of this (8 suits tensor cores).
     pad_to_multiple: int = between(1, 1, high=65536, why="every sequence is padded to it")
@@ -275,7 +283,7 @@ class DataConfig:
     #: and shape-specialised compiled code are built once per shape, not per batch: buckets pad
     #: their length up a ladder of this many lengths and their rows to the token budget (empty
     #: rows), packed rows are all filled to max_tokens (one shape); labels on the padding are
-    #: ignored (data/shapes.py). None: shapes follow the data. Needs bucketing or packing.
+    #: ignored (data/shapes.py). None: shapes follow the data. Needs batches buckets or packed.
     max_shapes: int | None = between(
         None, 1, high=1024, why="each shape is a graph to build", absent="shapes follow the data"
     )
@@ -302,20 +310,15 @@ class DataConfig:
                 f"[data] prefetch_factor = {self.prefetch_factor} needs num_workers > 0 "
                 "(the main process does not prefetch); set num_workers or remove prefetch_factor"
             )
-        if self.packing and self.bucketing:
+        if self.max_tokens is not None and self.batches == "rows":
             problems.append(
-                "[data] packing = true and bucketing = true exclude each other: packing leaves "
-                "no padding to bucket away; choose one (the tuner measures both)"
+                f"[data] max_tokens = {self.max_tokens} is only used with batches = 'buckets' "
+                "or 'packed' (a token budget per batch; rows have batch_size rows)"
             )
-        if self.max_tokens is not None and not (self.bucketing or self.packing):
+        if self.max_shapes is not None and self.batches == "rows":
             problems.append(
-                f"[data] max_tokens = {self.max_tokens} is only used with bucketing = true or "
-                "packing = true"
-            )
-        if self.max_shapes is not None and not (self.bucketing or self.packing):
-            problems.append(
-                f"[data] max_shapes = {self.max_shapes} is only used with bucketing = true or "
-                "packing = true (the plans whose batches torchturbo pads)"
+                f"[data] max_shapes = {self.max_shapes} is only used with batches = 'buckets' "
+                "or 'packed' (the plans whose batches torchturbo pads)"
             )
         if self.max_tokens is not None and self.pad_to_multiple > self.max_tokens:
             problems.append(

@@ -24,6 +24,7 @@ else:  # pragma: no cover - exercised only on Python 3.10
 
 from torchturbo.config.io import parse_toml, read_table
 from torchturbo.config.sections import (
+    RENAMED,
     AccumulationConfig,
     ActivationCompressionConfig,
     BackendConfig,
@@ -185,6 +186,14 @@ def _section_from_dict(base: Any, name: str, values: Any) -> Any:
     if not isinstance(values, dict):
         raise ConfigError(f"[{name}] must be a table, got {quote(values)}")
     allowed = {f.name for f in dataclasses.fields(base)}
+    renamed = [
+        f"[{name}] {key} = {str(value).lower()} is now [{name}] {spelling}"
+        for key, value in values.items()
+        if isinstance(value, bool)
+        and (spelling := RENAMED.get((name, str(key)), {}).get(value)) is not None
+    ]
+    if renamed:
+        raise ConfigError(*renamed)
     unknown = {str(key) for key in values} - allowed
     if unknown:
         raise ConfigError(

@@ -20,9 +20,9 @@ sets the budget by hand instead.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 from torch import nn
@@ -31,6 +31,30 @@ from torch.utils.data import DataLoader
 #: Lengths above this many samples are matched on a seeded sample of them: the plan's count is a
 #: ratio of sums, and planning every length of a huge dataset a dozen times would take minutes.
 MATCH_SAMPLES = 20_000
+
+
+@runtime_checkable
+class PlannedSampler(Protocol):
+    """What resuming and remapping read of a batch plan's sampler, whatever its technique: a
+    plan of whole batches that is a function of (seed, epoch) (``global_batches``), shared out
+    to ``num_replicas`` ranks, and its position in the epoch. ``BucketBatchSampler`` and
+    ``PackingBatchSampler`` are such samplers; a new plan's sampler needs only these."""
+
+    num_replicas: int
+    rank: int
+    seed: int
+    epoch: int
+    drop_last: bool
+
+    def __iter__(self) -> Iterator[list[int]]: ...
+
+    def set_epoch(self, epoch: int) -> None: ...
+
+    def global_batches(self) -> list[list[int]]: ...
+
+    def state_dict(self) -> dict[str, int]: ...
+
+    def load_state_dict(self, state: dict[str, int]) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -56,10 +80,13 @@ class BatchSource:
     model: Callable[[], nn.Module] | None = None
     lengths_from: str = "give the recipe lengths=[...] (one per sample)"
 
-    def require_lengths(self, field: str) -> Sequence[int]:
-        """The per-sample lengths, or a clear error naming the ``[data]`` field that needs them."""
+    def require_lengths(self, plan: str) -> Sequence[int]:
+        """The per-sample lengths, or a clear error naming the ``[data] batches`` plan that
+        needs them."""
         if self.lengths is None:
-            raise ValueError(f"[data] {field} = true needs per-sample lengths: {self.lengths_from}")
+            raise ValueError(
+                f"[data] batches = {plan!r} needs per-sample lengths: {self.lengths_from}"
+            )
         return self.lengths
 
 
@@ -209,7 +236,7 @@ def token_budget(
     source: BatchSource,
     sampler: Callable[[Sequence[int], int], Any],
     *,
-    field: str,
+    plan: str,
     smallest: int,
     unit: str,
 ) -> tuple[int, str]:
@@ -218,11 +245,11 @@ def token_budget(
     epoch (a batch sampler with ``global_batches()``)."""
     if max_tokens is not None:
         return max_tokens, f"[data] max_tokens = {max_tokens}"
-    lengths = source.require_lengths(field)
+    lengths = source.require_lengths(plan)
     if source.batch_size is None:
         raise ValueError(
-            f"[data] {field} = true without max_tokens needs the batch size, to keep the real "
-            "tokens of its batches per step"
+            f"[data] batches = {plan!r} without max_tokens needs the batch size, to keep the "
+            "real tokens of its batches per step"
         )
     budget = matched_budget(
         lengths,

@@ -45,7 +45,7 @@ def build_loader(
       ``batch_size`` and ``drop_last`` (an error when given) and ``shuffle`` (ignored). An
       ``IterableDataset`` also owns its order: ``shuffle`` is ignored for it too.
 
-    Only the loader fields of ``config`` are read here; length bucketing (``bucketing``,
+    Only the loader fields of ``config`` are read here; the batch plan (``batches``,
     ``max_tokens``, ``pad_to_multiple``) reaches it as ``batch_sampler`` and ``collate_fn``.
     """
     if not isinstance(config, DataConfig):

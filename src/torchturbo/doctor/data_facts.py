@@ -10,7 +10,7 @@ from typing import Any
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset, TensorDataset
 
 from torchturbo.base.nested import named_tensors
-from torchturbo.data.bucketing import BucketBatchSampler
+from torchturbo.data.batch_plan import PlannedSampler
 from torchturbo.data.length import length_or_none
 from torchturbo.data.memmap import MemmapDataset
 
@@ -37,7 +37,7 @@ def loader_facts(loader: DataLoader) -> LoaderFacts:
         persistent_workers=loader.persistent_workers,
         prefetch_factor=loader.prefetch_factor if loader.num_workers else None,
         batch_sampler=type(sampler).__name__ if sampler is not None else "none",
-        bucketed=isinstance(sampler, BucketBatchSampler),
+        bucketed=isinstance(sampler, PlannedSampler),
     )
 
 

@@ -50,7 +50,7 @@ def training_loader(
 ) -> DataLoader:
     """A DataLoader over ``data`` for this rank (see ``Turbo.setup`` for the arguments).
 
-    A batch plan (``[data] bucketing`` or ``packing``) shards whole batches across ranks itself
+    A batch plan (``[data] batches`` buckets or packed) shards whole batches across ranks itself
     and replaces the caller's ``batch_sampler``; otherwise a dataset with ``batch_size`` is split
     across ranks by the strategy, and a ``batch_sampler`` of the caller's is used as given.
     Without ``collate_fn``, :func:`pad_collate` pads variable-length fields of dict samples
@@ -74,7 +74,7 @@ def training_loader(
         if batch_sampler is not None:
             raise ValueError(
                 f"setup() got a batch_sampler, but the config plans the batches itself "
-                f"({plan.kind}): pass the dataset alone, or turn [data] bucketing/packing off"
+                f"({plan.kind}): pass the dataset alone, or set [data] batches = 'rows'"
             )
         return build_loader(
             data,

@@ -155,8 +155,8 @@ class Turbo:
         The returned loader marks its last batch so that a trailing partial accumulation window
         is applied rather than lost, and calls ``set_epoch`` on its sampler every epoch.
         Parameter objects are preserved (FSDP re-points the optimizer at its shards), so an
-        optimizer built before ``setup`` stays valid. With ``[data] bucketing = true`` or
-        ``packing = true`` the batches are the config's batch plan (``data/batch_plan.py``):
+        optimizer built before ``setup`` stays valid. With ``[data] batches`` ``"buckets"`` or
+        ``"packed"`` the batches are the config's batch plan (``data/batch_plan.py``):
         ``lengths`` (one per sample) and ``batch_size`` give length buckets or packed rows that
         hold the real tokens of ``batch_size`` rows on average, and packing first checks that
         ``model`` keeps documents apart (a ValueError with the reason when it does not).

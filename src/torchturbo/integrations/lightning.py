@@ -109,12 +109,12 @@ class TurboLightningCallback(pl.Callback):
     technique's :class:`TechniqueResult`, as ``Turbo.results`` does; ``applied`` says, per
     technique, None when applied or why not.
 
-    With ``[data] bucketing`` or ``packing`` the train DataLoader that ``train_dataloader()``
-    returns (the datamodule's, else the module's) is rebuilt on the config's batch plan: the same
-    dataset, collate and worker settings, its batches those the tuner measured for this config
-    and ``seed`` (``recipe_from_lightning``'s recipes use seed 0). Each rank takes its share of
-    whole batches: under DDP pass ``use_distributed_sampler=False`` (``trainer_kwargs`` does).
-    """
+    With a batch plan (``[data] batches`` buckets or packed) the train DataLoader that
+    ``train_dataloader()`` returns (the datamodule's, else the module's) is rebuilt on the
+    config's batch plan: the same dataset, collate and worker settings, its batches those the
+    tuner measured for this config and ``seed`` (``recipe_from_lightning``'s recipes use seed
+    0). Each rank takes its share of whole batches: under DDP pass
+    ``use_distributed_sampler=False`` (``trainer_kwargs`` does)."""
 
     def __init__(self, config: TurboConfig, *, seed: int = 0, stop_on_signals: bool = True) -> None:
         self.config = config
@@ -168,8 +168,8 @@ class TurboLightningCallback(pl.Callback):
         """``loader`` on the config's batch plan: this rank's whole batches of its dataset."""
         if not isinstance(loader, DataLoader):
             raise TypeError(
-                f"train_dataloader() returned {type(loader).__name__}: [data] bucketing or "
-                "packing rebuilds one torch DataLoader on the batch plan"
+                f"train_dataloader() returned {type(loader).__name__}: [data] batches = "
+                f"{self.config.data.batches!r} rebuilds one torch DataLoader on the batch plan"
             )
         source = BatchSource(
             loader.dataset,

@@ -361,7 +361,7 @@ class TurboTrainer(Trainer):
     ``args=TrainingArguments(..., **training_arguments(config).kwargs)``.
 
     On top of the plain Trainer it adds :class:`TurboCallback`, trains on the config's batch plan
-    when ``[data] bucketing`` or ``packing`` is on (``data/batch_plan.py``: length buckets, or
+    when ``[data] batches`` is buckets or packed (``data/batch_plan.py``: length buckets, or
     packed rows once the model passes the isolation check, the Trainer's padding collator then
     unused; either way holding the real tokens of ``per_device_train_batch_size`` rows per step
     on average, so ``max_steps`` trains on the same data), and registers ``[distributed]``'s DDP

@@ -34,7 +34,7 @@ _SIZE_EXAMPLES = "e.g. 20GiB, 20G, 512MB or a number of bytes"
 _DURATION_EXAMPLES = "e.g. 90, 90s, 1m30s, 5m or 1.5h"
 
 
-#: The words a boolean option takes after ``=``: ``--resume=true``, ``--data.bucketing=off``.
+#: The words a boolean option takes after ``=``: ``--resume=true``, ``--chunked_loss.enabled=off``.
 BOOLEAN_WORDS = {
     "true": True,
     "false": False,

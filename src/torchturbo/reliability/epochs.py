@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset, Sampler
 
-from torchturbo.data.bucketing import BucketBatchSampler
+from torchturbo.data.batch_plan import PlannedSampler
 from torchturbo.reliability import remap
 
 
@@ -158,7 +158,7 @@ class EpochLoader:
         how = {
             "loader_state": "the loader's own load_state_dict(), no batch loaded",
             "stream_state": "the stream's own load_state_dict(), no batch loaded",
-            "bucket_sampler": "the bucketing sampler fast-forwarded, no sample loaded",
+            "planned_sampler": "the batch plan's sampler fast-forwarded, no sample loaded",
             "indices": "the batch sampler's indices skipped, no sample loaded",
             "drain": f"drained: {position.batches} batches fetched again and discarded "
             f"({self._why_drained()})",
@@ -177,8 +177,8 @@ class EpochLoader:
             return "remap"
         if position.source_state is not None and self._stateful is not None:
             return self._stateful
-        if isinstance(self.loader.batch_sampler, BucketBatchSampler):
-            return "bucket_sampler"
+        if isinstance(self.loader.batch_sampler, PlannedSampler):
+            return "planned_sampler"
         if type(self.loader) is DataLoader and not isinstance(self.loader.dataset, IterableDataset):
             return "indices"
         return "drain"
@@ -210,7 +210,7 @@ class EpochLoader:
         elif method in ("loader_state", "stream_state"):
             assert resume is not None
             self._source().load_state_dict(resume.source_state)
-        elif method == "bucket_sampler":
+        elif method == "planned_sampler":
             batches: Any = self.loader.batch_sampler
             batches.load_state_dict({**batches.state_dict(), "batches_yielded": skip})
         elif method == "indices":

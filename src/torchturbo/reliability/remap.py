@@ -11,7 +11,7 @@ the world size, and rank r of W takes units r, r+W, r+2W, ... of it:
 - ``loader``: a ``BatchSampler`` over the loader's ``RandomSampler`` (or ``SequentialSampler``)
   in one process: the order is what the loader draws from its generator at the epoch's start,
   saved in the checkpoint;
-- ``plan``: a bucketing or packing sampler (``global_batches()``): its plan of whole batches,
+- ``plan``: a batch plan's sampler (``data.batch_plan.PlannedSampler``): its plan of whole batches,
   seeded by ``(seed, epoch)``; its unit is a batch, not a sample.
 
 A position saved by W ranks after k batches each has consumed ``k x B x W`` samples of the
@@ -42,6 +42,8 @@ from torch.utils.data import (
     SequentialSampler,
 )
 
+from torchturbo.data.batch_plan import PlannedSampler
+
 
 def spec(loader: DataLoader, epoch: int) -> dict[str, Any] | None:
     """What epoch ``epoch``'s global order of ``loader`` is built from (JSON): its kind, the
@@ -51,8 +53,8 @@ def spec(loader: DataLoader, epoch: int) -> dict[str, Any] | None:
     if type(loader) is not DataLoader or isinstance(loader.dataset, IterableDataset):
         return None
     batches: Any = loader.batch_sampler
-    if callable(getattr(batches, "global_batches", None)) and hasattr(batches, "num_replicas"):
-        if getattr(batches, "drop_last", True):
+    if isinstance(batches, PlannedSampler):
+        if batches.drop_last:
             return None
         return {
             "kind": "plan",
@@ -208,8 +210,8 @@ def world(loader: DataLoader) -> tuple[int, int]:
     """(ranks, this rank) that ``loader``'s sampler deals out to; (1, 0) in one process."""
     batches = loader.batch_sampler
     for sampler in (batches, getattr(batches, "sampler", None)):
-        if isinstance(sampler, DistributedSampler) or hasattr(sampler, "global_batches"):
-            return int(sampler.num_replicas), int(sampler.rank)  # type: ignore[union-attr]
+        if isinstance(sampler, (DistributedSampler, PlannedSampler)):
+            return int(sampler.num_replicas), int(sampler.rank)
     return 1, 0
 
 

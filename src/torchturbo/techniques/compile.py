@@ -270,11 +270,12 @@ def _cuda_graphs(ctx: StageContext) -> Candidate:
     a few shapes (``[data] max_shapes``). One compile serves them all (dynamic shapes, a graph
     recorded per shape), except for packed rows, which take one shape and compile for it."""
     best = ctx.best
-    if best.data.bucketing or best.data.packing:
-        shapes = best.data.max_shapes or (1 if best.data.packing else CUDA_GRAPH_SHAPES)
+    if best.data.batches != "rows":  # a plan of ours: its batches can take a few shapes
+        packed = best.data.batches == "packed"
+        shapes = best.data.max_shapes or (1 if packed else CUDA_GRAPH_SHAPES)
         config = best.replace(
             compile__mode="reduce-overhead",
-            compile__dynamic=shapes > 1 and best.data.bucketing,
+            compile__dynamic=shapes > 1,
             compile__scope="model",
             data__max_shapes=shapes,
         )

@@ -20,15 +20,18 @@ from torchturbo.techniques.framework import levers
 from torchturbo.techniques.framework.proposal import Candidate, StageContext, candidate
 from torchturbo.techniques.framework.spec import Lever, Stage, Technique, TrainerArguments
 
+#: Its name in ``[data] batches``.
+PLAN = "buckets"
+
 
 def dynamic_batching_stage(ctx: StageContext) -> list[Candidate] | str:
-    if ctx.best.data.bucketing:
+    if ctx.best.data.batches == PLAN:
         return "the current best already trains on length buckets"
     return [
         candidate(
             "length buckets",
-            # Packing excludes buckets: from a packed best, buckets are tried instead of it.
-            ctx.best.replace(data__bucketing=True, data__packing=False),
+            # One plan at a time: from a packed best, buckets are tried instead of it.
+            ctx.best.replace(data__batches=PLAN),
             levers.length_buckets(ctx.facts),
         )
     ]
@@ -39,7 +42,7 @@ def _batches(config: TurboConfig, source: BatchSource) -> BatchPlan:
     user's batches per epoch (so their real tokens per step), padded by ``pad_collate`` unless
     the host has a collate of its own."""
     data = config.data
-    lengths = source.require_lengths("bucketing")
+    lengths = source.require_lengths(PLAN)
     multiple = data.pad_to_multiple
     # [data] max_shapes: lengths up a ladder of a few, so that batches take a few shapes.
     ladder = length_ladder(lengths, data.max_shapes, multiple) if data.max_shapes else ()
@@ -59,7 +62,7 @@ def _batches(config: TurboConfig, source: BatchSource) -> BatchPlan:
         data.max_tokens,
         source,
         sampler,
-        field="bucketing",
+        plan=PLAN,
         smallest=ladder[-1] if ladder else -(-max(lengths) // multiple) * multiple,
         unit="padded tokens",
     )
@@ -91,7 +94,7 @@ def _hf_arguments(config: TurboConfig, arguments: TrainerArguments) -> None:
         arguments.kwargs["group_by_length"] = True
     arguments.note(
         "data",
-        "bucketing",
+        "batches",
         f"length buckets under a token budget ({token_budget_words(config.data)}) need "
         f"{arguments.trainer_class}, which replaces the sampler; a plain Trainer gets length "
         "grouping (fixed rows per batch), the nearest it has",
@@ -99,20 +102,20 @@ def _hf_arguments(config: TurboConfig, arguments: TrainerArguments) -> None:
 
 
 def _lightning_arguments(config: TurboConfig, arguments: TrainerArguments) -> None:
-    arguments.planned_by_callback(
-        "bucketing", f"length buckets of {token_budget_words(config.data)}"
-    )
+    arguments.planned_by_callback("batches", f"length buckets of {token_budget_words(config.data)}")
 
 
 TECHNIQUE = Technique(
     name="length_buckets",
     order=80,
-    order_reason=("plans the batches; excludes packing (81), which [data] refuses together"),
+    order_reason="plans the batches when [data] batches names it; one plan at a time",
     section="data",
-    fields=("bucketing", "max_tokens"),
+    fields=("batches", "max_tokens", "max_shapes"),
     doc="docs/techniques/dynamic_batching.md",
-    requested=lambda config: config.data.bucketing,
+    requested=lambda config: config.data.batches == PLAN,
     batches=_batches,
+    plans=PLAN,
+    needs=frozenset({"lengths"}),
     stage=Stage("dynamic_batching", 70, dynamic_batching_stage, lever="batching"),
     levers=(Lever("length buckets", levers.length_buckets),),
     translations={"transformers": _hf_arguments, "lightning": _lightning_arguments},

@@ -37,6 +37,8 @@ from torchturbo.techniques.tools.packing_isolation import (
     isolation_documents,
 )
 
+#: Its name in ``[data] batches``.
+PLAN = "packed"
 #: Verdicts of recipes already checked (the stage is asked again after every adoption), by id:
 #: a recipe is checked once per tuning run. The recipe is kept so that its id stays its own.
 _CHECKED: dict[int, tuple[Recipe, Isolation]] = {}
@@ -66,14 +68,16 @@ def _batches(config: TurboConfig, source: BatchSource) -> BatchPlan:
     batches per epoch (so their real tokens per step), once the model passed the isolation
     check: every host that packs refuses a model that would let documents attend to each
     other, with the reason."""
-    lengths = source.require_lengths("packing")
+    lengths = source.require_lengths(PLAN)
     if source.model is None:
-        raise ValueError("[data] packing = true needs the model, to check it keeps documents apart")
+        raise ValueError(
+            f"[data] batches = {PLAN!r} needs the model, to check it keeps documents apart"
+        )
     model = source.model()
     verdict = isolation(model, source.dataset)
     if not verdict.ok:
         raise ValueError(
-            f"[data] packing = true refused on {type(model).__name__}: {verdict.reason}"
+            f"[data] batches = {PLAN!r} refused on {type(model).__name__}: {verdict.reason}"
         )
 
     def sampler(lengths: Sequence[int], budget: int, replicas: int = 1, rank: int = 0) -> Any:
@@ -85,7 +89,7 @@ def _batches(config: TurboConfig, source: BatchSource) -> BatchPlan:
         config.data.max_tokens,
         source,
         sampler,
-        field="packing",
+        plan=PLAN,
         smallest=max(lengths),
         unit="tokens per row",
     )
@@ -109,7 +113,7 @@ def _batches(config: TurboConfig, source: BatchSource) -> BatchPlan:
 
 
 def packing_stage(ctx: StageContext) -> list[Candidate] | str:
-    if ctx.best.data.packing:
+    if ctx.best.data.batches == PLAN:
         return "the current best already trains on packed rows"
     if ctx.recipe.lengths is None:
         return "the recipe gives no per-sample lengths to pack by"
@@ -123,7 +127,7 @@ def packing_stage(ctx: StageContext) -> list[Candidate] | str:
     return [
         Candidate(
             "packing",
-            ctx.best.replace(data__packing=True, data__bucketing=False),
+            ctx.best.replace(data__batches=PLAN),
             expected_gain=None if padding is None else 1 / (1 - padding[0]),
             evidence=evidence,
         )
@@ -140,7 +144,7 @@ def _budget_words(config: TurboConfig) -> str:
 def _hf_arguments(config: TurboConfig, arguments: TrainerArguments) -> None:
     arguments.note(
         "data",
-        "packing",
+        "batches",
         "TrainingArguments cannot set a collator: pass data_collator="
         "transformers.DataCollatorWithFlattening(position_ids_start=0) to the Trainer (add "
         "return_flash_attn_kwargs=True with attn_implementation='flash_attention_2'; keep "
@@ -151,18 +155,20 @@ def _hf_arguments(config: TurboConfig, arguments: TrainerArguments) -> None:
 
 
 def _lightning_arguments(config: TurboConfig, arguments: TrainerArguments) -> None:
-    arguments.planned_by_callback("packing", f"packed rows of {_budget_words(config)}")
+    arguments.planned_by_callback("batches", f"packed rows of {_budget_words(config)}")
 
 
 TECHNIQUE = Technique(
     name="packing",
     order=81,
-    order_reason=("plans the batches; excludes length buckets (80), which [data] refuses together"),
+    order_reason="plans the batches when [data] batches names it; one plan at a time",
     section="data",
-    fields=("packing",),
+    fields=("batches", "max_tokens", "max_shapes"),
     doc="docs/techniques/packing.md",
-    requested=lambda config: config.data.packing,
+    requested=lambda config: config.data.batches == PLAN,
     batches=_batches,
+    plans=PLAN,
+    needs=frozenset({"lengths", "model"}),
     stage=Stage("packing", 71, packing_stage, lever="batching"),
     translations={"transformers": _hf_arguments, "lightning": _lightning_arguments},
 )

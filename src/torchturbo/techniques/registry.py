@@ -137,17 +137,25 @@ def channels_last_inputs(results: dict[str, TechniqueResult]) -> bool:
 
 
 def batch_plan(config: Any, source: BatchSource) -> BatchPlan:
-    """The batches ``config`` trains on: the plan of the technique it asks for that has a
-    ``batches`` hook, else the host's own (``BatchPlan.rows``). Every host and the tuner's trials
-    call this, so all of them build the same batches from the same config and seed."""
-    planners = _planners(config)
-    if len(planners) > 1:
-        names = ", ".join(t.name for t in planners)
-        raise ValueError(f"several techniques would plan the batches ({names}): choose one")
-    if not planners:
+    """The batches ``config`` trains on: the plan of the technique that ``[data] batches``
+    names, else the host's own (``BatchPlan.rows``). Every host and the tuner's trials call
+    this, so all of them build the same batches from the same config and seed."""
+    planner = _planner(config)
+    if planner is None:
         return BatchPlan.rows()
-    assert planners[0].batches is not None
-    return planners[0].batches(config, source)
+    assert planner.batches is not None
+    return planner.batches(config, source)
+
+
+def plan_needs(config: Any) -> frozenset[str]:
+    """What ``config``'s batch plan needs of the host ("lengths", "model"); empty for rows."""
+    planner = _planner(config)
+    return frozenset() if planner is None else planner.needs
+
+
+def batch_plans() -> dict[str, Technique]:
+    """Every plan ``[data] batches`` may name but rows, and the technique that plans it."""
+    return {t.plans: t for t in techniques() if t.plans}
 
 
 def batch_key(config: Any) -> tuple[str, Hashable]:
@@ -155,7 +163,7 @@ def batch_key(config: Any) -> tuple[str, Hashable]:
     ``[data]`` loader fields left out: they change how batches are loaded, not which), or the
     host's own rows and their padding multiple. Configs with equal keys train on equal
     batches."""
-    planner = next(iter(_planners(config)), None)
+    planner = _planner(config)
     batching = config.data.batching()
     if planner is None:
         return ("rows", batching.pad_to_multiple)
@@ -165,11 +173,19 @@ def batch_key(config: Any) -> tuple[str, Hashable]:
 
 def plans_batches(config: Any) -> bool:
     """Whether a technique ``config`` asks for plans the batches (else the host's own rows)."""
-    return bool(_planners(config))
+    return _planner(config) is not None
 
 
-def _planners(config: Any) -> list[Technique]:
-    return [t for t in techniques() if t.batches is not None and t.requested(config)]
+def _planner(config: Any) -> Technique | None:
+    name = config.data.batches
+    if name == "rows":
+        return None
+    plans = batch_plans()
+    if name not in plans:
+        raise ValueError(
+            f"[data] batches = {name!r}: no technique plans it; registered: {sorted(plans)}"
+        )
+    return plans[name]
 
 
 def rebuild_optimizer(

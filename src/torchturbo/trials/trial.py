@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset
 
 from torchturbo.config import TurboConfig
-from torchturbo.data.batch_plan import BatchPlan, BatchSource, user_batches
+from torchturbo.data.batch_plan import BatchPlan, BatchSource, PlannedSampler, user_batches
 from torchturbo.data.collate import pad_collate
 from torchturbo.data.length import length_or_none
 from torchturbo.distributed.comm import CommStats
@@ -278,8 +278,8 @@ def epoch_tokens_per_step(recipe: Recipe, plan: BatchPlan) -> float | None:
         return None
     if not plan.dynamic:
         batches = user_batches(len(lengths), recipe.batch_size)
-    elif callable(listed := getattr(plan.sampler, "global_batches", None)):
-        batches = len(listed())
+    elif isinstance(plan.sampler, PlannedSampler):
+        batches = len(plan.sampler.global_batches())
     else:
         return None
     return sum(int(n) for n in lengths) / batches * current_env().world_size if batches else None

@@ -23,6 +23,7 @@ from torchturbo.measure.flops import count_step_flops
 from torchturbo.measure.peak import mfu, stated_peak
 from torchturbo.measure.timing import Timing, measure_interleaved
 from torchturbo.recipe import Recipe
+from torchturbo.techniques import registry
 from torchturbo.trials.trial import Trial, TrialBatches, start_trial
 
 
@@ -148,8 +149,8 @@ def compare_configs(
 def _without_unplannable(recipe: Recipe, config: TurboConfig) -> TurboConfig:
     """``config``, less the dynamic batching a recipe without lengths cannot plan (its trial
     trains on the recipe's own batches, and the row's notes say why)."""
-    if recipe.lengths is None and (config.data.bucketing or config.data.packing):
-        return config.replace(data__bucketing=False, data__packing=False, data__max_tokens=None)
+    if recipe.lengths is None and "lengths" in registry.plan_needs(config):
+        return config.replace(data__batches="rows", data__max_tokens=None, data__max_shapes=None)
     return config
 
 
@@ -177,10 +178,8 @@ def _notes(recipe: Recipe, trial: Trial) -> dict[str, str]:
             f"{settings}: bench trains on pre-collated batches; torchturbo doctor --config "
             "measures the loader"
         )
-    if data.bucketing and recipe.lengths is None:
-        notes["bucketing"] = "the recipe gives no per-sample lengths to bucket by"
-    if data.packing and recipe.lengths is None:
-        notes["packing"] = "the recipe gives no per-sample lengths to pack by"
+    if recipe.lengths is None and "lengths" in registry.plan_needs(trial.config):
+        notes["batches"] = f"{data.batches}: the recipe gives no per-sample lengths to plan them by"
     if trial.position and not trial.turbo.optimizer_steps:
         notes["accumulation"] = (
             f"no optimizer step in {trial.position} micro-batches ([accumulation] steps = "

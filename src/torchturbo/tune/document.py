@@ -14,7 +14,10 @@ import html
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
+from torchturbo.config import ConfigError, TurboConfig
+from torchturbo.techniques import registry
 from torchturbo.tune.fields import adopted_rows
 from torchturbo.tune.plots import PLOTS
 from torchturbo.tune.summary import (
@@ -141,12 +144,11 @@ def usage_snippet(results: dict) -> str:
     """Python that applies turbo.toml to a training loop (tests/test_snippets.py runs it)."""
     rows = adopted_rows(results)
     config = rows[-1].get("config") if rows else None
-    bucketing = isinstance(config, dict) and bool((config.get("data") or {}).get("bucketing"))
     fingerprint = results.get("fingerprint")
     size = fingerprint.get("batch_size") if isinstance(fingerprint, dict) else None
     arguments = f"batch_size={size if isinstance(size, int) else 32}"
-    if bucketing:
-        arguments += ", lengths=lengths"  # length buckets need one length per sample
+    if "lengths" in _plan_needs(config):
+        arguments += ", lengths=lengths"  # the batch plan needs one length per sample
     return (
         "import torchturbo\n\n"
         'turbo = torchturbo.Turbo(torchturbo.TurboConfig.load("turbo.toml"))\n'
@@ -154,6 +156,15 @@ def usage_snippet(results: dict) -> str:
         "for batch in loader:\n"
         "    metrics = turbo.step(loss_fn, batch)  # loss_fn(model, batch) -> loss or (loss, count)"
     )
+
+
+def _plan_needs(config: Any) -> frozenset[str]:
+    """What the batch plan of a row's config needs of ``Turbo.setup`` (``registry``); nothing
+    for a config that is not one (a results file of another version)."""
+    try:
+        return registry.plan_needs(TurboConfig.from_dict(config))
+    except (ConfigError, ValueError, TypeError):
+        return frozenset()
 
 
 def trainer_blocks() -> list[_Block]:

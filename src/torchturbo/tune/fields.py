@@ -46,7 +46,7 @@ def adopted_rows(results: dict) -> list[dict]:
 
 def replacements(results: dict) -> dict[str, tuple[str, ...]]:
     """For each kept adoption that took back what an earlier one set, the earlier ones, by
-    name: length buckets adopted over packing turns ``[data] packing`` off again, fp16+scaler
+    name: length buckets adopted over packing sets ``[data] batches`` back, fp16+scaler
     adopted over bf16 sets ``[precision] dtype`` anew. Read from the configs the results hold
     (each adoption's whole config), so that the tables say what turbo.toml holds."""
     rows = adopted_rows(results)

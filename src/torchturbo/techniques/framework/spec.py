@@ -16,9 +16,8 @@ the registry calls each kind of hook in ascending ``order``:
   DDP/FSDP wrapping comes after all of them, ``engine/compose.py``);
 - ``switch``: entered in that order around each step (or a trainer's run), left in reverse;
 - ``rebuild_optimizer``: each rebuild gets the optimizer the one before returned;
-- ``batches``: at most one requested technique plans the batches (``registry.batch_plan``); two
-  that would are a config error, which their sections refuse first (``[data]`` packing excludes
-  bucketing).
+- ``batches``: the technique whose ``plans`` is ``[data] batches`` plans the batches
+  (``registry.batch_plan``); one field, so that two plans cannot be asked for at once.
 
 Every hook is optional; a technique declares the ones it has. Hooks get the whole
 ``TurboConfig`` and read their own section (``config.section(name)``).
@@ -156,8 +155,13 @@ class Technique:
     #: ``optimizer`` with, and their bytes: what the tuner's memory planner may give a plan.
     optimizer_states: Callable[[torch.optim.Optimizer], dict[str, PlannedState]] | None = None
     #: ``(config, source) -> plan``: the batches it trains on (``data/batch_plan.py``), which
-    #: every host and the tuner's trials build alike.
+    #: every host and the tuner's trials build alike, when ``[data] batches`` names its plan
+    #: (``plans``, one of ``config.sections.BatchPlanName``).
     batches: Callable[[TurboConfig, BatchSource], BatchPlan] | None = None
+    plans: str = ""
+    #: What its batch plan needs of the host: "lengths" (one per sample), "model" (it checks
+    #: the model the batches feed). Hosts ask the registry (``registry.plan_needs``).
+    needs: frozenset[str] = frozenset()
     #: Once the transform took effect, floating 4-D inputs must be laid out NHWC as well.
     channels_last_inputs: bool = False
     #: ``(error) -> (result, error to raise)`` when ``error`` is this technique failing during
@@ -179,6 +183,11 @@ class Technique:
     def __post_init__(self) -> None:
         if not self.order_reason:
             raise ValueError(f"technique {self.name!r}: say why its order ({self.order})")
+        if (self.batches is None) != (not self.plans):
+            raise ValueError(
+                f"technique {self.name!r}: a batches hook and the plan it is named by (plans) "
+                "go together"
+            )
 
     def carried(self, host: Host, config: TurboConfig) -> str | None:
         """Why ``host``'s trainer applies this itself for ``config``, or None."""
