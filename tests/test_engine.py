@@ -242,6 +242,7 @@ def test_a_step_technique_reaches_the_engine_through_the_registry_alone(monkeypa
         order=51,
         order_reason="a probe of the step hooks, beside precision's",
     )
+
     def engine() -> Turbo:  # SGD: Adam would not see a gradient scale left over
         torch.manual_seed(0)
         model = MLP()
