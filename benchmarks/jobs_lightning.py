@@ -46,9 +46,7 @@ class TextModule(pl.LightningModule):
         super().__init__()
         torch.manual_seed(0)  # every way starts from the same weights
         if setup == "llama":
-            import peers_jobs
-
-            self.model: Any = peers_jobs.llama(64, 2)
+            self.model: Any = peers.llama(64, 2)
         else:
             self.model = peers.model_init(64, 2)
 
@@ -70,9 +68,7 @@ class Data(pl.LightningDataModule):
             images, labels = make_images(1536, IMAGE_SIZE, 10, seed=0)
             self.train: Any = TensorDataset(images, labels)
         elif setup == "llama":
-            import peers_jobs
-
-            self.train = peers_jobs.documents(1536)
+            self.train = peers.documents(1536)
             self.collate = DataCollatorForLanguageModeling(peers.tokenizer(), mlm=False)
         else:
             self.train = peers.make_data(1536, 0).train

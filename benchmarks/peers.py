@@ -57,6 +57,8 @@ from transformers import (
     BertConfig,
     BertForTokenClassification,
     DataCollatorForTokenClassification,
+    LlamaConfig,
+    LlamaForCausalLM,
     PreTrainedTokenizerFast,
     Trainer,
     TrainerCallback,
@@ -407,6 +409,31 @@ def vision_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         "tuning": tuning,
         "ways": ways,
     }
+
+
+def documents(count: int, seed: int = 0) -> list[dict[str, list[int]]]:
+    """Long-tailed lengths (the text workload's: median 32 tokens, a tail to 512) of token ids
+    with a learnable next-token rule (the tagging labels become the next tokens' ids)."""
+    tokens, _, lengths = make_sequences(count, 16, seed)
+    samples, start = [], 0
+    for length in lengths.tolist():
+        samples.append({"input_ids": tokens[start : start + length].tolist()})
+        start += length
+    return samples
+
+
+def llama(hidden: int, layers: int) -> LlamaForCausalLM:
+    config = LlamaConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=512,
+        attn_implementation="sdpa",
+    )
+    return LlamaForCausalLM(config)
 
 
 def main() -> None:

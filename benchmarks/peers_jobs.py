@@ -57,8 +57,6 @@ from transformers import (
     DataCollatorForLanguageModeling,
     DataCollatorForTokenClassification,
     DataCollatorWithFlattening,
-    LlamaConfig,
-    LlamaForCausalLM,
     Trainer,
     TrainerCallback,
     TrainingArguments,
@@ -80,37 +78,11 @@ from torchturbo.measure.timing import sync
 from torchturbo.output.results_file import write_results
 from torchturbo.tune.report import write_report
 from torchturbo.tune.search import TuneOptions, tune
-from torchturbo.workloads.text import VOCAB_SIZE, make_sequences
 from torchturbo.workloads.vision import ResNet, make_images
 
 BATCH_SIZE = 16
 WAYS = ("defaults", "group_by_length", "flattening", "compile", "flattening+compile", "torchturbo")
 SETUPS = ("llama", "bert", "cnn")
-
-
-def documents(count: int, seed: int = 0) -> list[dict[str, list[int]]]:
-    """Long-tailed lengths (the text workload's: median 32 tokens, a tail to 512) of token ids
-    with a learnable next-token rule (the tagging labels become the next tokens' ids)."""
-    tokens, _, lengths = make_sequences(count, 16, seed)
-    samples, start = [], 0
-    for length in lengths.tolist():
-        samples.append({"input_ids": tokens[start : start + length].tolist()})
-        start += length
-    return samples
-
-
-def llama(hidden: int, layers: int) -> LlamaForCausalLM:
-    config = LlamaConfig(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=512,
-        attn_implementation="sdpa",
-    )
-    return LlamaForCausalLM(config)
 
 
 class ImageClassifier(nn.Module):
@@ -176,8 +148,8 @@ def trainer_for(
         "use_cpu": True,
     }
     if setup == "llama":
-        dataset: Any = documents(1536)
-        model_init: Any = lambda: llama(64, 2)  # noqa: E731
+        dataset: Any = peers.documents(1536)
+        model_init: Any = lambda: peers.llama(64, 2)  # noqa: E731
         collator: Any = DataCollatorForLanguageModeling(peers.tokenizer(), mlm=False)
         if way.startswith("flattening"):
             collator = DataCollatorWithFlattening()

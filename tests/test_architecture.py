@@ -436,3 +436,29 @@ def test_the_engine_names_no_technique(tmp_path: Path) -> None:
     # Negative control: the engine of a year ago, which asked for precision by name.
     _write(tmp_path, {"engine/turbo.py": 'result = results.get("precision")\n'})
     assert engine_names(tmp_path) == ["turbo.py:1 'precision'"]
+
+
+def benchmark_imports(folder: Path) -> dict[str, set[str]]:
+    """Which benchmark scripts each one imports (they import one another by bare name, as
+    scripts run from the folder), anywhere in its source."""
+    names = {path.stem for path in folder.glob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for path in folder.glob("*.py"):
+        imported = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                imported.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                imported.add(node.module)
+        graph[path.stem] = imported & names - {path.stem}
+    return graph
+
+
+def test_the_benchmarks_import_no_circle(tmp_path: Path) -> None:
+    folder = SRC.parent / "benchmarks"
+    cycle = find_cycle(benchmark_imports(folder))
+    assert not cycle, "import cycle: " + " -> ".join(cycle)
+    # Negative control: two scripts that import each other, one inside a function.
+    (tmp_path / "a.py").write_text("import b\n")
+    (tmp_path / "b.py").write_text("def f():\n    from a import g\n")
+    assert find_cycle(benchmark_imports(tmp_path)) == ["a", "b", "a"]
