@@ -19,8 +19,7 @@ from torchturbo.measure.device_busy import (
     regime,
     regime_words,
 )
-from torchturbo.techniques.compile import CUDA_GRAPH_SHAPES, compile_stage
-from torchturbo.techniques.framework import levers
+from torchturbo.techniques.compile import CUDA_GRAPH_SHAPES, compile_stage, cuda_graphs_gain
 from torchturbo.workloads import get_workload
 
 
@@ -62,11 +61,11 @@ def _facts(busy, **more):
 
 
 def test_cuda_graphs_expect_most_of_the_idle_time_back_and_nothing_without_a_share():
-    launch_bound = levers.cuda_graphs(_facts(0.2))
-    compute_bound = levers.cuda_graphs(_facts(0.95))
+    launch_bound = cuda_graphs_gain(_facts(0.2))
+    compute_bound = cuda_graphs_gain(_facts(0.95))
     assert launch_bound.gain > 1.5 > compute_bound.gain > 1
     assert "computes 20% of a step" in launch_bound.evidence
-    assert levers.cuda_graphs(_facts(None)).gain is None
+    assert cuda_graphs_gain(_facts(None)).gain is None
 
 
 def test_on_a_gpu_the_compile_stage_proposes_cuda_graphs_over_a_few_shapes():

@@ -43,7 +43,6 @@ from torchturbo.measure.footprint import MemoryEstimate
 from torchturbo.recipe import Recipe
 from torchturbo.reliability.guard import call_loss_fn
 from torchturbo.techniques import registry
-from torchturbo.techniques.framework import levers
 from torchturbo.techniques.framework.facts import Facts, gather
 from torchturbo.trials.memory_estimate import estimate_recipe_memory
 from torchturbo.trials.trial import fixed_batches
@@ -194,7 +193,8 @@ def _precision_variant(
     if device.type not in ("cpu", "cuda"):
         return None, f"no quick precision comparison on {device.type}"
     candidates: tuple[Precision, ...] = ("bf16", "fp16") if device.type == "cuda" else ("bf16",)
-    expectations = {name: levers.precision(machine, name) for name in candidates}
+    # The precision technique's levers are labelled by their dtype (the doctor's ranking).
+    expectations = {name: registry.lever(name).expect(machine) for name in candidates}
     usable = [name for name, expectation in expectations.items() if expectation.applicable]
     if usable:
         return usable[0], ""

@@ -29,7 +29,8 @@ from collections.abc import Iterable
 import torch
 
 from torchturbo.config import TurboConfig
-from torchturbo.techniques.framework import levers
+from torchturbo.techniques.framework.facts import Facts
+from torchturbo.techniques.framework.levers import SMALL_GAIN, Expectation
 from torchturbo.techniques.framework.proposal import (
     Candidate,
     PlannedState,
@@ -185,7 +186,7 @@ SPEED_STATES = ("8bit", "4bit", "fp8")
 def optimizer_state_stage(ctx: StageContext) -> list[Candidate] | str:
     """Where the optimizer step is a large share of the step: torchao's states, each measured
     for speed and loss parity against the current best (not applicable where measured
-    slower: ``levers.optimizer_state``)."""
+    slower: ``optimizer_state_gain``)."""
     share = ctx.facts.optimizer_share
     if share is None or share < LARGE_SHARE:
         shown = "unmeasured" if share is None else f"{share:.0%} of a step"
@@ -205,7 +206,7 @@ def optimizer_state_stage(ctx: StageContext) -> list[Candidate] | str:
         if reason is not None:
             found.append(Candidate(name, config, not_applicable=reason))
             continue
-        expectation = levers.optimizer_state(ctx.facts, state)
+        expectation = optimizer_state_gain(ctx.facts, state)
         one_time = step_compile_seconds(_parameters(optimizer), state)
         found.append(candidate(name, config, expectation, one_time_s=one_time))
     return found
@@ -279,6 +280,41 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
     )
 
 
+#: torchao's low-bit optimizer steps over torch's AdamW (as built) on the 2-core CPU, a 4.5M
+#: parameter Llama (benchmarks/optimizer_state.py, load 5-6): per-parameter compiled graphs
+#: that (de)quantise run far slower than AdamW's loop there.
+OPTIMIZER_STATE_CPU_SPEED = {"8bit": 0.13, "4bit": 0.08, "fp8": 0.2}
+
+
+#: Bytes a fused AdamW step moves per parameter (read p, g, m, v; write p, m, v: 28) over what
+#: the state's step moves (8-bit and fp8 moments: 16; 4-bit: 14): the most a bandwidth-bound
+#: step could gain, not a measurement.
+OPTIMIZER_STATE_BYTES_BOUND = {"8bit": 1.75, "fp8": 1.75, "4bit": 2.0}
+
+
+def optimizer_state_gain(facts: Facts, state: str) -> Expectation:
+    """A torchao state's optimizer step. On a CPU it was measured slower than torch's AdamW
+    (not applicable); on a GPU, Amdahl's law over the optimizer's share with the bytes the
+    step moves as the bound (an AdamW step is memory-bound: unmeasured here, hence a bound)."""
+    measured = OPTIMIZER_STATE_CPU_SPEED.get(state)
+    if facts.device.startswith("cpu") and measured is not None:
+        return Expectation(
+            None,
+            f"torchao's compiled {state} step ran at {measured:g}x torch's AdamW step on a "
+            "2-core CPU (benchmarks/optimizer_state.py): a smaller state saves memory here, "
+            "never time",
+        )
+    bound = OPTIMIZER_STATE_BYTES_BOUND.get(state)
+    if bound is None or facts.optimizer_share is None:
+        return Expectation(SMALL_GAIN, f"the optimizer's moments kept as {state}")
+    gain = 1 / (1 - facts.optimizer_share * (1 - 1 / bound))
+    return Expectation(
+        gain,
+        f"the optimizer step is {facts.optimizer_share:.0%} of a step; {state} moments move "
+        f"1/{bound:g} of its bytes, an upper bound on its gain",
+    )
+
+
 TECHNIQUE = Technique(
     name=NAME,
     section="optimizer",
@@ -294,7 +330,7 @@ TECHNIQUE = Technique(
     optimizer_states=_planned_states,
     stage=Stage("optimizer_state", 55, optimizer_state_stage),
     levers=tuple(
-        Lever(f"{state} optimizer state", functools.partial(levers.optimizer_state, state=state))
+        Lever(f"{state} optimizer state", functools.partial(optimizer_state_gain, state=state))
         for state in SPEED_STATES
     ),
     translations={"transformers": _hf_arguments, "lightning": _lightning_arguments},

@@ -28,15 +28,15 @@ import torch
 from torch import nn
 
 from torchturbo.base.blocks import repeated_blocks
+from torchturbo.base.compiler import use_compile_cache
 from torchturbo.config import CompileConfig, TurboConfig
 from torchturbo.techniques.compile import (
     compile_options,
     explain_compile_failure,
     probe_cpu_machine_wide,
+    regional_compile_gain,
     trace_checkpointed_side_effects,
-    use_compile_cache,
 )
-from torchturbo.techniques.framework import levers
 from torchturbo.techniques.framework.result import TechniqueResult, applied, not_applied
 from torchturbo.techniques.framework.spec import Lever, Technique, TrainerArguments
 
@@ -110,6 +110,6 @@ TECHNIQUE = Technique(
         "scope = 'model' or 'blocks' chooses it or whole-model compile, never both"
     ),
     explain_failure=_explain,
-    levers=(Lever("regional compile", levers.regional_compile),),
+    levers=(Lever("regional compile", regional_compile_gain),),
     translations={"transformers": _hf_arguments},
 )

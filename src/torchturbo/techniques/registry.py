@@ -238,6 +238,14 @@ def levers() -> list[Lever]:
     return [lever for t in techniques() for lever in t.levers]
 
 
+def lever(label: str) -> Lever:
+    """The lever labelled ``label`` (a KeyError lists the labels)."""
+    by_label = {lever.label: lever for lever in levers()}
+    if label not in by_label:
+        raise KeyError(f"no lever {label!r}; levers: {sorted(by_label)}")
+    return by_label[label]
+
+
 def ranked_levers(facts: Facts) -> list[RankedLever]:
     """Every technique's levers by expected gain on ``facts``, applicable ones first: the
     doctor's ranking (the tuner orders its candidates by the same expectations)."""

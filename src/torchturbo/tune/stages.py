@@ -17,7 +17,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from torchturbo.techniques import registry
-from torchturbo.techniques.framework import levers
+from torchturbo.techniques.framework.facts import Facts
+from torchturbo.techniques.framework.levers import SMALL_GAIN, Expectation
 from torchturbo.techniques.framework.proposal import Candidate, StageContext, candidate
 from torchturbo.techniques.framework.spec import Stage
 from torchturbo.tune.memory_plan import memory_plan_stage
@@ -50,7 +51,7 @@ def comm_hook_stage(ctx: StageContext) -> list[Candidate] | str:
         candidate(
             "comm_hook:fp16",
             ctx.best.replace(distributed__comm_hook="fp16"),
-            levers.comm_hook(ctx.facts, 0.5, "fp16"),
+            comm_hook_gain(ctx.facts, 0.5, "fp16"),
         ),
         candidate(
             "comm_hook:powersgd",
@@ -58,7 +59,7 @@ def comm_hook_stage(ctx: StageContext) -> list[Candidate] | str:
                 distributed__comm_hook="powersgd",
                 distributed__powersgd_warmup=TUNING_POWERSGD_WARMUP,
             ),
-            levers.comm_hook(ctx.facts, 0.1, "PowerSGD"),
+            comm_hook_gain(ctx.facts, 0.1, "PowerSGD"),
         ),
     ]
     if ctx.backend == "nccl":  # torch refuses bf16 all-reduce on gloo
@@ -66,7 +67,7 @@ def comm_hook_stage(ctx: StageContext) -> list[Candidate] | str:
             candidate(
                 "comm_hook:bf16",
                 ctx.best.replace(distributed__comm_hook="bf16"),
-                levers.comm_hook(ctx.facts, 0.5, "bf16"),
+                comm_hook_gain(ctx.facts, 0.5, "bf16"),
             )
         )
     return candidates
@@ -90,13 +91,32 @@ def bucket_stage(ctx: StageContext) -> list[Candidate] | str:
             f"the gradients ({gradient_mb:.1f} MiB) fit one bucket at the current {current:g} MiB "
             f"and at every cap tried ({tried} MiB): the bucket size changes nothing here"
         )
-    expectation = levers.bucket_size(ctx.facts)
+    expectation = bucket_size_gain(ctx.facts)
     return [
         candidate(
             f"bucket_cap_mb:{cap:g}", ctx.best.replace(distributed__bucket_cap_mb=cap), expectation
         )
         for cap in caps
     ]
+
+
+def comm_hook_gain(facts: Facts, byte_ratio: float, name: str) -> Expectation:
+    """A compressing DDP hook: the communication share shrinks by ``byte_ratio``."""
+    if facts.comm_share is None:
+        return Expectation(None, "single process: no gradient communication to compress")
+    saved = facts.comm_share * (1 - byte_ratio)
+    gain = 1 / (1 - min(saved, 0.9))
+    return Expectation(
+        gain,
+        f"communication is {facts.comm_share:.0%} of the step; {name} sends "
+        f"{byte_ratio:.0%} of the bytes",
+    )
+
+
+def bucket_size_gain(facts: Facts) -> Expectation:
+    if facts.comm_share is None:
+        return Expectation(None, "single process: no DDP buckets")
+    return Expectation(SMALL_GAIN, f"communication is {facts.comm_share:.0%} of the step")
 
 
 #: The strategy's stages: after every technique's (ranks 80 and 90).

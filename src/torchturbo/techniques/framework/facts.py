@@ -112,7 +112,7 @@ MAX_DENSE_SHARE = 0.95
 
 def dense_time_share(forward_flops: int, step_s: float, device: torch.device) -> float:
     """The step's dense FLOPs at this device's measured fp32 matrix-product rate, over the
-    step's time: the part a faster precision can speed up (``levers.precision``)."""
+    step's time: the part a faster precision can speed up (``precision.precision_gain``)."""
     rate = measured_peak_flops(device, torch.float32)
     dense_s = STEP_FLOPS_PER_FORWARD * forward_flops / rate if rate > 0 else 0.0
     return min(MAX_DENSE_SHARE, dense_s / step_s) if step_s > 0 else MAX_DENSE_SHARE
