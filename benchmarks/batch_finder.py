@@ -2,7 +2,7 @@
 
 Measures the step footprint (``Trial.memory_footprint``, as the tuner reads it) of the workload's
 batch cut into every micro-batch size it can run as (a batch of 16: 16, 8, 6, 4, 3, 2, 1), then
-runs the finder (``tune.batch_probe.find_batch``) at budgets of 1/2, 1/3 and 1/5 of the whole
+runs the finder (``tune.batch.probe.find_batch``) at budgets of 1/2, 1/3 and 1/5 of the whole
 batch's footprint, and prints, for each budget, the largest size of the grid that fits, the
 finder's choice, and how many sizes the finder measured.
 
@@ -19,8 +19,8 @@ from pathlib import Path
 
 from torchturbo import TurboConfig
 from torchturbo.output.tables import format_bytes
-from torchturbo.tune.batch_probe import find_batch, step_footprint
-from torchturbo.tune.batch_size import micro_sizes
+from torchturbo.tune.batch.choice import micro_sizes
+from torchturbo.tune.batch.probe import find_batch, step_footprint
 from torchturbo.workloads import get_workload
 
 

@@ -53,7 +53,7 @@ from torchturbo.output.results_file import write_results
 from torchturbo.output.tables import format_mfu
 from torchturbo.techniques.float8 import convertible_linears
 from torchturbo.trials.variants import compare_configs
-from torchturbo.tune.search import TuneOptions, tune
+from torchturbo.tune.search.run import TuneOptions, tune
 from torchturbo.workloads import get_workload
 
 #: The dry run's workloads: every code path once, at the smallest inputs each one takes.

@@ -42,7 +42,7 @@ from torchturbo.config import DataConfig
 from torchturbo.data.loader import build_loader
 from torchturbo.measure.timing import Timing, measure_interleaved, sync
 from torchturbo.output.results_file import write_results
-from torchturbo.tune.loader_search import default_candidates, describe, tune_loader, usable_cpus
+from torchturbo.tune.loader.grid import default_candidates, describe, tune_loader, usable_cpus
 from torchturbo.workloads import get_workload
 
 MEAN = torch.tensor([0.485, 0.456, 0.406]).view(3, 1, 1)

@@ -51,11 +51,11 @@ from torchturbo.recipe import Recipe
 from torchturbo.techniques.checkpointing import select_blocks
 from torchturbo.trials.memory_estimate import estimate_recipe_memory
 from torchturbo.trials.trial import Trial, fixed_batches
-from torchturbo.tune.compare import compare
-from torchturbo.tune.outcome import Comparison
-from torchturbo.tune.search import TuneOptions, tune
-from torchturbo.tune.stages import STAGES
-from torchturbo.tune.state import NUM_BATCHES
+from torchturbo.tune.search.compare import compare
+from torchturbo.tune.search.outcome import Comparison
+from torchturbo.tune.search.run import TuneOptions, tune
+from torchturbo.tune.search.stages import tuner_stages
+from torchturbo.tune.search.state import NUM_BATCHES
 
 MIB = 2**20
 FRACTIONS = (2, 3, 5)
@@ -460,7 +460,7 @@ def run_model(name: str, time_budget_s: float, repeats: int) -> dict[str, Any]:
             device="cpu",
             skip=("data_loader",),
         )
-        _, result = tune(recipe, options, stages={"memory": STAGES["memory"]})
+        _, result = tune(recipe, options, stages={"memory": tuner_stages()["memory"]})
         rows = [o for o in result.candidates if o.stage == "memory" and o.comparison is not None]
         adopted = next((o for o in rows if o.verdict == "adopted"), None)
         fitting = [p for p, b in footprints.items() if b <= budget]

@@ -113,7 +113,7 @@ def recipe(args: argparse.Namespace) -> Any:
 def plan_for_budget(args: argparse.Namespace) -> dict[str, Any]:
     """The memory planner under ``args.plan_budget_mib``, then the written config trained."""
     from torchturbo.trials.trial import Trial, fixed_batches
-    from torchturbo.tune.search import TuneOptions, tune
+    from torchturbo.tune.search.run import TuneOptions, tune
 
     budget = int(args.plan_budget_mib * 2**20)
     options = TuneOptions(

@@ -29,7 +29,7 @@ from torchturbo.output.results_file import write_results
 from torchturbo.output.tables import print_rows
 from torchturbo.recipe import Recipe
 from torchturbo.trials.variants import compare_configs
-from torchturbo.tune.search import TuneOptions, tune
+from torchturbo.tune.search.run import TuneOptions, tune
 
 VOCAB = 512
 

@@ -76,7 +76,7 @@ from torchturbo.integrations.translate import lightning_arguments
 from torchturbo.measure.system import cpu_flags
 from torchturbo.measure.timing import sync
 from torchturbo.output.results_file import write_results
-from torchturbo.tune.search import TuneOptions, tune
+from torchturbo.tune.search.run import TuneOptions, tune
 from torchturbo.workloads.text import MAX_LEN, PAD_ID, VOCAB_SIZE, make_sequences
 
 WAYS = ("defaults", "recommended", "torchturbo")

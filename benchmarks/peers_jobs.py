@@ -76,8 +76,8 @@ from torchturbo.integrations.transformers import (
 )
 from torchturbo.measure.timing import sync
 from torchturbo.output.results_file import write_results
-from torchturbo.tune.report import write_report
-from torchturbo.tune.search import TuneOptions, tune
+from torchturbo.tune.report.write import write_report
+from torchturbo.tune.search.run import TuneOptions, tune
 from torchturbo.workloads.vision import ResNet, make_images
 
 BATCH_SIZE = 16

@@ -234,7 +234,7 @@ def one_time_costs(args: argparse.Namespace) -> dict[str, dict[str, list[dict[st
 
 def tune_for(args: argparse.Namespace) -> list[dict[str, Any]]:
     """The tuner's compile stage on this recipe, for a job of ``args.tune_steps`` steps."""
-    from torchturbo.tune.search import TuneOptions, tune
+    from torchturbo.tune.search.run import TuneOptions, tune
 
     options = TuneOptions(
         time_budget_s=args.tune_budget,

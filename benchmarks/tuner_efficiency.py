@@ -31,8 +31,8 @@ from torchturbo.measure.machine import summary
 from torchturbo.measure.native import emulated, gemm_speedup
 from torchturbo.output.results_file import write_results
 from torchturbo.trials.variants import compare_configs
-from torchturbo.tune.search import TuneOptions, tune
-from torchturbo.tune.stages import STAGES
+from torchturbo.tune.search.run import TuneOptions, tune
+from torchturbo.tune.search.stages import tuner_stages
 from torchturbo.workloads import WORKLOADS, get_workload
 
 KNOB_STAGES = ("precision", "memory_format", "compile")
@@ -77,7 +77,9 @@ def main() -> int:
     torch._dynamo.config.recompile_limit = 64
     overrides = {"batch_size": 8, "num_samples": 64} if args.quick else {}
     recipe = get_workload(args.workload, **overrides)
-    stages = {name: STAGES[name] for name in KNOB_STAGES if with_compile or name != "compile"}
+    stages = {
+        name: tuner_stages()[name] for name in KNOB_STAGES if with_compile or name != "compile"
+    }
     options = TuneOptions(
         time_budget_s=60 if args.quick else TUNER_BUDGET_S,
         planned_steps=PLANNED_STEPS,

@@ -138,9 +138,15 @@ LAYERS = [
     "cli",
     "__main__",
 ]
-#: Inside ``techniques``: what a technique declares, the unregistered tools, the registered
-#: techniques (the package's own modules), and the registry that finds them, in that order.
-TECHNIQUE_FLOORS = ["framework", "tools", "", "registry"]
+#: Floors inside a package, lowest first ("" is the package's own modules). In ``techniques``:
+#: what a technique declares, the unregistered tools, the registered techniques, and the registry
+#: that finds them. In ``tune``: the memory planner, the batch finder, the loader grid, the search
+#: that uses all three, and the report that reads the search's outcome.
+INNER_FLOORS = {
+    "techniques": ["framework", "tools", "", "registry"],
+    "tune": ["memory", "batch", "loader", "", "search", "report"],
+}
+TECHNIQUE_FLOORS = INNER_FLOORS["techniques"]
 
 
 def _floor(module: str) -> int:
@@ -148,11 +154,18 @@ def _floor(module: str) -> int:
     return LAYERS.index(parts[1]) if len(parts) > 1 and parts[1] in LAYERS else -1
 
 
-def _technique_floor(module: str) -> int | None:
+def _inner_floor(module: str) -> tuple[str, int] | None:
+    """(the package, the floor inside it) of a module of a package with inner floors."""
     parts = module.split(".")
-    if parts[:2] != ["torchturbo", "techniques"] or len(parts) < 3:
+    if len(parts) < 3 or parts[0] != PACKAGE or parts[1] not in INNER_FLOORS:
         return None
-    return TECHNIQUE_FLOORS.index(parts[2] if parts[2] in TECHNIQUE_FLOORS else "")
+    floors = INNER_FLOORS[parts[1]]
+    return parts[1], floors.index(parts[2] if parts[2] in floors else "")
+
+
+def _technique_floor(module: str) -> int | None:
+    inner = _inner_floor(module)
+    return inner[1] if inner is not None and inner[0] == "techniques" else None
 
 
 def test_every_package_has_a_floor() -> None:
@@ -162,15 +175,30 @@ def test_every_package_has_a_floor() -> None:
     assert sorted(set(LAYERS) - floors) == [], "stale entries in LAYERS"
 
 
+@pytest.mark.parametrize("package", sorted(INNER_FLOORS))
+def test_every_inner_package_has_a_floor(package: str) -> None:
+    root = SRC / PACKAGE / package
+    folders = {p.name for p in root.iterdir() if (p / "__init__.py").is_file()}
+    listed = set(INNER_FLOORS[package]) - {""}
+    assert sorted(folders - listed) == [], f"add the folder to INNER_FLOORS[{package!r}]"
+    stale = {name for name in listed if name not in folders and not (root / f"{name}.py").exists()}
+    assert sorted(stale) == [], f"stale entries in INNER_FLOORS[{package!r}]"
+
+
 def upward_imports(graph: dict[str, set[str]]) -> list[str]:
-    """Every import of a module on a higher floor, of the package or inside ``techniques``."""
+    """Every import of a module on a higher floor, of the package or inside one of its packages."""
     found = []
     for module, imported in sorted(graph.items()):
         for target in sorted(imported):
             if _floor(target) > _floor(module):
                 found.append(f"{module} -> {target}")
-            mine, theirs = _technique_floor(module), _technique_floor(target)
-            if mine is not None and theirs is not None and theirs > mine:
+            mine, theirs = _inner_floor(module), _inner_floor(target)
+            if (
+                mine is not None
+                and theirs is not None
+                and mine[0] == theirs[0]
+                and theirs[1] > mine[1]
+            ):
                 found.append(f"{module} -> {target}")
     return found
 
@@ -192,12 +220,19 @@ def test_the_floor_check_sees_an_upward_import(tmp_path: Path) -> None:
             "techniques/framework/__init__.py": "",
             "techniques/framework/spec.py": "import torchturbo.techniques.registry\n",
             "techniques/registry.py": "",
+            "tune/__init__.py": "",
+            "tune/memory/__init__.py": "",
+            "tune/memory/plan.py": "from torchturbo.tune.search.run import tune\n",
+            "tune/search/__init__.py": "",
+            "tune/search/run.py": "from torchturbo.tune.memory.plan import plan\n",
         },
     )
     assert upward_imports(import_graph(tmp_path)) == [
         "torchturbo.data.loader -> torchturbo.engine",
         "torchturbo.data.loader -> torchturbo.engine.turbo",
         "torchturbo.techniques.framework.spec -> torchturbo.techniques.registry",
+        "torchturbo.tune.memory.plan -> torchturbo.tune.search",
+        "torchturbo.tune.memory.plan -> torchturbo.tune.search.run",
     ]
 
 
@@ -294,7 +329,7 @@ PUBLIC_NAMES = {
     ],
     "torchturbo.cli": ["main", "full_parser"],
     # The loader grid search joined the tuner (issue 23); it was `torchturbo.data.tune_loader`.
-    "torchturbo.tune": ["tune_loader", "LoaderTuning", "LoaderTrial"],
+    "torchturbo.tune": ["tune", "TuneOptions", "tune_loader", "LoaderTuning", "LoaderTrial"],
     "torchturbo.techniques": [
         "apply_activation_checkpointing",
         "apply_channels_last",

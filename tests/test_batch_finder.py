@@ -1,4 +1,4 @@
-"""The batch finder (tune.batch_size, tune.batch_probe): the largest micro-batch that fits a
+"""The batch finder (tune.batch.choice, tune.batch.probe): the largest micro-batch that fits a
 memory budget and the accumulation that keeps the global batch, on fake footprints (exact
 answers), on a real tiny model (the chosen size's measured step fits, the next does not), through
 the engine's micro-batches (the same gradient as the whole batch), the CLI, and 2 ranks."""
@@ -19,9 +19,9 @@ from torchturbo import Turbo, TurboConfig
 from torchturbo.cli import main
 from torchturbo.recipe import load_recipe
 from torchturbo.reliability.oom import MemoryBudgetError, split_batch
-from torchturbo.tune.batch_probe import apply_plan, find_batch, step_footprint
-from torchturbo.tune.batch_size import largest_fit, micro_sizes, plan
-from torchturbo.tune.document import build_blocks, render_markdown
+from torchturbo.tune.batch.choice import largest_fit, micro_sizes, plan
+from torchturbo.tune.batch.probe import apply_choice, find_batch, step_footprint
+from torchturbo.tune.report.document import build_blocks, render_markdown
 
 TINY = str(Path(__file__).parent / "recipes" / "tiny.py") + ":recipe"
 SCRIPT = Path(__file__).parent / "scripts" / "batch_finder_ranks.py"
@@ -169,7 +169,7 @@ def test_on_a_real_model_the_chosen_micro_batch_fits_and_the_next_does_not():
     assert measured[3].bytes == three <= budget and measured[3].fits
     assert measured[4].bytes == four > budget and not measured[4].fits
     # The config it writes trains in those micro-batches, and its footprint is the finder's.
-    written = apply_plan(config, chosen)
+    written = apply_choice(config, chosen)
     assert written.accumulation.micro_batches == 3
     from torchturbo.trials.trial import fixed_batches, start_trial
 
@@ -188,7 +188,7 @@ def test_the_report_shows_the_finder_choice_and_every_size_measured():
 
 @pytest.mark.slow  # the whole tuner, its facts and report included: about 30 s on 2 cores
 def test_tune_find_batch_writes_the_micro_batches_into_turbo_toml(tmp_path, capsys, monkeypatch):
-    from torchturbo.tune import search
+    from torchturbo.tune.search import run as search
 
     recipe, config = load_recipe(TINY), TurboConfig(device="cpu")
     budget = step_footprint(recipe, config, 4)
@@ -219,7 +219,7 @@ def test_find_batch_without_a_budget_is_a_one_line_error_on_a_cpu(capsys):
 
 
 def test_on_a_gpu_find_batch_fills_most_of_its_memory_by_default(monkeypatch):
-    from torchturbo.tune import search
+    from torchturbo.tune.search import run as search
 
     monkeypatch.setattr(search, "memory_capacity", lambda device: 100 * 2**30)
     gpu = torch.device("cuda")  # a device object: no GPU is asked anything

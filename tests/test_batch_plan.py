@@ -331,9 +331,10 @@ def test_a_plan_without_lengths_names_the_field_that_needs_them() -> None:
 def test_a_new_batch_technique_reaches_train_both_trainers_and_the_tuner(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Any
 ) -> None:
-    """A technique that only declares a ``batches`` hook and the plan it names (CONTRIBUTING.md's
-    promise: no host edited) plans the batches of the engine, TurboTrainer, the Lightning
-    callback and the tuner's trials alike. The probe: batches of the user's rows, longest
+    """A technique that only declares a ``batches`` hook, the plan it names and a stage of the
+    batching lever (CONTRIBUTING.md's promise: no host edited) plans the batches of the engine,
+    TurboTrainer, the Lightning callback and the tuner's trials alike, and the tuner races it
+    against length buckets. The probe: batches of the user's rows, longest
     samples first, asked for by ``[data] batches = "longest"`` (the value added to the field's
     choices, as its module's config edit would)."""
     from typing import Literal
@@ -341,7 +342,12 @@ def test_a_new_batch_technique_reaches_train_both_trainers_and_the_tuner(
     from torch.utils.data import BatchSampler
 
     from torchturbo.data.batch_plan import BatchPlan
-    from torchturbo.techniques.framework.spec import Technique
+    from torchturbo.techniques.framework.proposal import Candidate, StageContext
+    from torchturbo.techniques.framework.spec import Stage, Technique
+    from torchturbo.tune import TuneOptions, tune
+    from torchturbo.tune.search import fastest_fit
+    from torchturbo.tune.search import run as run_module
+    from torchturbo.tune.search.stages import levers, tuner_stages
 
     choices = Literal["rows", "buckets", "packed", "longest"]
     # config/__init__ names a function sections(): the module is reached through sys.modules.
@@ -355,6 +361,11 @@ def test_a_new_batch_technique_reaches_train_both_trainers_and_the_tuner(
         padded = functools.partial(pad_collate, pad_to_multiple=3, pad_values=source.pad_values)
         return BatchPlan("longest first", sampler, source.collate or padded)
 
+    def longest_stage(ctx: StageContext) -> list[Candidate] | str:
+        if ctx.best.data.batches == "longest":
+            return "the current best already trains longest first"
+        return [Candidate("longest first", ctx.best.replace(data__batches="longest"), 1.2)]
+
     probe = Technique(
         name="longest_first",
         section="data",
@@ -363,6 +374,7 @@ def test_a_new_batch_technique_reaches_train_both_trainers_and_the_tuner(
         batches=longest_first,
         plans="longest",
         needs=frozenset({"lengths"}),
+        stage=Stage("longest_first", 72, longest_stage, lever="batching"),
         order=82,
         order_reason="plans the batches; a probe of the registry, after the real planners",
     )
@@ -392,3 +404,18 @@ def test_a_new_batch_technique_reaches_train_both_trainers_and_the_tuner(
         assert same(trial_batches(lightning_recipe, config), first(module.train_dataloader()))
     finally:
         callback.teardown(pl_trainer, module, "fit")
+    # The tuner proposes it as an alternative of the batching lever: raced against buckets.
+    assert levers()["longest_first"] == levers()["dynamic_batching"] == "batching"
+    raced = []
+    real = fastest_fit.fastest_alternative
+
+    def recording(run: Any, proposals: Any, *args: Any) -> Any:
+        raced.append(sorted(c.name for _, c in proposals))
+        return real(run, proposals, *args)
+
+    monkeypatch.setattr(run_module, "fastest_alternative", recording)
+    options = TuneOptions(time_budget_s=120, device="cpu", max_rounds=3)
+    stages = {name: tuner_stages()[name] for name in ("dynamic_batching", "longest_first")}
+    _, result = tune(recipe, options, stages=stages)
+    assert raced == [["length buckets", "longest first"]]
+    assert {o.name for o in result.candidates} >= {"length buckets", "longest first"}

@@ -65,7 +65,7 @@ def test_ctrl_c_in_tune_keeps_the_measurements_and_the_same_command_goes_on(
 ):
     from test_tune import CLIPPING
 
-    from torchturbo.tune import search
+    from torchturbo.tune.search import run as search
 
     asked = []
 
@@ -101,7 +101,7 @@ def test_ctrl_c_in_tune_keeps_the_measurements_and_the_same_command_goes_on(
 def test_ctrl_c_before_any_candidate_is_measured_leaves_the_directory_as_it_was(
     tmp_path, capsys, monkeypatch
 ):
-    from torchturbo.tune import search
+    from torchturbo.tune.search import run as search
 
     def interrupted_at_once(*args, **kwargs):
         raise search.TuneInterrupted({"candidates": [], "adopted": []})

@@ -12,21 +12,26 @@ import random
 
 import pytest
 
-from torchturbo.tune.decide import (
+from torchturbo.tune.report.fields import fmt_interval
+from torchturbo.tune.search.decide import (
     MIN_ROUNDS,
     Parity,
     RatioEstimate,
     break_even_steps,
+    confirmation_target,
     describe,
     estimate,
+    holds_alone,
     job_times,
     judge,
+    judge_confirmation,
+    judge_race,
     loss_parity,
+    order_known,
     rounds_to_decide,
     t_quantile,
 )
-from torchturbo.tune.fields import fmt_interval
-from torchturbo.tune.state import MAX_ROUNDS
+from torchturbo.tune.search.state import MAX_ROUNDS
 
 OK_PARITY = Parity(2.3, 2.31, 0.004, True, True)
 
@@ -273,3 +278,53 @@ def test_a_gain_of_fifteen_percent_at_thirteen_percent_noise_is_found():
     rng = random.Random(2)
     results = [_sequential(_normal(0.13, 1.15), rng) for _ in range(300)]
     assert sum(r.decision == "faster" for r in results) / len(results) > 0.8
+
+
+def _speed(ratio: float, low: float, high: float, decision="faster", plausible_high=None):
+    return RatioEstimate(ratio, low, high, 5, decision, plausible_high or high)
+
+
+def test_two_alternatives_apart_against_the_same_best_are_ordered_without_a_race():
+    slow, fast = _speed(1.2, 1.1, 1.3), _speed(1.6, 1.5, 1.7)
+    assert order_known(slow, 100.0, fast, 80.0) is True
+    assert order_known(fast, 80.0, slow, 100.0) is False
+    # Overlapping intervals, or a faster step whose job is longer (a one-time cost): race them.
+    assert order_known(slow, 100.0, _speed(1.25, 1.15, 1.35), 95.0) is None
+    assert order_known(slow, 100.0, fast, 120.0) is None
+
+
+def _race_job(ratio: float, one_time_s: float = 0.0):
+    return job_times(
+        steps=100, best_step_s=1.0, ratio=ratio, best_one_time_s=0.0, one_time_s=one_time_s
+    )
+
+
+def test_a_race_is_won_by_the_shorter_job_and_says_why():
+    ratios = [1.30, 1.31, 1.29, 1.30]
+    forward, backward = estimate(ratios), estimate([1 / r for r in ratios])
+    assert judge_race(_race_job(1.3), forward, ratios, backward, [1 / r for r in ratios]) == (
+        True,
+        "is faster",
+    )
+    # Faster per step, but its one-time cost is not repaid in 100 steps: the leader wins.
+    wins, why = judge_race(
+        _race_job(1.3, one_time_s=60.0), forward, ratios, backward, [1 / r for r in ratios]
+    )
+    assert not wins and why.startswith("makes the 100-step job faster")
+    # Within the noise and 5% either way: either will do, the leader stays.
+    even = [1.01, 0.99, 1.0, 1.0, 1.01, 0.99]
+    wins, why = judge_race(
+        _race_job(estimate(even).ratio), estimate(even), even, estimate(even), even
+    )
+    assert why.startswith("is ahead")
+
+
+def test_a_confirmation_is_confirmed_consistent_or_contradicted():
+    assert judge_confirmation(_speed(1.4, 1.2, 1.6), 1.5) == "confirmed"
+    undecided = _speed(1.1, 0.9, 1.3, "undecided", plausible_high=1.6)
+    assert judge_confirmation(undecided, 1.5) == "consistent"
+    assert judge_confirmation(_speed(1.0, 0.9, 1.1, "not faster", 1.05), 1.5) == "contradicted"
+    # The target is at least 1, unless the baseline does not fit (a slower fit is the point).
+    assert confirmation_target(0.8, must_fit=False) == 1.0
+    assert confirmation_target(0.8, must_fit=True) == 0.8
+    assert holds_alone(_speed(1.4, 1.2, 1.6)) and not holds_alone(undecided)

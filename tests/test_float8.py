@@ -22,9 +22,9 @@ from torchturbo.techniques.float8 import (
     float8_unavailable,
 )
 from torchturbo.trials.trial import Trial, fixed_batches
-from torchturbo.tune.decide import loss_parity
-from torchturbo.tune.search import TuneOptions, tune
-from torchturbo.tune.state import PARITY_STEPS
+from torchturbo.tune.search.decide import loss_parity
+from torchturbo.tune.search.run import TuneOptions, tune
+from torchturbo.tune.search.state import PARITY_STEPS
 
 float8_module = importlib.import_module("torchturbo.techniques.float8")
 needs_torchao = pytest.mark.skipif(

@@ -15,8 +15,8 @@ from torchturbo.config import TurboConfig
 from torchturbo.doctor import diagnose
 from torchturbo.recipe import load_recipe
 from torchturbo.trials.variants import compare_configs
-from torchturbo.tune.search import TuneOptions, tune
-from torchturbo.tune.state import MIN_BATCHES
+from torchturbo.tune.search.run import TuneOptions, tune
+from torchturbo.tune.search.state import MIN_BATCHES
 
 RECIPE = str(Path(__file__).parent / "recipes" / "hf_encoder.py") + ":recipe"
 
@@ -38,7 +38,7 @@ def test_the_tuner_measures_and_adopts_length_buckets_on_a_transformers_encoder(
     assert buckets.expected_gain > 1.5  # ~66% padding in random batches, ~3% in buckets
     assert buckets.verdict == "adopted", buckets.reason
     # Every round took each of the bucketed (and random) batches once, the same work: a pass
-    # over 8 batches, or over 4-7 where the first step was slow (tune.state.batch_count).
+    # over 8 batches, or over 4-7 where the first step was slow (tune.search.state.batch_count).
     assert buckets.comparison.steps_per_round >= MIN_BATCHES
     assert config.data.batches == "buckets"
     assert result.confirmation.state in ("confirmed", "consistent")

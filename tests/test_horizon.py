@@ -6,7 +6,7 @@ import pytest
 from test_tune import tiny_recipe
 
 from torchturbo.recipe import RecipeError
-from torchturbo.tune.horizon import ASSUMED_STEPS, horizon
+from torchturbo.tune.search.horizon import ASSUMED_STEPS, horizon
 
 
 def test_the_command_line_wins_over_the_recipe_which_wins_over_the_assumption():

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from torchturbo.cli import main
-from torchturbo.tune.budget import (
+from torchturbo.tune.search.budget import (
     BudgetError,
     memory_floor,
     one_decision_s,
@@ -18,7 +18,7 @@ from torchturbo.tune.budget import (
     refuse_impossible_memory_budget,
     refuse_short_time_budget,
 )
-from torchturbo.tune.decide import MIN_ROUNDS
+from torchturbo.tune.search.decide import MIN_ROUNDS
 
 TINY = f"{Path(__file__).parent / 'recipes' / 'tiny.py'}:recipe"
 

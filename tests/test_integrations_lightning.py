@@ -26,7 +26,7 @@ from torchturbo.integrations.lightning import (  # noqa: E402
 from torchturbo.integrations.stopping import TrainerStopped  # noqa: E402
 from torchturbo.recipe import RecipeError  # noqa: E402
 from torchturbo.trials.variants import compare_configs  # noqa: E402
-from torchturbo.tune.files import write_trainer_settings  # noqa: E402
+from torchturbo.tune.report.files import write_trainer_settings  # noqa: E402
 
 pytestmark = [
     # Lightning suggests more loader workers and a logger; neither matters to these tests.

@@ -48,9 +48,9 @@ from torchturbo.integrations.transformers import (  # noqa: E402
 from torchturbo.integrations.translate import hf_arguments  # noqa: E402
 from torchturbo.trials.trial import fixed_batches  # noqa: E402
 from torchturbo.trials.variants import compare_configs  # noqa: E402
-from torchturbo.tune.document import render_markdown, trainer_blocks  # noqa: E402
-from torchturbo.tune.files import write_trainer_settings  # noqa: E402
-from torchturbo.tune.search import TuneOptions, tune  # noqa: E402
+from torchturbo.tune.report.document import render_markdown, trainer_blocks  # noqa: E402
+from torchturbo.tune.report.files import write_trainer_settings  # noqa: E402
+from torchturbo.tune.search.run import TuneOptions, tune  # noqa: E402
 
 VOCAB = 64
 CLASSES = 4

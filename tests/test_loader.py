@@ -1,5 +1,5 @@
 """DataLoader building, nested batch transfer (data/loader.py) and measured loader tuning
-(tune/loader_search.py).
+(tune/loader/grid.py).
 
 Worker processes take a fraction of a second to start, so the tuning tests use few candidates,
 few batches and one or two repeats; each is bounded by a timeout.
@@ -19,7 +19,7 @@ from torch.utils.data import BatchSampler, Dataset, SequentialSampler, TensorDat
 from torchturbo.base.device import to_device
 from torchturbo.config import ConfigError, DataConfig
 from torchturbo.data.loader import build_loader
-from torchturbo.tune.loader_search import (
+from torchturbo.tune.loader.grid import (
     _choose,
     _Run,
     default_candidates,

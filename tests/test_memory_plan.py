@@ -18,19 +18,19 @@ from torchturbo.techniques.checkpointing import select_blocks
 from torchturbo.techniques.framework.proposal import Candidate
 from torchturbo.trials.memory_estimate import estimate_memory, estimate_recipe_memory
 from torchturbo.trials.trial import Trial, fixed_batches
-from torchturbo.tune import candidate as candidate_module
-from torchturbo.tune import fastest_fit as fastest_fit_module
-from torchturbo.tune.decide import Verdict
-from torchturbo.tune.knapsack import cheapest_cover
-from torchturbo.tune.memory_plan import (
+from torchturbo.tune.memory.knapsack import cheapest_cover
+from torchturbo.tune.memory.plan import (
     CompiledGraph,
     budget_plans,
     footprint,
     plan_config,
     plans,
 )
-from torchturbo.tune.search import tune
-from torchturbo.tune.stages import STAGES
+from torchturbo.tune.search import candidate as candidate_module
+from torchturbo.tune.search import fastest_fit as fastest_fit_module
+from torchturbo.tune.search.decide import Verdict
+from torchturbo.tune.search.run import tune
+from torchturbo.tune.search.stages import tuner_stages
 
 
 def _brute_force(items, need):
@@ -231,7 +231,7 @@ def test_tune_with_a_budget_adopts_the_fastest_plan_that_fits_and_reports_every_
     # Two thirds of the activations: several plans fit.
     budget = estimate.persistent_bytes + 2 * estimate.activation_bytes() // 3
     options = dataclasses.replace(QUICK, memory_budget=budget, max_rounds=4)
-    config, result = tune(recipe, options, stages={"memory": STAGES["memory"]})
+    config, result = tune(recipe, options, stages={"memory": tuner_stages()["memory"]})
     rows = [o for o in result.candidates if o.stage == "memory"]
     measured = [o for o in rows if o.comparison is not None]
     assert len(measured) >= 2, [o.name for o in rows]
@@ -326,7 +326,7 @@ def _compiled_plans(best: TurboConfig, **context):
     weights, gradients and state; 32 MiB of eager activations at batch 8)."""
     from conftest import cpu_stage_context
 
-    from torchturbo.tune.memory_plan import memory_plan_stage
+    from torchturbo.tune.memory.plan import memory_plan_stage
 
     ctx = cpu_stage_context(
         _mlp_recipe(8),

@@ -235,7 +235,7 @@ def _state_bound(mib: int = 2**20):
 
 
 def test_the_planner_frees_optimizer_state_only_where_nothing_else_fits():
-    from torchturbo.tune.memory_plan import plan_name, plans
+    from torchturbo.tune.memory.plan import plan_name, plans
 
     estimate, states = _state_bound()
     mib = 2**20
@@ -296,16 +296,16 @@ def test_a_budget_only_a_smaller_state_meets_is_met_and_the_written_config_train
     from test_tune import QUICK
 
     from torchturbo.trials.trial import Trial, fixed_batches
-    from torchturbo.tune import memory_plan
-    from torchturbo.tune.search import tune
-    from torchturbo.tune.stages import STAGES
+    from torchturbo.tune.memory import plan as memory_plan
+    from torchturbo.tune.search.run import tune
+    from torchturbo.tune.search.stages import tuner_stages
 
     monkeypatch.setattr(memory_plan, "PLANNER_STATES", ("bf16",))
     recipe = _wide_recipe()
     weights = sum(p.numel() * 4 for p in Wide().parameters())
     budget = int(3.5 * weights)  # weights + gradients + fp32 moments = 4x the weights
     options = dataclasses.replace(QUICK, memory_budget=budget, max_rounds=3)
-    config, result = tune(recipe, options, stages={"memory": STAGES["memory"]})
+    config, result = tune(recipe, options, stages={"memory": tuner_stages()["memory"]})
     rows = {o.name: o for o in result.candidates}
     plan = rows["plan: bf16 optimizer state"]
     assert plan.verdict == "adopted" and config.optimizer.state == "bf16"

@@ -16,10 +16,10 @@ import pytest
 from torchturbo.cli import main
 from torchturbo.config import TurboConfig
 from torchturbo.output.results_file import write_atomic, write_results
-from torchturbo.tune.fields import adoption_label, flat_settings, replaced_by, replacements
-from torchturbo.tune.plots import throughput_bars
-from torchturbo.tune.summary import headline, incremental_note, loader_line
-from torchturbo.tune.tables import candidate_rows, incremental_figures, incremental_rows
+from torchturbo.tune.report.fields import adoption_label, flat_settings, replaced_by, replacements
+from torchturbo.tune.report.plots import throughput_bars
+from torchturbo.tune.report.summary import headline, incremental_note, loader_line
+from torchturbo.tune.report.tables import candidate_rows, incremental_figures, incremental_rows
 
 TINY = f"{Path(__file__).parent / 'recipes' / 'tiny.py'}:recipe"
 
@@ -177,8 +177,8 @@ def test_every_output_of_a_real_tune_and_doctor_run_agrees(tmp_path, capsys):
     """A real (short) tune and doctor of the same recipe, every output rendered and read back:
     the terminal, results.json, report.md, report.html, the plot's data, turbo.toml, the
     doctor's checklist, levers and JSON."""
-    from torchturbo.tune.document import _md
-    from torchturbo.tune.fields import adopted_rows
+    from torchturbo.tune.report.document import _md
+    from torchturbo.tune.report.fields import adopted_rows
 
     out = tmp_path / "report"
     argv = ["tune", TINY, "--device", "cpu", "--time-budget", "40s", "--skip", "compile"]

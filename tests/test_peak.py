@@ -367,7 +367,7 @@ def test_doctor_says_once_up_front_that_bf16_is_emulated(monkeypatch, capsys) ->
 
 
 def test_tune_names_the_emulated_candidate_formats_before_measuring(monkeypatch, capsys, tmp_path):
-    search = importlib.import_module("torchturbo.tune.search")
+    search = importlib.import_module("torchturbo.tune.search.run")
 
     def stop(*args, **kwargs):
         raise ValueError("stopped before measuring")

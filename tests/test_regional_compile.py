@@ -26,7 +26,7 @@ from torchturbo.recipe import Recipe
 from torchturbo.techniques.compile import compile_stage
 from torchturbo.techniques.framework.facts import leaf_module_count
 from torchturbo.techniques.regional_compile import apply_regional_compile
-from torchturbo.tune.budget import compile_seconds
+from torchturbo.tune.search.budget import compile_seconds
 
 SCRIPT = Path(__file__).parent / "scripts" / "regional_fsdp.py"
 BLOCKS = TurboConfig(device="cpu").replace(compile__mode="default", compile__scope="blocks")

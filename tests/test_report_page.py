@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 from test_tune_report import CONFIG_TOML, full_results
 
-from torchturbo.tune.document import _numeric_columns
-from torchturbo.tune.plots import PLOTS, _plot_loss, relative_loss_difference
-from torchturbo.tune.report import write_report
+from torchturbo.tune.report.document import _numeric_columns
+from torchturbo.tune.report.plots import PLOTS, _plot_loss, relative_loss_difference
+from torchturbo.tune.report.write import write_report
 
 _BROWSER = next(
     (shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome") if shutil.which(n)),

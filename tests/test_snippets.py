@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import torchturbo
-from torchturbo.tune.document import usage_snippet
+from torchturbo.tune.report.document import usage_snippet
 from torchturbo.workloads import get_workload
 
 README = Path(__file__).parents[1] / "README.md"

@@ -21,7 +21,7 @@ from torchturbo.doctor.data_facts import dataset_facts
 from torchturbo.recipe import Recipe
 from torchturbo.runs.train import train
 from torchturbo.trials.trial import fixed_batches
-from torchturbo.tune.search import TuneOptions, tune
+from torchturbo.tune.search.run import TuneOptions, tune
 
 BATCH = 8
 

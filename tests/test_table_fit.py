@@ -11,7 +11,7 @@ from test_tune_report import full_results
 from torchturbo.output.table_fit import fit_table, print_table
 from torchturbo.output.tables import print_rows, rows_table
 from torchturbo.trials.variants import VariantResult
-from torchturbo.tune.report import incremental_table
+from torchturbo.tune.report.write import incremental_table
 
 
 def _printed(table: Table, width: int) -> str:

@@ -384,7 +384,7 @@ def test_a_registered_technique_reaches_every_host_without_editing_them(monkeypa
 def test_the_tuners_confirmation_replays_every_techniques_change(name: str) -> None:
     """The confirmation rebuilds each adoption from its changes: every field a technique's
     setting changes must be among them, or the adopted technique would be dropped."""
-    from torchturbo.tune.confirm import _changes
+    from torchturbo.tune.search.confirm import _changes
 
     config = _config(SETTINGS[name])
     changed = _changes(TurboConfig(device="cpu"), config)

@@ -18,16 +18,22 @@ from torchturbo.config import TurboConfig
 from torchturbo.recipe import Recipe
 from torchturbo.techniques.framework.proposal import Candidate
 from torchturbo.trials.trial import Trial, fixed_batches, start_trial
-from torchturbo.tune import candidate as candidate_module
-from torchturbo.tune import search
-from torchturbo.tune.budget import COMPILE_BASE_S
-from torchturbo.tune.compare import batch_cycle, compare, head_to_head_decided, steps_per_round
-from torchturbo.tune.decide import MIN_ROUNDS, Verdict, describe, job_times
-from torchturbo.tune.outcome import STATES
-from torchturbo.tune.previous import Previous, is_reusable
-from torchturbo.tune.search import TuneInterrupted, TuneOptions, select_stages, tune
-from torchturbo.tune.stages import STAGES, bucket_stage, comm_hook_stage
-from torchturbo.tune.state import MIN_BATCHES, NUM_BATCHES, batch_count
+from torchturbo.tune.search import candidate as candidate_module
+from torchturbo.tune.search import run as search
+from torchturbo.tune.search.budget import COMPILE_BASE_S
+from torchturbo.tune.search.compare import batch_cycle, compare, steps_per_round
+from torchturbo.tune.search.decide import (
+    MIN_ROUNDS,
+    Verdict,
+    describe,
+    head_to_head_decided,
+    job_times,
+)
+from torchturbo.tune.search.outcome import STATES
+from torchturbo.tune.search.previous import Previous, is_reusable
+from torchturbo.tune.search.run import TuneInterrupted, TuneOptions, select_stages, tune
+from torchturbo.tune.search.stages import bucket_stage, comm_hook_stage, tuner_stages
+from torchturbo.tune.search.state import MIN_BATCHES, NUM_BATCHES, batch_count
 
 
 def tiny_recipe(**overrides) -> Recipe:
@@ -50,7 +56,7 @@ QUICK = TuneOptions(time_budget_s=300, device="cpu", max_rounds=6)
 
 
 def _only(*names):
-    return {name: STAGES[name] for name in names}
+    return {name: tuner_stages()[name] for name in names}
 
 
 def _rows(result):
@@ -122,7 +128,7 @@ def test_candidates_are_measured_in_order_of_expected_gain_per_second(monkeypatc
         order.append(candidate.name)
         return real(run, stage, candidate, best, fit_memory)
 
-    monkeypatch.setattr("torchturbo.tune.search.try_candidate", recording)
+    monkeypatch.setattr("torchturbo.tune.search.run.try_candidate", recording)
 
     def lever(name, norm, gain):  # three levers, one candidate each
         return lambda ctx: [Candidate(name, ctx.best.replace(clipping__max_norm=norm), gain)]
@@ -154,7 +160,7 @@ def _two_norms(ctx):
 
 def _recording_references(monkeypatch) -> list[tuple[str, str]]:
     """(candidate, what it was measured against) for every candidate of a lever measured."""
-    from torchturbo.tune import fastest_fit
+    from torchturbo.tune.search import fastest_fit
 
     measured_against = []
     real = fastest_fit.try_candidate
@@ -169,7 +175,7 @@ def _recording_references(monkeypatch) -> list[tuple[str, str]]:
 
 def _confirmation_expectations(monkeypatch) -> list[Callable]:
     """Each confirmation's stopping rule (``decided``): what it expects the search gained."""
-    from torchturbo.tune import confirm as confirm_module
+    from torchturbo.tune.search import confirm as confirm_module
 
     expected = []
     real_chain = confirm_module.compare_chain
@@ -242,7 +248,7 @@ def test_a_later_alternative_slower_than_the_leader_leaves_the_leader(monkeypatc
 def test_an_alternative_within_the_noise_of_its_leader_wins_by_the_jobs_time():
     """Both alternatives already beat the best: the race ends once they are within 5% of each
     other both ways, and the shorter job at the measured ratio wins, one-time costs included."""
-    from torchturbo.tune.decide import Parity, estimate, judge_against_leader
+    from torchturbo.tune.search.decide import Parity, estimate, judge_against_leader
 
     ratios = [1.03, 0.99, 1.02, 1.01, 1.04, 1.00, 1.02, 1.01] * 4
     assert head_to_head_decided(ratios)
@@ -343,7 +349,7 @@ def test_a_candidate_that_does_not_fit_the_budget_is_not_measured_and_says_what_
     assert clip.reason.startswith("budget: needs ~") and clip.estimate_s > 0
     # Nothing adopted: no confirmation, 1.00x by definition, and the headline says what to do.
     assert result.confirmation.state == "not needed" and result.confirmation.ratio == 1.0
-    from torchturbo.tune.summary import headline
+    from torchturbo.tune.report.summary import headline
 
     line = headline(result.to_dict())
     assert "not measured for lack of time: clip 10" in line and "min would measure" in line
@@ -353,7 +359,7 @@ def test_a_compile_left_out_because_it_cannot_pay_back_is_not_called_a_lack_of_t
     """A tune for a 60-step job once read 'not measured for lack of time: compile:default (a
     budget of about 11 min would measure them)' for a compile its row said could not pay back:
     no budget measures that one; the headline says why it was left out."""
-    from torchturbo.tune.summary import headline
+    from torchturbo.tune.report.summary import headline
 
     _, result = tune(tiny_recipe(), QUICK, stages=CLIPPING)
     results = result.to_dict()
@@ -373,7 +379,7 @@ def test_a_compile_left_out_because_it_cannot_pay_back_is_not_called_a_lack_of_t
 def test_the_budget_the_headline_asks_for_is_more_than_the_one_given():
     """A run ends a little before its budget (the confirmation's share is held back): the
     skipped candidates come on top of the whole budget, not of the time the run took."""
-    from torchturbo.tune.summary import headline
+    from torchturbo.tune.report.summary import headline
 
     _, result = tune(tiny_recipe(), QUICK, stages=CLIPPING)
     results = result.to_dict()
@@ -435,7 +441,7 @@ def test_over_the_memory_budget_memory_candidates_go_first(monkeypatch):
         order.append(candidate.name)
         return real(run, stage, candidate, best, fit_memory)
 
-    monkeypatch.setattr("torchturbo.tune.fastest_fit.try_candidate", recording)
+    monkeypatch.setattr("torchturbo.tune.search.fastest_fit.try_candidate", recording)
     options = dataclasses.replace(QUICK, memory_budget=1)  # nothing fits: the leanest plan
     _, result = tune(tiny_recipe(), options, stages=_only("precision", "memory"))
     # The leanest plan: every knob, bf16 moments too (the ConvNet's tensors are too small for
@@ -447,12 +453,14 @@ def test_over_the_memory_budget_memory_candidates_go_first(monkeypatch):
 
 
 def test_only_and_skip_choose_stages_and_unknown_names_list_the_stages():
-    chosen = select_stages(STAGES, dataclasses.replace(QUICK, only=("precision", "data_loader")))
+    chosen = select_stages(
+        tuner_stages(), dataclasses.replace(QUICK, only=("precision", "data_loader"))
+    )
     assert list(chosen) == ["data_loader", "precision"]
-    chosen = select_stages(STAGES, dataclasses.replace(QUICK, skip=("compile",)))
+    chosen = select_stages(tuner_stages(), dataclasses.replace(QUICK, skip=("compile",)))
     assert "compile" not in chosen and "precision" in chosen
     with pytest.raises(ValueError, match=r"no such stage.*; the stages are data_loader, precision"):
-        select_stages(STAGES, dataclasses.replace(QUICK, only=("precison",)))
+        select_stages(tuner_stages(), dataclasses.replace(QUICK, only=("precison",)))
 
 
 def test_tuning_again_reuses_what_was_measured_and_measures_the_rest():
@@ -580,7 +588,7 @@ def test_an_adoption_the_confirmation_contradicts_is_dropped_and_the_baseline_ke
     assert config.clipping.max_norm is None  # the written config is the baseline's
     assert result.adopted == ()
     # The table shows what is kept: the baseline alone, not the dropped adoption.
-    from torchturbo.tune.tables import incremental_rows
+    from torchturbo.tune.report.tables import incremental_rows
 
     assert [row[0] for row in incremental_rows(result.to_dict())] == ["baseline (fp32 eager)"]
     assert (
@@ -593,8 +601,8 @@ def test_a_confirmation_that_holds_when_measured_again_drops_nothing_and_says_so
     """The chained confirmation undecided, the adoption re-measured alone faster: every output
     says it held, none names a drop (a tune once printed 'after dropping ' and 'compile:default
     held and  were dropped')."""
-    from torchturbo.tune import confirm as confirm_module
-    from torchturbo.tune.summary import confirmation_line, headline, incremental_note
+    from torchturbo.tune.report.summary import confirmation_line, headline, incremental_note
+    from torchturbo.tune.search import confirm as confirm_module
 
     clock = _stepping_clock(
         monkeypatch, lambda trial: 0.01 if trial.config.clipping.max_norm == 123.0 else 0.04
@@ -749,7 +757,7 @@ def test_a_comparison_the_budget_stops_is_undecided_and_says_what_it_would_need(
     assert row.comparison is not None and row.comparison.speed.decision == "undecided"
     assert "the budget stopped it: about " in row.reason and "s more)" in row.reason
     assert not is_reusable(row.verdict, row.stage)
-    from torchturbo.tune.summary import headline
+    from torchturbo.tune.report.summary import headline
 
     assert "undecided, not rejected: clip (" in headline(result.to_dict())
 
@@ -772,7 +780,7 @@ def test_before_the_search_the_run_says_which_budget_would_measure_the_large_gai
     assert result.budget_note.startswith("the 6 s budget may not measure every candidate")
     assert "large (~2.00x)" in result.budget_note and "--time-budget 1m" in result.budget_note
     assert ("budget", result.budget_note) in said  # on the progress line, before the search
-    from torchturbo.tune.summary import headline
+    from torchturbo.tune.report.summary import headline
 
     assert "said before the search: the 6 s budget" in headline(result.to_dict())
     roomy = dataclasses.replace(options, time_budget_s=600.0)

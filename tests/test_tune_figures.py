@@ -23,10 +23,10 @@ from test_tune import tiny_recipe
 
 from torchturbo.techniques.framework.proposal import Candidate
 from torchturbo.trials.trial import Trial
-from torchturbo.tune.report import incremental_table, write_report
-from torchturbo.tune.search import TuneOptions, tune
-from torchturbo.tune.stages import STAGES
-from torchturbo.tune.tables import incremental_rows
+from torchturbo.tune.report.tables import incremental_rows
+from torchturbo.tune.report.write import incremental_table, write_report
+from torchturbo.tune.search.run import TuneOptions, tune
+from torchturbo.tune.search.stages import tuner_stages
 
 #: Printed figures are rounded (ratios to 2 decimals, throughputs to 3-4 digits).
 TOLERANCE = 0.02
@@ -171,7 +171,7 @@ def test_a_real_tune_run_reports_one_consistent_set_of_figures(tmp_path: Path) -
         time_budget_s=120, device="cpu", only=("precision", "memory_format", "optimizer")
     )
     started = time.perf_counter()
-    _, result = tune(tiny_recipe(), options, stages={n: STAGES[n] for n in options.only})
+    _, result = tune(tiny_recipe(), options, stages={n: tuner_stages()[n] for n in options.only})
     assert time.perf_counter() - started < 300
     results = result.to_dict()
     assert results["job"]["assumed"] and "assumed" in results["job"]["source"]

@@ -15,9 +15,9 @@ from rich.console import Console
 
 import torchturbo.output.results_file as results_module
 from torchturbo.config import TurboConfig
-from torchturbo.tune.decide import Parity, RatioEstimate
-from torchturbo.tune.outcome import Comparison, Confirmation, Outcome, TuneResult
-from torchturbo.tune.report import incremental_table, write_report
+from torchturbo.tune.report.write import incremental_table, write_report
+from torchturbo.tune.search.decide import Parity, RatioEstimate
+from torchturbo.tune.search.outcome import Comparison, Confirmation, Outcome, TuneResult
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 ERROR_REASON = "error: RuntimeError('<built-in method conv2d> got an unexpected dtype & layout')"

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from torchturbo import TurboConfig
 from torchturbo.distributed import launched
-from torchturbo.tune.batch_probe import find_batch, step_footprint
+from torchturbo.tune.batch.probe import find_batch, step_footprint
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "recipes"))
 from tiny import recipe  # the recipes folder is not a package

@@ -39,8 +39,8 @@ from torchturbo.recipe import Recipe
 from torchturbo.resume.files import read_checkpoint
 from torchturbo.techniques.framework.proposal import Candidate, StageContext
 from torchturbo.trials.trial import Trial, fixed_batches
-from torchturbo.tune.search import TuneOptions, tune
-from torchturbo.tune.stages import bucket_stage, comm_hook_stage
+from torchturbo.tune.search.run import TuneOptions, tune
+from torchturbo.tune.search.stages import bucket_stage, comm_hook_stage
 
 #: Micro-batch sizes per rank: unequal within a window and across ranks.
 SIZES = {0: [3, 6, 5, 2], 1: [7, 2, 4, 4]}

@@ -154,22 +154,22 @@ def run(args: argparse.Namespace) -> int:
     from torchturbo.measure.footprint import MemoryEstimate, describe
     from torchturbo.output.live import TuneLine
     from torchturbo.output.table_fit import print_table
-    from torchturbo.tune.plots import plots_left_out
-    from torchturbo.tune.report import (
+    from torchturbo.tune.report.plots import plots_left_out
+    from torchturbo.tune.report.summary import batch_line, headline
+    from torchturbo.tune.report.write import (
         incremental_table,
         keep_interrupted,
         read_previous,
         write_report,
     )
-    from torchturbo.tune.search import (
+    from torchturbo.tune.search.run import (
         TuneInterrupted,
         TuneOptions,
         batch_budget,
         select_stages,
         tune,
     )
-    from torchturbo.tune.stages import PRECISION_FORMATS, STAGES
-    from torchturbo.tune.summary import batch_line, headline
+    from torchturbo.tune.search.stages import PRECISION_FORMATS, tuner_stages
 
     options = TuneOptions(
         time_budget_s=args.time_budget,
@@ -183,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
         find_batch=args.find_batch,
         refuse_impossible=True,
     )
-    select_stages(STAGES, options)  # a misspelt stage is refused before anything runs
+    select_stages(tuner_stages(), options)  # a misspelt stage is refused before anything runs
     if options.find_batch is not None:  # a budget to fit, before anything runs
         batch_budget(options.memory_budget, resolve_device(args.device or "auto"))
     check_writable(args.out)

@@ -2,7 +2,7 @@
 
 :func:`build_loader` passes only the DataLoader arguments that apply to the device and the
 worker count; the settings themselves are chosen by measurement in the tuner
-(:mod:`torchturbo.tune.loader_search`). Batches reach the device through
+(:mod:`torchturbo.tune.loader.grid`). Batches reach the device through
 :func:`torchturbo.base.device.to_device`.
 """
 

@@ -1,11 +1,11 @@
 """Quick measured gains for the doctor's items, by the tuner's own measurement and rule.
 
 Training variants (bf16, channels_last) run as fresh ``trials.trial.Trial`` s on the same fixed
-batches; each is timed against its reference in paired rounds and decided by the tuner's sequential
-rule (``tune.compare``, ``tune.decide``), capped at a few rounds: a diagnosis, not a tuning run. So
-a figure the doctor prints means what the tuner's would, and a gain that does not clear the noise
-reads "within noise", never "recommended". Conv→BatchNorm folding is timed the same way on the
-eval-mode forward it is valid for.
+batches; each is timed against its reference in paired rounds and decided by the tuner's
+sequential rule (``tune.search.compare``, ``tune.search.decide``), capped at a few rounds: a
+diagnosis, not a tuning run. So a figure the doctor prints means what the tuner's would, and a
+gain that does not clear the noise reads "within noise", never "recommended". Conv→BatchNorm
+folding is timed the same way on the eval-mode forward it is valid for.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from torch.nn.utils.fusion import fuse_conv_bn_eval
 from torchturbo.config import TurboConfig
 from torchturbo.recipe import Recipe
 from torchturbo.trials.trial import Trial
-from torchturbo.tune.compare import compare
-from torchturbo.tune.decide import RatioEstimate, describe
+from torchturbo.tune.search.compare import compare
+from torchturbo.tune.search.decide import RatioEstimate, describe
 
 #: Rounds per comparison: enough to decide a clear gain (3-5 rounds), few enough for a diagnosis.
 MAX_ROUNDS = 6
@@ -83,7 +83,8 @@ def measure_variants(
 
 
 class _Forward:
-    """A plain callable as ``tune.compare`` sees a trial: the same input every call, one count."""
+    """A plain callable as ``tune.search.compare`` sees a trial: the same input every call, one
+    count."""
 
     def __init__(self, fn: Callable[[], Any]) -> None:
         self.step = fn

@@ -12,7 +12,7 @@ precision would drop. Tensors under ``min_bytes`` (1 MiB) are left alone too: th
 more than they save.
 
 It trades time (a cast per saved tensor, each way) for memory, so the tuner's memory planner
-(``tune/memory_plan.py``) proposes it only over a memory budget, alone or with checkpointing and
+(``tune/memory/plan.py``) proposes it only over a memory budget, alone or with checkpointing and
 micro-batching. Under
 ``torch.compile`` it does not apply, and says why: the compiled graph saves its tensors inside
 its own autograd function, where no saved-tensor hook sees them (tested: nothing was stored in

@@ -1,21 +1,34 @@
-"""The tuner: stage by stage, measure candidates against the current best on the user's recipe and
-keep what makes the whole job faster (``search``), then write the report (``report``).
+"""The tuner, in subpackages by job, lowest first: the batch finder (``batch``), the memory
+planner (``memory``), the loader grid (``loader``), the search that measures candidates stage by
+stage and keeps what makes the whole job faster (``search``), and the report (``report``).
 
+:func:`tune` (with :class:`TuneOptions`) is the tuner as ``torchturbo tune`` runs it on a recipe.
 :func:`tune_loader`, the data stage's grid search of loader settings, is public: it also tunes a
 loader on its own, on any dataset. So is :func:`find_batch` (``tune --find-batch``): the largest
-micro-batch of a recipe that fits a memory budget, agreed across ranks.
+micro-batch of a recipe that fits a memory budget, agreed across ranks, as a
+:class:`BatchChoice`.
 """
 
 from torchturbo import lazy_exports
 
 _EXPORTS = {
-    "LoaderTrial": "torchturbo.tune.loader_search",
-    "LoaderTuning": "torchturbo.tune.loader_search",
-    "tune_loader": "torchturbo.tune.loader_search",
-    "BatchPlan": "torchturbo.tune.batch_size",
-    "find_batch": "torchturbo.tune.batch_probe",
+    "tune": "torchturbo.tune.search.run",
+    "TuneOptions": "torchturbo.tune.search.state",
+    "LoaderTrial": "torchturbo.tune.loader.grid",
+    "LoaderTuning": "torchturbo.tune.loader.grid",
+    "tune_loader": "torchturbo.tune.loader.grid",
+    "BatchChoice": "torchturbo.tune.batch.choice",
+    "find_batch": "torchturbo.tune.batch.probe",
 }
 
-__all__ = ["BatchPlan", "LoaderTrial", "LoaderTuning", "find_batch", "tune_loader"]
+__all__ = [
+    "BatchChoice",
+    "LoaderTrial",
+    "LoaderTuning",
+    "TuneOptions",
+    "find_batch",
+    "tune",
+    "tune_loader",
+]
 
 __getattr__ = lazy_exports(__name__, _EXPORTS)

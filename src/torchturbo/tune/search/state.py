@@ -14,11 +14,11 @@ from torchturbo.recipe import Recipe
 from torchturbo.techniques.framework.facts import Facts
 from torchturbo.techniques.framework.proposal import Candidate, StageContext
 from torchturbo.trials.trial import Trial, TrialBatches
-from torchturbo.tune.batch_size import BatchMode
-from torchturbo.tune.budget import Budget
-from torchturbo.tune.decide import MIN_ROUNDS
-from torchturbo.tune.horizon import Horizon, horizon
-from torchturbo.tune.outcome import Outcome
+from torchturbo.tune.batch.choice import BatchMode
+from torchturbo.tune.search.budget import Budget
+from torchturbo.tune.search.decide import MIN_ROUNDS
+from torchturbo.tune.search.horizon import Horizon, horizon
+from torchturbo.tune.search.outcome import Outcome
 
 Stage = Callable[[StageContext], "list[Candidate] | str"]
 
@@ -54,7 +54,7 @@ def batch_count(step_s: float) -> int:
 class TuneOptions:
     time_budget_s: float = 300.0
     memory_budget: int | None = None
-    #: Steps of the real job; None: the recipe's, else an assumed horizon (``tune.horizon``).
+    #: Steps of the real job; None: the recipe's, else an assumed horizon (``tune.search.horizon``).
     planned_steps: int | None = None
     loss_tolerance: float = 0.05
     device: str | None = None
@@ -67,10 +67,10 @@ class TuneOptions:
     #: warm-cache cost, which is what the job that loads this cache pays.
     compile_cache_dir: str = ""
     #: Find the largest micro-batch that fits ``memory_budget`` (on a GPU without one, most of
-    #: its memory: ``search.batch_budget``) before tuning (``tune.batch_probe``): "keep" keeps
+    #: its memory: ``search.batch_budget``) before tuning (``tune.batch.probe``): "keep" keeps
     #: the global batch by micro-batching, "max" may grow it; None: do not.
     find_batch: BatchMode | None = None
-    #: Refuse, with a ``tune.budget.BudgetError``, budgets no run can keep: a memory budget
+    #: Refuse, with a ``tune.search.budget.BudgetError``, budgets no run can keep: a memory budget
     #: under the weights, gradients and optimizer state, a time budget under what one decision
     #: needs once the baseline's steps are timed. ``torchturbo tune`` sets it; off, a run
     #: measures what it can (tests of the budget's economy run on budgets that small).

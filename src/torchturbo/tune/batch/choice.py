@@ -128,7 +128,7 @@ def _on_the_line(low: Probe, high: Probe, budget_bytes: int) -> int | None:
 
 
 @dataclass(frozen=True, kw_only=True)
-class BatchPlan:
+class BatchChoice:
     """What the batch finder chose, and the sentences that say what is kept and what changes."""
 
     mode: BatchMode
@@ -206,7 +206,7 @@ def plan(
     grow: int = 16,
     optimizer: str = "",
     accumulation_steps: int = 1,
-) -> BatchPlan:
+) -> BatchChoice:
     """Measure through ``fits`` and choose the micro-batch and accumulation (see the module).
 
     ``grow`` bounds how far ``max`` grows the batch (x the recipe's); ``optimizer`` is the
@@ -221,8 +221,8 @@ def plan(
         raise MemoryBudgetError(_no_fit(found, recipe_batch, budget_bytes))
     per_step = world_size * accumulation_steps
 
-    def chosen(pieces: int, micro: int, per_process: int, notes: tuple[str, ...]) -> BatchPlan:
-        return BatchPlan(
+    def chosen(pieces: int, micro: int, per_process: int, notes: tuple[str, ...]) -> BatchChoice:
+        return BatchChoice(
             mode=mode,
             budget_bytes=budget_bytes,
             recipe_batch=recipe_batch,

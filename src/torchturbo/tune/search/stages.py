@@ -7,9 +7,9 @@ the measuring, or the fact that makes it not applicable here (bf16 without bf16 
 without convolutions), which spares training it at all. The technique stages are declared by the
 techniques themselves (``Technique.stage``, gathered by ``techniques/registry.py``); this module
 adds the memory planner's, which combines several techniques, and the strategy's: DDP communication,
-which is the distributed strategy's, not a model's.
-Stages only build configs: measuring and deciding is ``search.py``'s, and the report lists the
-stages by rank whatever order they were measured in.
+which is the distributed strategy's, not a model's. Stages only build configs: measuring and
+deciding is ``run``'s and ``decide``'s, and the report lists the stages by rank whatever order
+they were measured in. The list is read from the registry when asked (:func:`tuner_stages`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from torchturbo.techniques.framework.facts import Facts
 from torchturbo.techniques.framework.levers import SMALL_GAIN, Expectation
 from torchturbo.techniques.framework.proposal import Candidate, StageContext, candidate
 from torchturbo.techniques.framework.spec import Stage
-from torchturbo.tune.memory_plan import memory_plan_stage
+from torchturbo.tune.memory.plan import memory_plan_stage
 
 #: The formats the precision stage tries (the CLI says up front which of them are emulated).
 PRECISION_FORMATS = ("tf32", "bf16", "fp16")
@@ -125,12 +125,24 @@ STRATEGY_STAGES = (Stage("comm_hook", 80, comm_hook_stage), Stage("ddp_buckets",
 #: activation compression), so it is the tuner's stage rather than one technique's.
 PLANNER_STAGES = (Stage("memory", 60, memory_plan_stage, fits_memory=True),)
 
-_ALL = sorted([*registry.stages(), *PLANNER_STAGES, *STRATEGY_STAGES], key=lambda s: s.rank)
-#: Stage name -> function, by rank: the techniques' stages, then the strategy's.
-STAGES: dict[str, Callable[[StageContext], list[Candidate] | str]] = {
-    stage.name: stage.propose for stage in _ALL
-}
-#: The stages whose candidates fit a memory budget (``Stage.fits_memory``).
-MEMORY_STAGES = frozenset(stage.name for stage in _ALL if stage.fits_memory)
-#: Stage name -> the lever it pulls: stages of one lever propose alternatives (``Stage.lever``).
-LEVERS = {stage.name: stage.lever or stage.name for stage in _ALL}
+
+def _all() -> list[Stage]:
+    """Every stage by rank: the registered techniques' as the registry has them now (a
+    technique registered later is raced too), the planner's and the strategy's."""
+    return sorted([*registry.stages(), *PLANNER_STAGES, *STRATEGY_STAGES], key=lambda s: s.rank)
+
+
+def tuner_stages() -> dict[str, Callable[[StageContext], list[Candidate] | str]]:
+    """Stage name -> function, by rank: the techniques' stages, then the strategy's."""
+    return {stage.name: stage.propose for stage in _all()}
+
+
+def memory_stages() -> frozenset[str]:
+    """The stages whose candidates fit a memory budget (``Stage.fits_memory``)."""
+    return frozenset(stage.name for stage in _all() if stage.fits_memory)
+
+
+def levers() -> dict[str, str]:
+    """Stage name -> the lever it pulls: stages of one lever propose alternatives
+    (``Stage.lever``)."""
+    return {stage.name: stage.lever or stage.name for stage in _all()}

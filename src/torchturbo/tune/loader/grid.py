@@ -12,7 +12,7 @@ bytes, dicts) is copied page by page into every worker as it is read (pytorch/py
 :func:`tune_loader` measures each worker's unique resident memory while it runs and rejects
 settings whose projected total exceeds a limit.
 
-The tuner runs it from ``tune.loader_stage`` when the input may limit the step; it is also
+The tuner runs it from ``tune.search.loader_stage`` when the input may limit the step; it is also
 usable alone, on any dataset.
 """
 

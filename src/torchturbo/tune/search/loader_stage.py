@@ -3,7 +3,7 @@
 Trials train on pre-collated batches, so loader settings change no trial; they matter only when
 loading a batch takes longer than computing on it. A first probe times the recipe's plain loader (no
 workers) over a few batches: far below the step time, the run is compute-bound and the grid of
-worker settings (``tune.loader_search.tune_loader``, seconds per setting) is not worth its time.
+worker settings (``tune.loader.grid.tune_loader``, seconds per setting) is not worth its time.
 Only otherwise is the grid measured, when the budget allows it. A stream (an ``IterableDataset``)
 gets no grid: it must split itself among workers (``torch.utils.data.get_worker_info``), else every
 worker yields all of it, and whether it does cannot be seen from outside.
@@ -20,9 +20,9 @@ from torchturbo.config import DataConfig
 from torchturbo.data.length import length_or_none
 from torchturbo.distributed.consensus import agree
 from torchturbo.measure.timing import time_once
-from torchturbo.tune.loader_search import default_candidates, describe, tune_loader
-from torchturbo.tune.outcome import Outcome, State
-from torchturbo.tune.state import Incumbent, Run
+from torchturbo.tune.loader.grid import default_candidates, describe, tune_loader
+from torchturbo.tune.search.outcome import Outcome, State
+from torchturbo.tune.search.state import Incumbent, Run
 
 #: Batches the probe times (after one untimed batch).
 PROBE_BATCHES = 3

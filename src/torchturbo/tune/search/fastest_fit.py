@@ -6,7 +6,7 @@ packing, the fused or the foreach optimizer step, whole-model or regional compil
 The first alternative of a lever is measured against the best, for its loss, its footprint and
 its speed. Each later one is measured against the leader of its lever, once there is one: in
 paired rounds of their own, both sides fast, until one is faster beyond the noise or each is
-within ``WORTH_MEASURING`` of the other (``compare.head_to_head_decided``), and it takes the
+within ``WORTH_MEASURING`` of the other (``decide.head_to_head_decided``), and it takes the
 leader's place when its job is the shorter at the measured ratio, one-time costs included
 (``decide.judge_against_leader``). Measuring it first against the slower best cost a 45M
 decoder's tune the alternative it would have kept (its rounds against fp32 steps of 2 s ran
@@ -16,10 +16,11 @@ ordered alternatives a few percent apart by noise.
 Plans that fit a memory budget are all measured against the best (fitting is their gain, not
 speed), and those that fit are raced: each against the fastest so far, in paired rounds, until
 one is faster beyond the noise or each is within ``WORTH_MEASURING`` of the other
-(``compare.head_to_head_decided``). Two whose intervals against the best do not overlap are not
-raced: the order is already known (a quiet 2-core run had adopted a plan 0.72x as fast as the
-fastest that fit, docs/memory.md, before they were raced). A beaten candidate's row shows the
-measurement that beat it.
+(``decide.head_to_head_decided``). Two whose intervals against the best do not overlap are not
+raced: the order is already known (``decide.order_known``; a quiet 2-core run had adopted a plan
+0.72x as fast as the fastest that fit, docs/memory_planning.md, before they were raced). A beaten
+candidate's row shows the measurement that beat it. Every verdict is ``decide``'s; this module
+measures and records.
 """
 
 from __future__ import annotations
@@ -27,13 +28,18 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from torchturbo.distributed.consensus import agree
 from torchturbo.techniques.framework.proposal import Candidate
-from torchturbo.tune.candidate import reserve, try_candidate
-from torchturbo.tune.compare import compare, head_to_head_decided
-from torchturbo.tune.decide import WORTH_MEASURING, describe, job_times
-from torchturbo.tune.outcome import Comparison, Outcome
-from torchturbo.tune.state import Incumbent, Run
+from torchturbo.tune.search.candidate import reserve, try_candidate
+from torchturbo.tune.search.compare import compare
+from torchturbo.tune.search.decide import (
+    describe,
+    head_to_head_decided,
+    job_times,
+    judge_race,
+    order_known,
+)
+from torchturbo.tune.search.outcome import Comparison, Outcome
+from torchturbo.tune.search.state import Incumbent, Run
 
 Entry = tuple[Outcome, Incumbent]
 
@@ -122,11 +128,9 @@ def _race(
     qualifies = "fits, but " if fit_memory else "faster than the best, but "
     lead, rival = leader[0].comparison, challenger[0].comparison
     assert lead is not None and rival is not None  # both were measured against the best
-    apart = rival.speed.high < lead.speed.low or rival.speed.low > lead.speed.high
-    ahead = rival.speed.ratio > lead.speed.ratio
     # Both were timed against the same best: their jobs compare too (one-time costs included).
-    quicker = (challenger[0].job_s or 0.0) <= (leader[0].job_s or 0.0)
-    if apart and ahead == quicker:
+    ahead = order_known(lead.speed, leader[0].job_s or 0.0, rival.speed, challenger[0].job_s or 0.0)
+    if ahead is not None:
         winner, beaten = (challenger, leader) if ahead else (leader, challenger)
         faster, slower = (rival, lead) if ahead else (lead, rival)
         reason = (
@@ -150,8 +154,8 @@ def _race(
         clock=run.clock,
     )
     assert measured.reversed is not None
-    # The winner makes the job faster: with equal one-time costs the faster step, and otherwise
-    # the one whose one-time cost (a whole-model compile against a regional one) its steps repay.
+    # compare's rounds are agreed, and so are both sides' one-time costs: every rank judges
+    # the race alike.
     job = job_times(
         steps=run.horizon.steps,
         best_step_s=measured.comparison.reference_step_ms / 1e3,
@@ -159,22 +163,14 @@ def _race(
         best_one_time_s=leader[0].one_time_s or 0.0,
         one_time_s=challenger[0].one_time_s or 0.0,
     )
-    challenger_wins = agree(job.faster)
+    forward, backward = measured.comparison, measured.reversed
+    challenger_wins, verdict = judge_race(
+        job, forward.speed, forward.ratios, backward.speed, backward.ratios
+    )
     if challenger_wins:
-        winner, beaten, race = challenger, leader, measured.reversed
+        winner, beaten, race = challenger, leader, backward
     else:
-        winner, beaten, race = leader, challenger, measured.comparison
-    if challenger_wins != (measured.comparison.speed.ratio > 1):  # the one-time costs decided
-        verdict = (
-            f"makes the {job.steps:,}-step job faster ({min(job.best_s, job.candidate_s):.0f} s "
-            f"against {max(job.best_s, job.candidate_s):.0f} s, one-time costs included)"
-        )
-    elif race.speed.high < 1:
-        verdict = "is faster"
-    elif head_to_head_decided(race.ratios):
-        verdict = f"is ahead, and within {WORTH_MEASURING:.0%} either way"
-    else:
-        verdict = "is ahead, not beyond the noise"
+        winner, beaten, race = leader, challenger, forward
     reason = (
         f"{qualifies}{winner[0].name} {verdict}: this measured {describe(race.speed)} against "
         "it head to head"

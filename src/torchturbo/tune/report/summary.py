@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from torchturbo.tune.fields import (
+from torchturbo.tune.report.fields import (
     BASELINE_LABEL,
     fmt_bytes,
     fmt_float,
@@ -18,7 +18,7 @@ from torchturbo.tune.fields import (
     fmt_rate,
     num,
 )
-from torchturbo.tune.outcome import left_out_for_time
+from torchturbo.tune.search.outcome import left_out_for_time
 
 
 def headline(results: dict) -> str:

@@ -56,25 +56,25 @@ from torchturbo.techniques.framework.levers import priority
 from torchturbo.techniques.framework.proposal import Candidate, StageContext
 from torchturbo.trials.memory_estimate import estimate_recipe_memory
 from torchturbo.trials.trial import TrialBatches, start_trial
-from torchturbo.tune import batching
-from torchturbo.tune.batch_probe import apply_plan, find_batch
-from torchturbo.tune.batch_size import BatchPlan
-from torchturbo.tune.budget import (
+from torchturbo.tune.batch.choice import BatchChoice
+from torchturbo.tune.batch.probe import apply_choice, find_batch
+from torchturbo.tune.memory.plan import smallest_optimizer_state
+from torchturbo.tune.search import batching
+from torchturbo.tune.search.budget import (
     Budget,
     one_decision_s,
     refuse_impossible_memory_budget,
     refuse_short_time_budget,
 )
-from torchturbo.tune.candidate import estimate, reserve, try_candidate
-from torchturbo.tune.compare import steps_per_round
-from torchturbo.tune.confirm import confirm
-from torchturbo.tune.fastest_fit import fastest_alternative, fastest_fit
-from torchturbo.tune.loader_stage import loader_stage
-from torchturbo.tune.memory_plan import smallest_optimizer_state
-from torchturbo.tune.outcome import Confirmation, Outcome, TuneResult, left_out_for_time
-from torchturbo.tune.previous import Previous, fingerprint, is_reusable
-from torchturbo.tune.stages import LEVERS, MEMORY_STAGES, STAGES
-from torchturbo.tune.state import (
+from torchturbo.tune.search.candidate import estimate, reserve, try_candidate
+from torchturbo.tune.search.compare import steps_per_round
+from torchturbo.tune.search.confirm import confirm
+from torchturbo.tune.search.fastest_fit import fastest_alternative, fastest_fit
+from torchturbo.tune.search.loader_stage import loader_stage
+from torchturbo.tune.search.outcome import Confirmation, Outcome, TuneResult, left_out_for_time
+from torchturbo.tune.search.previous import Previous, fingerprint, is_reusable
+from torchturbo.tune.search.stages import levers, memory_stages, tuner_stages
+from torchturbo.tune.search.state import (
     NUM_BATCHES,
     PARITY_STEPS,
     REPORT_S,
@@ -145,7 +145,7 @@ def _find_batch(
     config: TurboConfig,
     say: Callable[[str, str, float], None],
     budget: Budget,
-) -> BatchPlan | None:
+) -> BatchChoice | None:
     """The batch finder's plan when asked for (``--find-batch``): the baseline, hence every
     candidate built on it, trains in its micro-batches."""
     if options.find_batch is None:
@@ -183,14 +183,14 @@ def _tune(
     clock: Callable[[], float],
     on_estimate: Callable[[MemoryEstimate], None] | None,
 ) -> tuple[TurboConfig, TuneResult]:
-    selected = select_stages(stages or STAGES, options)
+    selected = select_stages(stages or tuner_stages(), options)
     budget = Budget(options.time_budget_s, clock)
     device = resolve_device(options.device or "auto")
     say = on_progress or (lambda stage, candidate, left: None)
     base_config = TurboConfig(device=str(device))
-    batch_plan = _find_batch(recipe, options, base_config, say, budget)
-    if batch_plan is not None:
-        base_config = apply_plan(base_config, batch_plan)
+    batch_choice = _find_batch(recipe, options, base_config, say, budget)
+    if batch_choice is not None:
+        base_config = apply_choice(base_config, batch_choice)
     say("baseline", "fp32 eager", budget.left())
     trial_batches = TrialBatches(recipe, NUM_BATCHES)
     batches = trial_batches(base_config)
@@ -270,8 +270,8 @@ def _tune(
         live = {id(i.trial): i.trial for i in (baseline, best, *adoptions)}
         for live_trial in live.values():
             live_trial.close()
-    if batch_plan is not None:
-        result = dataclasses.replace(result, batch=batch_plan.to_dict())
+    if batch_choice is not None:
+        result = dataclasses.replace(result, batch=batch_choice.to_dict())
     return best.config, result
 
 
@@ -279,7 +279,7 @@ def _refuse_short_budget(
     recipe: Recipe, options: TuneOptions, budget: Budget, build_s: float, step_s: float
 ) -> None:
     """Stop at once, before more of it is spent, when the time budget cannot decide a
-    single candidate (``tune.budget.one_decision_s``, from the baseline's steps)."""
+    single candidate (``tune.search.budget.one_decision_s``, from the baseline's steps)."""
     needed = one_decision_s(
         spent_s=budget.elapsed(),
         build_s=build_s,
@@ -334,7 +334,7 @@ def select_stages(stages: Mapping[str, Stage], options: TuneOptions) -> dict[str
 
 
 def _measured_apart(context: StageContext) -> str:
-    return "the loader is measured apart from the trials (tune.loader_stage)"
+    return "the loader is measured apart from the trials (tune.search.loader_stage)"
 
 
 def _facts(recipe: Recipe, trial: Any, device: torch.device, phases: PhaseRecorder) -> Any:
@@ -411,6 +411,7 @@ def _search(
     """Measure candidates, the highest expected gain per second first, until none is left."""
     tried = {o.name for o in run.outcomes}
     planned = False
+    memory, lever_of = memory_stages(), levers()
     while proposals := _proposals(run, stages, best, tried):
         if not planned:  # before the first measurement, say what the budget leaves out
             planned = True
@@ -419,27 +420,27 @@ def _search(
             if run.budget_note:
                 run.say("budget", run.budget_note, run.budget.left())
         over = _over_memory_budget(run, best)
-        ranks = [_rank(run, *proposal, best, over) for proposal in proposals]
+        ranks = [
+            _rank(run, *proposal, best, over and proposal[0] in memory) for proposal in proposals
+        ]
         # Estimates read this rank's clock and load: the pick is rank 0's on every rank.
         stage, candidate = proposals[agree(ranks.index(max(ranks)))]
-        if over and stage in MEMORY_STAGES:
-            fits = [(s, c) for s, c in proposals if s in MEMORY_STAGES]
+        if over and stage in memory:
+            fits = [(s, c) for s, c in proposals if s in memory]
             best = fastest_fit(run, fits, best, tried)
             continue
         # The lever's alternatives (bf16 or fp16, buckets or packing), best prior first, are
         # measured against the same best and raced, not each judged after the other's adoption.
         by_rank = agree(sorted(range(len(proposals)), key=lambda i: -ranks[i]))
-        pulls = LEVERS.get(stage, stage)
+        pulls = lever_of.get(stage, stage)
         lever = [
-            proposals[i] for i in by_rank if LEVERS.get(proposals[i][0], proposals[i][0]) == pulls
+            proposals[i] for i in by_rank if lever_of.get(proposals[i][0], proposals[i][0]) == pulls
         ]
         if len(lever) > 1:
             best = fastest_alternative(run, lever, best, tried)
             continue
         tried.add(candidate.name)
-        outcome, incumbent = try_candidate(
-            run, stage, candidate, best, over and stage in MEMORY_STAGES
-        )
+        outcome, incumbent = try_candidate(run, stage, candidate, best, over and stage in memory)
         run.outcomes.append(outcome)
         if incumbent is not None:
             # The superseded best stays alive: the confirmation times every adoption again
@@ -533,9 +534,10 @@ def _over_memory_budget(run: Run, best: Incumbent) -> bool:
     return budget is not None and (best.memory_bytes or 0) > budget
 
 
-def _rank(run: Run, stage: str, candidate: Candidate, best: Incumbent, over: bool) -> float:
-    """Memory candidates first while the best does not fit the budget; then gain per second."""
-    if over and stage in MEMORY_STAGES:
+def _rank(run: Run, stage: str, candidate: Candidate, best: Incumbent, fits_first: bool) -> float:
+    """Memory candidates first while the best does not fit the budget (``fits_first``); then
+    gain per second."""
+    if fits_first:
         return math.inf
     return priority(candidate.expected_gain, estimate(run, candidate, best).typical_s)
 
@@ -550,7 +552,7 @@ def _result(
     reuse_note: str,
     current: dict[str, Any],
 ) -> TuneResult:
-    order = {name: i for i, name in enumerate([LOADER_STAGE, *STAGES])}
+    order = {name: i for i, name in enumerate([LOADER_STAGE, *tuner_stages()])}
     candidates = sorted(run.outcomes, key=lambda o: order.get(o.stage, len(order)))
     kept = (
         ()

@@ -12,7 +12,12 @@ import math
 from typing import Any
 
 from torchturbo.output.tables import format_bytes
-from torchturbo.tune.decide import FUTILITY_CONFIDENCE, MIN_ROUNDS, WIDEST_SHOWN, WORTH_MEASURING
+from torchturbo.tune.search.decide import (
+    FUTILITY_CONFIDENCE,
+    MIN_ROUNDS,
+    WIDEST_SHOWN,
+    WORTH_MEASURING,
+)
 
 BASELINE_LABEL = "fp32 eager"
 

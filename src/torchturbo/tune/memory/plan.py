@@ -57,7 +57,7 @@ from torchturbo.techniques.framework.proposal import (
     StageContext,
     memory_not_needed,
 )
-from torchturbo.tune.knapsack import cheapest_cover
+from torchturbo.tune.memory.knapsack import cheapest_cover
 
 #: Micro-batch splits a plan may use.
 SPLITS = (1, 2, 4, 8)
@@ -392,7 +392,7 @@ def optimizer_states(ctx: StageContext, estimate: MemoryEstimate) -> dict[str, P
 
 def smallest_optimizer_state(recipe: Recipe, estimate: MemoryEstimate) -> int:
     """The fewest bytes of optimizer state a plan can give the recipe: what a memory budget
-    must leave beside the weights and gradients (``tune.budget.memory_floor``)."""
+    must leave beside the weights and gradients (``tune.search.budget.memory_floor``)."""
     states = recipe_optimizer_states(recipe, estimate)
     return min([estimate.optimizer_bytes, *(state.bytes for state in states.values())])
 

@@ -31,9 +31,9 @@ from torchturbo.distributed.launch import current_env, init_distributed
 from torchturbo.engine import resolve_device
 from torchturbo.recipe import Recipe
 from torchturbo.trials.trial import fixed_batches, start_trial
-from torchturbo.tune.batch_size import BatchMode, BatchPlan, plan
+from torchturbo.tune.batch.choice import BatchChoice, BatchMode, plan
 
-__all__ = ["apply_plan", "find_batch", "step_footprint"]
+__all__ = ["apply_choice", "find_batch", "step_footprint"]
 
 #: How far ``max`` grows the recipe's batch at most (x its batch size).
 MAX_GROWTH = 16
@@ -45,10 +45,10 @@ def find_batch(
     *,
     config: TurboConfig | None = None,
     mode: BatchMode = "keep",
-) -> BatchPlan:
+) -> BatchChoice:
     """The largest micro-batch of ``recipe`` whose training step fits ``budget_bytes`` under
     ``config`` (default: fp32 eager on the best device), and the plan that keeps the global
-    batch (``keep``) or grows it (``max``): see ``tune.batch_size``. Under torchrun call it on
+    batch (``keep``) or grows it (``max``): see ``tune.batch.choice``. Under torchrun call it on
     every rank; all of them return the same plan, the one that fits on every rank.
     """
     if budget_bytes < 1:
@@ -86,9 +86,9 @@ def find_batch(
     return dataclasses.replace(found, notes=found.notes + notes)
 
 
-def apply_plan(config: TurboConfig, batch_plan: BatchPlan) -> TurboConfig:
-    """``config`` training in ``batch_plan``'s micro-batches (``[accumulation] micro_batches``)."""
-    return config.replace(accumulation__micro_batches=batch_plan.micro_batches)
+def apply_choice(config: TurboConfig, choice: BatchChoice) -> TurboConfig:
+    """``config`` training in ``choice``'s micro-batches (``[accumulation] micro_batches``)."""
+    return config.replace(accumulation__micro_batches=choice.micro_batches)
 
 
 def step_footprint(recipe: Recipe, config: TurboConfig, size: int) -> int | None:
@@ -151,7 +151,7 @@ def _growth(recipe: Recipe, world_size: int) -> int:
     return max(1, min(MAX_GROWTH, size // world_size // recipe.batch_size))
 
 
-def _norm_notes(model: nn.Module, found: BatchPlan) -> tuple[str, ...]:
+def _norm_notes(model: nn.Module, found: BatchChoice) -> tuple[str, ...]:
     """BatchNorm is what micro-batching cannot keep exact: say so where the model has one."""
     kinds = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
     norms = any(isinstance(m, kinds) for m in model.modules())
@@ -163,7 +163,7 @@ def _norm_notes(model: nn.Module, found: BatchPlan) -> tuple[str, ...]:
     )
 
 
-def _length_notes(recipe: Recipe, found: BatchPlan) -> tuple[str, ...]:
+def _length_notes(recipe: Recipe, found: BatchChoice) -> tuple[str, ...]:
     if recipe.lengths is None:
         return ()
     longest = max(recipe.lengths)

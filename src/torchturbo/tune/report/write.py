@@ -21,10 +21,10 @@ from rich.text import Text
 
 from torchturbo.config import TurboConfig
 from torchturbo.output.results_file import write_atomic
-from torchturbo.tune.document import build_blocks, render_html, render_markdown
-from torchturbo.tune.files import prepare_dir, write_trainer_settings
-from torchturbo.tune.plots import PLOTS, plots_left_out, png
-from torchturbo.tune.tables import INCREMENTAL_HEADERS, header_row, incremental_rows
+from torchturbo.tune.report.document import build_blocks, render_html, render_markdown
+from torchturbo.tune.report.files import prepare_dir, write_trainer_settings
+from torchturbo.tune.report.plots import PLOTS, plots_left_out, png
+from torchturbo.tune.report.tables import INCREMENTAL_HEADERS, header_row, incremental_rows
 
 
 def incremental_table(results: dict) -> Table:
@@ -46,7 +46,7 @@ def incremental_table(results: dict) -> Table:
     return table
 
 
-#: What an interrupted run measured (see ``tune.search.TuneInterrupted``); the next run in the
+#: What an interrupted run measured (see ``tune.search.run.TuneInterrupted``); the next run in the
 #: same directory reads it before results.json, and a finished run removes it.
 INTERRUPTED = "interrupted.json"
 
@@ -84,7 +84,7 @@ def write_report(out_dir: Path, results: dict, config_toml: str) -> dict[str, Pa
     ``"hf_trainer"`` and ``"lightning"`` (the same settings for those trainers) and one
     per plot drawn, from ``"throughput"``, ``"memory"``, ``"breakdown"``, ``"loss"``
     (``<name>.png``); a plot whose data is missing is left out and the reports say why, and so
-    are all of them without matplotlib (:func:`~torchturbo.tune.plots.plots_left_out`).
+    are all of them without matplotlib (:func:`~torchturbo.tune.report.plots.plots_left_out`).
     Raises PermissionError / NotADirectoryError naming ``out_dir`` when it cannot be written, and
     TypeError (before writing anything) when ``results`` is not JSON-serialisable.
     """

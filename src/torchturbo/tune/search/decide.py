@@ -23,6 +23,11 @@ the fp32 baseline's, its memory fits the budget when one is given, and the plann
 faster with it: its one-time costs (compile, recompiles, first-step warm-up) plus planned steps
 x its step time beat the same sum of the current best (``job_times``). Keeping these apart from
 the measuring lets the tests drive them with injected numbers.
+
+Every verdict of the search is ruled here: a candidate against the best (:func:`judge`), an
+alternative against its lever's leader (:func:`judge_against_leader`), two alternatives raced
+head to head (:func:`head_to_head_decided`, :func:`order_known`, :func:`judge_race`), and the
+chosen config against the baseline at the end (:func:`judge_confirmation`, :func:`holds_alone`).
 """
 
 from __future__ import annotations
@@ -328,7 +333,7 @@ def judge_against_leader(
     """Adopt an alternative of a lever in place of its ``leader`` (already faster than the best)
     when its job is the shorter at the measured ratio, one-time costs included: a race between
     two qualified alternatives picks one either way, and one within the noise of the other will
-    do (``compare.head_to_head_decided`` ends the rounds)."""
+    do (:func:`head_to_head_decided` ends the rounds)."""
     disqualified = _disqualified(parity, memory_bytes, memory_budget, tolerance)
     if disqualified is not None:
         return disqualified
@@ -356,3 +361,78 @@ def describe_futile(speed: RatioEstimate) -> str:
     if speed.plausible_high < 1:
         return f"{speed.ratio:.2f}x in {rounds}: is slower ({bound})"
     return f"{speed.ratio:.2f}x in {rounds}: gains less than {WORTH_MEASURING:.0%} ({bound})"
+
+
+def head_to_head_decided(ratios: Sequence[float]) -> bool:
+    """Two configs raced for the faster: either is faster beyond the noise, or each is "not
+    faster" than the other (within ``WORTH_MEASURING`` both ways, so either will do)."""
+    ahead = estimate(ratios)
+    behind = estimate([1 / r for r in ratios])
+    if "faster" in (ahead.decision, behind.decision):
+        return True
+    return ahead.decision == behind.decision == "not faster"
+
+
+def order_known(
+    lead: RatioEstimate, lead_job_s: float, rival: RatioEstimate, rival_job_s: float
+) -> bool | None:
+    """Whether ``rival`` is ahead of ``lead``, when their measurements against the same best
+    already tell: their intervals apart, and the one faster per step also the one whose job is
+    shorter (one-time costs included). None when only a race can tell."""
+    apart = rival.high < lead.low or rival.low > lead.high
+    ahead = rival.ratio > lead.ratio
+    quicker = rival_job_s <= lead_job_s
+    return ahead if apart and ahead == quicker else None
+
+
+def judge_race(
+    job: Job,
+    forward: RatioEstimate,
+    forward_ratios: Sequence[float],
+    backward: RatioEstimate,
+    backward_ratios: Sequence[float],
+) -> tuple[bool, str]:
+    """(whether the challenger wins, why) after a head-to-head race: ``job`` and ``forward`` are
+    the challenger against the leader, ``backward`` the same rounds read the other way. The
+    winner makes the job faster: with equal one-time costs the faster step, else the one whose
+    one-time cost its steps repay. Why is said by the loser's figures against the winner (those
+    its row shows)."""
+    wins = job.faster
+    beaten, beaten_ratios = (backward, backward_ratios) if wins else (forward, forward_ratios)
+    if wins != (forward.ratio > 1):  # the one-time costs decided
+        return wins, (
+            f"makes the {job.steps:,}-step job faster ({min(job.best_s, job.candidate_s):.0f} s "
+            f"against {max(job.best_s, job.candidate_s):.0f} s, one-time costs included)"
+        )
+    if beaten.high < 1:
+        return wins, "is faster"
+    if head_to_head_decided(beaten_ratios):
+        return wins, f"is ahead, and within {WORTH_MEASURING:.0%} either way"
+    return wins, "is ahead, not beyond the noise"
+
+
+Confirmed = Literal["confirmed", "consistent", "contradicted"]
+
+
+def confirmation_target(searched: float, must_fit: bool) -> float:
+    """The ratio over the baseline a confirmation checks for: what the search's adoptions
+    multiply to, and at least 1 unless the baseline does not fit the memory budget (then a slower
+    config that fits is the point)."""
+    return searched if must_fit else max(searched, 1.0)
+
+
+def judge_confirmation(speed: RatioEstimate, target: float) -> Confirmed:
+    """The chosen config against the baseline: confirmed when faster beyond the noise,
+    consistent while ``target`` is still plausible (the rounds could not decide it), contradicted
+    once it is not."""
+    if speed.decision == "faster":
+        return "confirmed"
+    if speed.plausible_high >= target:
+        return "consistent"
+    return "contradicted"
+
+
+def holds_alone(speed: RatioEstimate) -> bool:
+    """An adoption re-measured alone against the baseline (after the whole was contradicted), or
+    the survivors together: kept only when faster beyond the noise."""
+    return speed.decision == "faster"

@@ -17,7 +17,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from torchturbo.tune.decide import Parity, RatioEstimate, job_times
+from torchturbo.tune.search.decide import Parity, RatioEstimate, job_times
 
 #: "reference" is the baseline's row: what every other config is measured against.
 State = Literal["reference", "adopted", "rejected", "undecided", "not measured", "not applicable"]
@@ -289,7 +289,8 @@ class TuneResult:
     time_budget_s: float
     elapsed_s: float
     memory_budget_bytes: int | None
-    #: The batch finder's plan (``tune.batch_size.BatchPlan.to_dict``); None without --find-batch.
+    #: The batch finder's choice (``tune.batch.choice.BatchChoice.to_dict``); None without
+    #: --find-batch.
     batch: dict[str, Any] | None = None
     planned_steps: int
     loss_tolerance: float

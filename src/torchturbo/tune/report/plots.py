@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from torchturbo.tune.fields import (
+from torchturbo.tune.report.fields import (
     BASELINE_LABEL,
     adopted_rows,
     adoption_label,
@@ -22,7 +22,7 @@ from torchturbo.tune.fields import (
     num,
     replacements,
 )
-from torchturbo.tune.tables import incremental_figures
+from torchturbo.tune.report.tables import incremental_figures
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -46,7 +46,7 @@ def plots_left_out() -> str | None:
 
 def _figure(height: float = 3.6) -> Figure:
     # Imported here: matplotlib takes a noticeable fraction of a second to import, and the
-    # terminal table (or `import torchturbo.tune.report`) should not pay for it.
+    # terminal table (or `import torchturbo.tune.report.write`) should not pay for it.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 

@@ -18,9 +18,9 @@ from typing import Any
 
 from torchturbo.config import ConfigError, TurboConfig
 from torchturbo.techniques import registry
-from torchturbo.tune.fields import adopted_rows
-from torchturbo.tune.plots import PLOTS
-from torchturbo.tune.summary import (
+from torchturbo.tune.report.fields import adopted_rows
+from torchturbo.tune.report.plots import PLOTS
+from torchturbo.tune.report.summary import (
     batch_line,
     batch_notes,
     budget_line,
@@ -30,7 +30,7 @@ from torchturbo.tune.summary import (
     loader_line,
     system_line,
 )
-from torchturbo.tune.tables import (
+from torchturbo.tune.report.tables import (
     BATCH_HEADERS,
     CANDIDATE_HEADERS,
     INCREMENTAL_HEADERS,
@@ -170,8 +170,9 @@ def _plan_needs(config: Any) -> frozenset[str]:
 def trainer_blocks() -> list[_Block]:
     """The tuned config in the Hugging Face Trainer and in Lightning: the other two ways in.
 
-    Both files named here are written beside turbo.toml (``tune.files.write_trainer_settings``);
-    their docstrings list what each trainer's keywords do not carry.
+    Both files named here are written beside turbo.toml
+    (``tune.report.files.write_trainer_settings``); their docstrings list what each trainer's
+    keywords do not carry.
     """
     return [
         _Heading("In a Hugging Face Trainer", 3),

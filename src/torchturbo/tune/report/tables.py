@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from torchturbo.tune.fields import (
+from torchturbo.tune.report.fields import (
     BASELINE_LABEL,
     adopted_rows,
     adoption_label,

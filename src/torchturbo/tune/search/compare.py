@@ -23,8 +23,8 @@ from torchturbo.distributed.consensus import agree
 from torchturbo.measure.paired import Round, Side, interleaved_round, paired_rounds
 from torchturbo.recipe import Recipe
 from torchturbo.trials.trial import Trial
-from torchturbo.tune.decide import MIN_ROUNDS, RatioEstimate, estimate
-from torchturbo.tune.outcome import Comparison
+from torchturbo.tune.search.decide import MIN_ROUNDS, RatioEstimate, estimate
+from torchturbo.tune.search.outcome import Comparison
 
 #: A timed block should last at least this long, so that timer and scheduler jitter (~1 ms)
 #: stay small next to it; fast steps are therefore timed several to a block.
@@ -92,7 +92,7 @@ def compare(
     are done). A decided ratio is measured on up to ``settle_rounds`` while ``may_continue``
     allows, to narrow the interval a report quotes (the decision only needs it to clear 1).
     ``decided(per-round ratios)`` replaces "the estimate's decision is not undecided" (see
-    :func:`head_to_head_decided`). Rounds are whole ``cycle``s of steps (default:
+    ``decide.head_to_head_decided``). Rounds are whole ``cycle``s of steps (default:
     :func:`batch_cycle` of the two trials), timed in alternating blocks of about
     ``MIN_BLOCK_S`` each (``measure.paired``). Sets both trials' ``step_seconds`` to their
     median of this measurement. With ``reversed_against`` (the candidate's name), the result
@@ -143,16 +143,6 @@ def compare(
     if reversed_against is not None:
         flipped = _rounds_comparison([_flip(r) for r in rounds], reversed_against, per_round)
     return Measured(comparison, cut_short, flipped)
-
-
-def head_to_head_decided(ratios: Sequence[float]) -> bool:
-    """Two configs raced for the faster: either is faster beyond the noise, or each is "not
-    faster" than the other (within ``WORTH_MEASURING`` both ways, so either will do)."""
-    ahead = estimate(ratios)
-    behind = estimate([1 / r for r in ratios])
-    if "faster" in (ahead.decision, behind.decision):
-        return True
-    return ahead.decision == behind.decision == "not faster"
 
 
 def _hopeless(ratios: Sequence[float]) -> bool:

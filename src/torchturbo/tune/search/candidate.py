@@ -25,24 +25,25 @@ from torchturbo.techniques import registry
 from torchturbo.techniques.framework.facts import shape_key
 from torchturbo.techniques.framework.proposal import Candidate
 from torchturbo.trials.trial import Trial, start_trial
-from torchturbo.tune import batching
-from torchturbo.tune.budget import (
+from torchturbo.tune.search import batching
+from torchturbo.tune.search.budget import (
     candidate_seconds,
     compile_seconds,
     confirm_seconds,
     machine_load,
 )
-from torchturbo.tune.compare import Measured, compare, head_to_head_decided, steps_per_round
-from torchturbo.tune.decide import (
+from torchturbo.tune.search.compare import Measured, compare, steps_per_round
+from torchturbo.tune.search.decide import (
     MIN_ROUNDS,
+    head_to_head_decided,
     job_times,
     judge,
     judge_against_leader,
     loss_parity,
     rounds_to_decide,
 )
-from torchturbo.tune.outcome import Comparison, Outcome, State
-from torchturbo.tune.state import (
+from torchturbo.tune.search.outcome import Comparison, Outcome, State
+from torchturbo.tune.search.state import (
     PARITY_STEPS,
     REPORT_S,
     WARM_STEPS,
@@ -161,6 +162,24 @@ def not_measured(
     )
 
 
+@dataclass(frozen=True)
+class Figures:
+    """What measuring a candidate found, agreed once (rank 0's) before it is judged."""
+
+    measured: Measured
+    curve: list[float]
+    step_s: float
+    shapes: int
+    memory_bytes: int | None
+    memory_kind: str
+    one_time_s: float
+    cold_one_time_s: float | None
+    graphs: int | None
+    spent_s: float = 0.0
+    count_per_step: float | None = None
+    comm_bytes_per_step: int | None = None
+
+
 def try_candidate(
     run: Run,
     stage: str,
@@ -174,25 +193,77 @@ def try_candidate(
 
     ``fit_memory``: the best does not fit the memory budget, so fitting is this candidate's gain
     and it need not be faster. ``leader``: ``best`` is another alternative of the candidate's
-    lever, which it races (``decide.judge_against_leader``)."""
+    lever, which it races (``decide.judge_against_leader``).
+
+    Under torchrun the ranks agree at the edges: on the cost and whether to measure, then on the
+    figures measured (rank 0's), which are judged alike on every rank. Inside, only what keeps
+    their collectives paired is agreed (the steps each takes, ``compare``'s rounds)."""
     cost = agree(estimate(run, candidate, best))  # a local clock and load: rank 0's figures
-    # Fitting a memory budget is a gain of its own: only speed candidates must pay back.
-    hopeless = "" if fit_memory else agree(_cannot_pay_back(run, cost, best))
-    if hopeless:
+    skipped = agree(_not_worth_measuring(run, candidate, best, cost, fit_memory))
+    if skipped:
         return not_measured(
-            stage, candidate, hopeless, verdict="not measured", estimate_s=cost.min_s
-        ), None
-    free = agree(run.budget.left() - reserve(run, _expected_step(run, candidate, best)))
-    if free < cost.min_s:
-        reason = f"budget: needs ~{cost.min_s:.0f} s, {max(free, 0.0):.0f} s left"
-        return not_measured(
-            stage, candidate, reason, verdict="not measured", estimate_s=cost.min_s
+            stage, candidate, skipped, verdict="not measured", estimate_s=cost.min_s
         ), None
     label = candidate.name + (f": compiling, ~{cost.compile_s:.0f} s" if cost.compile_s else "")
     run.say(stage, label, run.budget.left())
     began = run.clock()
+    trial, figures, error = _measure(run, candidate, best, cost, leader)
+    if any_rank(error is not None, run.device):
+        if trial is not None:
+            trial.close()
+        message = f"{type(error).__name__}: {error}" if error else "it failed on another rank"
+        reason = agree(f"error: {message}"[:500])
+        return not_measured(
+            stage, candidate, reason, verdict="rejected", estimate_s=cost.min_s
+        ), None
+    assert trial is not None and figures is not None
+    figures = agree(
+        dataclasses.replace(
+            figures,
+            spent_s=run.clock() - began,
+            count_per_step=trial.mean_count(),  # a collective: every rank reaches it
+            comm_bytes_per_step=(trial.comm_per_step() or (None,))[0],
+        )
+    )
+    trial.step_seconds = figures.step_s
+    outcome = _judged(run, stage, candidate, figures, best, fit_memory, leader)
+    outcome = dataclasses.replace(outcome, estimate_s=cost.min_s)
+    if outcome.verdict != "adopted":
+        trial.close()
+        return outcome, None
+    return outcome, Incumbent(
+        candidate.name,
+        candidate.config,
+        trial,
+        figures.memory_bytes,
+        candidate,
+        outcome,
+        figures.one_time_s,
+    )
+
+
+def _not_worth_measuring(
+    run: Run, candidate: Candidate, best: Incumbent, cost: Estimate, fit_memory: bool
+) -> str:
+    """Why ``candidate`` is not measured (its compile cannot pay back, or the budget cannot hold
+    it); "" when it is. Fitting a memory budget is a gain of its own: only speed candidates must
+    pay back."""
+    hopeless = "" if fit_memory else _cannot_pay_back(run, cost, best)
+    if hopeless:
+        return hopeless
+    free = run.budget.left() - reserve(run, _expected_step(run, candidate, best))
+    if free < cost.min_s:
+        return f"budget: needs ~{cost.min_s:.0f} s, {max(free, 0.0):.0f} s left"
+    return ""
+
+
+def _measure(
+    run: Run, candidate: Candidate, best: Incumbent, cost: Estimate, leader: bool
+) -> tuple[Trial | None, Figures | None, Exception | None]:
+    """The candidate's trial built, warmed up and timed against ``best``, with its loss curve,
+    footprint and one-time cost: this rank's figures, or the error it failed with (a technique
+    that fails on this model is a finding, not a crash)."""
     trial = None
-    error: Exception | None = None
     try:
         batches = candidate.batches or run.batches(candidate.config)
         graphs_before = compiled_graphs()
@@ -205,8 +276,9 @@ def try_candidate(
         if cost.compile_s:  # every batch shape once: recompiling is a one-time cost too
             for _ in range(shapes - 1):
                 warm += time_once(trial.step, run.device, run.clock)
-        seconds = [time_once(trial.step, run.device, run.clock) for _ in range(WARM_STEPS)]
-        trial.step_seconds = agree(min(seconds))
+        trial.step_seconds = min(
+            time_once(trial.step, run.device, run.clock) for _ in range(WARM_STEPS)
+        )
         held_back = reserve(run, trial.step_seconds)
         measured = compare(
             best.trial,
@@ -222,50 +294,26 @@ def try_candidate(
             trial.step()
         memory_bytes, memory_kind = trial.memory_footprint()
         warm_steps = 1 + (shapes - 1 if cost.compile_s else 0)
-        one_time = max(0.0, first + warm - warm_steps * (trial.step_seconds or 0.0))
-        graphs = _graphs_since(graphs_before) if cost.compile_s else None
+        one_time = max(0.0, first + warm - warm_steps * trial.step_seconds)
         cold_one_time = None
         if cost.compile_s and run.options.compile_cache_dir:
             cold_one_time = one_time
             one_time = _warm_cache_one_time(run, trial, shapes, best)
-    except Exception as err:  # a technique that fails on this model is a finding, not a crash
-        error = err
-    if any_rank(error is not None, run.device):
-        if trial is not None:
-            trial.close()
-        message = f"{type(error).__name__}: {error}" if error else "it failed on another rank"
-        reason = agree(f"error: {message}"[:500])
-        return not_measured(
-            stage, candidate, reason, verdict="rejected", estimate_s=cost.min_s
-        ), None
-    assert trial is not None
-    curve = batching.window_losses(trial.loss_curve(), candidate.config.accumulation.steps)
-    outcome = agree(
-        _judged(
-            run, stage, candidate, measured, curve, memory_bytes, one_time, best, fit_memory, leader
+        curve = batching.window_losses(trial.loss_curve(), candidate.config.accumulation.steps)
+        figures = Figures(
+            measured=measured,
+            curve=curve,
+            step_s=trial.step_seconds,
+            shapes=shapes,
+            memory_bytes=memory_bytes,
+            memory_kind=memory_kind,
+            one_time_s=one_time,
+            cold_one_time_s=cold_one_time,
+            graphs=_graphs_since(graphs_before) if cost.compile_s else None,
         )
-    )
-    if memory_bytes is None:  # a footprint that could not be measured says why
-        outcome = dataclasses.replace(outcome, reason=f"{outcome.reason}; memory {memory_kind}")
-    if graphs is not None:  # recompiles are a one-time cost the job pays too: say how many
-        outcome = dataclasses.replace(
-            outcome, reason=f"{outcome.reason}; {graphs} graph(s) compiled for {shapes} shape(s)"
-        )
-    outcome = dataclasses.replace(
-        outcome,
-        estimate_s=cost.min_s,
-        spent_s=agree(run.clock() - began),
-        count_per_step=trial.mean_count(),
-        comm_bytes_per_step=(trial.comm_per_step() or (None,))[0],
-        compiled_graphs=agree(graphs),
-        cold_one_time_s=agree(cold_one_time),
-    )
-    if outcome.verdict != "adopted":
-        trial.close()
-        return outcome, None
-    return outcome, Incumbent(
-        candidate.name, candidate.config, trial, memory_bytes, candidate, outcome, one_time
-    )
+    except Exception as err:
+        return trial, None, err
+    return trial, figures, None
 
 
 def _what_it_needs(comparison: Comparison, cut_short: bool) -> str:
@@ -295,7 +343,7 @@ def _warm_cache_one_time(run: Run, trial: Trial, shapes: int, best: Incumbent) -
         if other is not trial and other.config.compile.mode != "off":
             for _ in range(max(1, shapes)):
                 other.step()
-    return agree(max(0.0, first - max(1, shapes) * step_s))
+    return max(0.0, first - max(1, shapes) * step_s)
 
 
 def _graphs_since(before: int | None) -> int | None:
@@ -307,23 +355,24 @@ def _judged(
     run: Run,
     stage: str,
     candidate: Candidate,
-    measured: Measured,
-    curve: list[float],
-    memory_bytes: int | None,
-    one_time: float,
+    figures: Figures,
     best: Incumbent,
     fit_memory: bool,
     leader: bool = False,
 ) -> Outcome:
-    comparison = measured.comparison
+    """The candidate's outcome from its agreed figures, by ``decide``'s rules: the same on
+    every rank, with nothing measured or agreed here."""
+    comparison = figures.measured.comparison
     job = job_times(
         steps=run.horizon.steps,
         best_step_s=comparison.reference_step_ms / 1e3,
         ratio=comparison.speed.ratio,
         best_one_time_s=best.one_time_s,
-        one_time_s=one_time,
+        one_time_s=figures.one_time_s,
     )
-    parity = loss_parity(run.reference_losses, curve[:PARITY_STEPS], run.options.loss_tolerance)
+    parity = loss_parity(
+        run.reference_losses, figures.curve[:PARITY_STEPS], run.options.loss_tolerance
+    )
     judged = (
         functools.partial(judge_against_leader, leader=best.name)
         if leader
@@ -332,14 +381,18 @@ def _judged(
     verdict = judged(
         speed=comparison.speed,
         parity=parity,
-        memory_bytes=memory_bytes,
+        memory_bytes=figures.memory_bytes,
         memory_budget=run.options.memory_budget,
         job=job,
         tolerance=run.options.loss_tolerance,
     )
     reason = verdict.reason
     if not verdict.decided:
-        reason += _what_it_needs(comparison, measured.cut_short)
+        reason += _what_it_needs(comparison, figures.measured.cut_short)
+    if figures.memory_bytes is None:  # a footprint that could not be measured says why
+        reason += f"; memory {figures.memory_kind}"
+    if figures.graphs is not None:  # recompiles are a one-time cost the job pays too
+        reason += f"; {figures.graphs} graph(s) compiled for {figures.shapes} shape(s)"
     state: State = "adopted" if verdict.adopt else "rejected" if verdict.decided else "undecided"
     return Outcome(
         stage=stage,
@@ -348,12 +401,17 @@ def _judged(
         verdict=state,
         reason=reason,
         comparison=comparison,
-        memory_bytes=memory_bytes,
-        one_time_s=one_time,
+        memory_bytes=figures.memory_bytes,
+        one_time_s=figures.one_time_s,
         break_even_steps=None if job.break_even == math.inf else job.break_even,
         job_s=job.candidate_s,
         reference_job_s=job.best_s,
         parity=parity,
-        loss_curve=tuple(curve[:PARITY_STEPS]),
+        loss_curve=tuple(figures.curve[:PARITY_STEPS]),
         expected_gain=candidate.expected_gain,
+        spent_s=figures.spent_s,
+        count_per_step=figures.count_per_step,
+        comm_bytes_per_step=figures.comm_bytes_per_step,
+        compiled_graphs=figures.graphs,
+        cold_one_time_s=figures.cold_one_time_s,
     )

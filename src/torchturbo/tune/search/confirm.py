@@ -7,7 +7,8 @@ timed against the fp32 baseline once more. If it is not faster beyond the noise,
 is re-measured alone against the baseline, those that are not faster are dropped, the survivors
 are combined and confirmed (or, failing that, the single best survivor is kept), and the report
 says so. When nothing survives, or the budget runs out first, the baseline is kept: the written
-turbo.toml is never one that measured no faster than the defaults.
+turbo.toml is never one that measured no faster than the defaults. The rules are ``decide``'s
+(``judge_confirmation``, ``holds_alone``); this module measures and records.
 """
 
 from __future__ import annotations
@@ -19,12 +20,18 @@ from typing import Any
 from torchturbo.config import TurboConfig, sections
 from torchturbo.distributed.consensus import agree
 from torchturbo.trials.trial import Trial, start_trial
-from torchturbo.tune.budget import CONFIRM_ROUNDS
-from torchturbo.tune.compare import Measured, compare, compare_chain
-from torchturbo.tune.decide import MIN_ROUNDS, describe
-from torchturbo.tune.outcome import Comparison, Confirmation
-from torchturbo.tune.stages import MEMORY_STAGES
-from torchturbo.tune.state import REPORT_S, WARM_STEPS, Incumbent, Run
+from torchturbo.tune.search.budget import CONFIRM_ROUNDS
+from torchturbo.tune.search.compare import Measured, compare, compare_chain
+from torchturbo.tune.search.decide import (
+    MIN_ROUNDS,
+    confirmation_target,
+    describe,
+    holds_alone,
+    judge_confirmation,
+)
+from torchturbo.tune.search.outcome import Comparison, Confirmation
+from torchturbo.tune.search.stages import memory_stages
+from torchturbo.tune.search.state import REPORT_S, WARM_STEPS, Incumbent, Run
 
 BASELINE = "fp32 eager"
 
@@ -46,8 +53,7 @@ def confirm(run: Run, baseline: Incumbent, best: Incumbent) -> tuple[Confirmatio
         for a in run.adoptions
         if a.outcome is not None and a.outcome.comparison is not None
     )
-    # Over the memory budget the baseline is no option: a slower config that fits is the point.
-    expected = searched if floor is not None else max(searched, 1.0)
+    expected = confirmation_target(searched, must_fit=floor is not None)
     chained = compare_chain(
         [trial for _, _, trial in steps],
         [name for name, _, _ in steps],
@@ -57,7 +63,7 @@ def confirm(run: Run, baseline: Incumbent, best: Incumbent) -> tuple[Confirmatio
         settle_rounds=CONFIRM_ROUNDS,
         # Rounds go on until the search is confirmed or contradicted (or time and rounds run
         # out): "not faster, but not contradicting either" is not an answer worth stopping at.
-        decided=lambda speed: speed.decision == "faster" or speed.plausible_high < expected,
+        decided=lambda speed: judge_confirmation(speed, expected) != "consistent",
         clock=run.clock,
     )
     measured = chained.overall
@@ -67,9 +73,10 @@ def confirm(run: Run, baseline: Incumbent, best: Incumbent) -> tuple[Confirmatio
     )
     rows[0]["throughput"] = rows[1]["reference_throughput"]
     speed = measured.comparison.speed
-    if speed.decision == "faster":
+    judged = judge_confirmation(speed, expected)
+    if judged == "confirmed":
         return Confirmation(state="confirmed", comparison=measured.comparison, rows=rows), best
-    if speed.plausible_high >= expected:
+    if judged == "consistent":
         note = (
             f"the search measured {searched:.2f}x; the confirmation does not contradict it but "
             f"could not decide it in {speed.rounds} rounds on this machine: rerun when it is "
@@ -92,7 +99,7 @@ def _fitting_floor(run: Run, baseline: Incumbent) -> Incumbent | None:
     if budget is None or baseline.memory_bytes is None or baseline.memory_bytes <= budget:
         return None
     fitting = [
-        a for a in run.adoptions if a.outcome is not None and a.outcome.stage in MEMORY_STAGES
+        a for a in run.adoptions if a.outcome is not None and a.outcome.stage in memory_stages()
     ]
     return fitting[-1] if fitting else None
 
@@ -184,7 +191,7 @@ def _drop(run: Run, baseline: Incumbent, failed: Measured) -> tuple[Confirmation
         remeasured.append(adoption.name)
         alone = _start(run, adoption.name, changes[adoption.name], baseline)
         measured = _against_baseline(run, baseline, alone.trial)
-        if measured.comparison.speed.decision == "faster":
+        if holds_alone(measured.comparison.speed):
             survivors.append((alone, measured))
         else:
             alone.trial.close()
@@ -220,7 +227,7 @@ def _drop(run: Run, baseline: Incumbent, failed: Measured) -> tuple[Confirmation
             baseline,
         )
         combined = _against_baseline(run, baseline, together.trial)
-        if combined.comparison.speed.decision == "faster":
+        if holds_alone(combined.comparison.speed):
             kept, measured = together, combined
         else:
             together.trial.close()

@@ -21,9 +21,9 @@ from torchturbo.data.length import length_or_none
 from torchturbo.distributed.launch import current_env
 from torchturbo.measure.system import cpu_model
 from torchturbo.recipe import Recipe
-from torchturbo.tune.horizon import horizon
-from torchturbo.tune.outcome import Outcome, outcome_from_dict
-from torchturbo.tune.state import TuneOptions
+from torchturbo.tune.search.horizon import horizon
+from torchturbo.tune.search.outcome import Outcome, outcome_from_dict
+from torchturbo.tune.search.state import TuneOptions
 
 
 def fingerprint(
