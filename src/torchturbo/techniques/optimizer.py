@@ -28,7 +28,7 @@ import torch
 
 from torchturbo.config import TurboConfig
 from torchturbo.techniques.framework.facts import Facts
-from torchturbo.techniques.framework.levers import SMALL_GAIN, Expectation
+from torchturbo.techniques.framework.levers import SMALL_GAIN, Expectation, amdahl_gain
 from torchturbo.techniques.framework.proposal import Candidate, StageContext, candidate
 from torchturbo.techniques.framework.result import TechniqueResult, applied, not_applied
 from torchturbo.techniques.framework.spec import Lever, Stage, Technique, TrainerArguments
@@ -213,7 +213,7 @@ def optimizer_gain(facts: Facts, implementation: str) -> Expectation:
     speedup = OPTIMIZER_STEP_SPEEDUP.get(implementation)
     if speedup is None or facts.optimizer_share is None:
         return Expectation(SMALL_GAIN, f"a {implementation} optimizer step")
-    gain = 1 / (1 - facts.optimizer_share * (1 - 1 / speedup))
+    gain = amdahl_gain(facts.optimizer_share, speedup)
     return Expectation(
         gain,
         f"the optimizer step is {facts.optimizer_share:.0%} of a step; {implementation} runs it "

@@ -30,7 +30,7 @@ import torch
 
 from torchturbo.config import TurboConfig
 from torchturbo.techniques.framework.facts import Facts
-from torchturbo.techniques.framework.levers import SMALL_GAIN, Expectation
+from torchturbo.techniques.framework.levers import SMALL_GAIN, Expectation, amdahl_gain
 from torchturbo.techniques.framework.proposal import (
     Candidate,
     PlannedState,
@@ -307,7 +307,7 @@ def optimizer_state_gain(facts: Facts, state: str) -> Expectation:
     bound = OPTIMIZER_STATE_BYTES_BOUND.get(state)
     if bound is None or facts.optimizer_share is None:
         return Expectation(SMALL_GAIN, f"the optimizer's moments kept as {state}")
-    gain = 1 / (1 - facts.optimizer_share * (1 - 1 / bound))
+    gain = amdahl_gain(facts.optimizer_share, bound)
     return Expectation(
         gain,
         f"the optimizer step is {facts.optimizer_share:.0%} of a step; {state} moments move "

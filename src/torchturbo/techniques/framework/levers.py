@@ -33,6 +33,12 @@ class Expectation:
         return self.gain is not None
 
 
+def amdahl_gain(share: float, speedup: float) -> float:
+    """The whole step's speed-up when a part taking ``share`` of it runs ``speedup`` times
+    faster (Amdahl's law)."""
+    return 1 / (1 - share * (1 - 1 / speedup))
+
+
 def priority(gain: float | None, cost_s: float) -> float:
     """Expected gain per second of measuring: log-gain, so that gains compose by adding."""
     if gain is None or gain <= 1:
