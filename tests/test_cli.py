@@ -60,7 +60,15 @@ def test_tune_writes_a_loadable_config_and_a_self_contained_report(tmp_path, cap
     assert results["job"]["assumed"] and results["planned_steps"] == 1000
 
 
-def test_ctrl_c_in_tune_keeps_the_measurements_and_the_same_command_goes_on(
+def _squeezed(text: str) -> str:  # rich wraps lines at 80 columns, paths anywhere
+    return "".join(text.split())
+
+
+def _tune_argv(out: Path) -> list[str]:
+    return ["tune", TINY, "--device", "cpu", "--time-budget", "40s", "--out", str(out)]
+
+
+def test_ctrl_c_in_tune_reports_what_was_measured_and_the_same_command_goes_on(
     tmp_path, capsys, monkeypatch
 ):
     from test_tune import CLIPPING
@@ -75,42 +83,110 @@ def test_ctrl_c_in_tune_keeps_the_measurements_and_the_same_command_goes_on(
             raise KeyboardInterrupt
         return []
 
-    def squeezed(text: str) -> str:  # rich wraps lines at 80 columns, paths anywhere
-        return "".join(text.split())
-
     real = search.tune
     interrupting = {**CLIPPING, "interrupt": ctrl_c_once_a_candidate_is_decided}
     monkeypatch.setattr(search, "tune", functools.partial(real, stages=interrupting))
     out = tmp_path / "report"
-    argv = ["tune", TINY, "--device", "cpu", "--time-budget", "40s", "--out", str(out)]
-    assert main(argv) == 130
-    printed = capsys.readouterr()
-    kept = out / "interrupted.json"
-    assert squeezed(f"interrupted: 1 measured candidate(s) kept in {kept}") in squeezed(printed.out)
-    assert printed.err.strip() == "interrupted" and not (out / "results.json").exists()
+    assert main(_tune_argv(out)) == 75
+    printed = _squeezed(capsys.readouterr().out)
+    kept = out / "results.json"
+    assert _squeezed(f"stopped by SIGINT: 1 decided candidate(s) kept in {kept}") in printed
+    assert _squeezed("Stopped by SIGINT: nothing adopted") in printed  # the headline
+    results = json.loads(kept.read_text())
+    assert results["confirmation"]["state"] == "interrupted"
+    # The report replaced the progress record, all of it there and nothing else left behind.
+    assert {"report.html", "report.md", "turbo.toml"} <= {p.name for p in out.iterdir()}
+    assert not (out / "progress.json").exists() and not list(out.glob(".*"))
 
     monkeypatch.setattr(search, "tune", functools.partial(real, stages=CLIPPING))
-    assert main(argv) == 0
-    printed = capsys.readouterr()
-    assert squeezed(f"reused 1 measured candidates from {kept}") in squeezed(printed.out)
-    assert not kept.exists()  # a finished run's results.json holds what it kept
-    rows = json.loads((out / "results.json").read_text())["candidates"]
+    assert main(_tune_argv(out)) == 0
+    printed = _squeezed(capsys.readouterr().out)
+    assert _squeezed(f"reused 1 measured candidates from {kept}") in printed
+    rows = json.loads(kept.read_text())["candidates"]
     assert [r["name"] for r in rows if r["reused"]] == ["clip 10"]
 
 
-def test_ctrl_c_before_any_candidate_is_measured_leaves_the_directory_as_it_was(
+def test_a_stop_before_anything_is_measured_leaves_the_directory_as_it_was(
     tmp_path, capsys, monkeypatch
 ):
+    import signal
+
+    from torchturbo.reliability.preemption import StopNow
     from torchturbo.tune.search import run as search
 
-    def interrupted_at_once(*args, **kwargs):
-        raise search.TuneInterrupted({"candidates": [], "adopted": []})
+    def stopped_at_once(*args, **kwargs):
+        raise StopNow(signal.SIGTERM, "stopped at once")
 
-    monkeypatch.setattr(search, "tune", interrupted_at_once)
+    monkeypatch.setattr(search, "tune", stopped_at_once)
     out = tmp_path / "report"
-    argv = ["tune", TINY, "--device", "cpu", "--time-budget", "40s", "--out", str(out)]
-    assert main(argv) == 130
-    assert "kept" not in capsys.readouterr().out and not (out / "interrupted.json").exists()
+    assert main(_tune_argv(out)) == 75
+    assert "SIGTERM: stopped at once; nothing was decided" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_tune_keeps_every_decided_row_as_it_goes(tmp_path, monkeypatch):
+    """progress.json holds each row once decided: what a kill -9 would leave to reuse."""
+    from test_tune import CLIPPING
+
+    from torchturbo.tune.report import write
+    from torchturbo.tune.search import run as search
+
+    kept = []
+    real_keep = write.keep_progress
+
+    def keep(out, partial):
+        kept.append([row["name"] for row in partial["candidates"]])
+        return real_keep(out, partial)
+
+    monkeypatch.setattr(write, "keep_progress", keep)
+    monkeypatch.setattr(search, "tune", functools.partial(search.tune, stages=CLIPPING))
+    assert main(_tune_argv(tmp_path / "report")) == 0
+    decided = ["loader settings", "clip 10", "clip 20"]
+    assert kept == [decided[:1], decided[:2], decided]
+
+
+def test_a_second_tune_into_the_same_out_is_refused_naming_the_first(tmp_path, capsys):
+    from torchturbo.cli.tune import TUNE_OUT
+    from torchturbo.resume.lock import Owner, hold_directory
+
+    out = tmp_path / "report"
+    out.mkdir()
+    with hold_directory(out, Owner(*TUNE_OUT)):
+        assert main(_tune_argv(out)) == 2
+    error = capsys.readouterr().err
+    assert f"tune --out {str(out)!r} is in use by another run (pid " in error
+    assert "two tunes writing one folder would mix their reports" in error
+    assert list(out.iterdir()) == []
+
+
+def test_tune_refuses_an_out_without_room_before_the_search(tmp_path, capsys, monkeypatch):
+    from torchturbo.resume import files
+
+    monkeypatch.setattr(files, "free_space", lambda directory: 2 * 2**20)
+    assert main(_tune_argv(tmp_path / "report")) == 2
+    error = capsys.readouterr().err
+    assert "has 2.0 MiB free, and the report needs about 16.0 MiB" in error
+
+
+def test_a_report_that_cannot_be_written_loses_nothing_printed(tmp_path, capsys, monkeypatch):
+    import errno
+
+    from test_tune import CLIPPING
+
+    from torchturbo.tune.report import write
+    from torchturbo.tune.search import run as search
+
+    def full(out_dir, results, config_toml):
+        raise OSError(errno.ENOSPC, "No space left on device", str(out_dir / "report.html"))
+
+    monkeypatch.setattr(write, "write_report", full)
+    monkeypatch.setattr(search, "tune", functools.partial(search.tune, stages=CLIPPING))
+    assert main(_tune_argv(tmp_path / "report")) == 2
+    printed = capsys.readouterr()
+    assert "Measured 2 candidates" in printed.out  # the headline, before the write
+    assert "the report could not be written (No space left on device); what was measured" in (
+        " ".join(printed.err.split())
+    )
 
 
 def test_doctor_prints_the_checklist_and_writes_json(tmp_path, capsys):

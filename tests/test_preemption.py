@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -26,8 +27,10 @@ from conftest import terminal_stop_signals
 from torchturbo.base.stop_signals import leave_stop_signals_to_the_trainer
 from torchturbo.reliability.preemption import (
     EXIT_STOPPED,
+    StopNow,
     StopRequest,
     agree_to_stop,
+    raise_on_stop_signals,
     stop_on_signals,
 )
 from torchturbo.resume.files import list_checkpoints, read_checkpoint
@@ -411,3 +414,31 @@ def test_a_worker_whose_parent_is_gone_asks_to_stop_as_on_sighup(monkeypatch):
     with terminal_stop_signals(), stop_on_signals(watch_parent=True, announce=False) as request:
         threading.Event().wait(0.1)
     assert not request.is_set()
+
+
+def test_raise_on_stop_signals_stops_at_once_and_restores_the_handlers():
+    before = signal.getsignal(signal.SIGTERM)
+    with raise_on_stop_signals(), pytest.raises(StopNow) as stopped:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # interrupted by the handler long before
+    assert stopped.value.signal_name == "SIGTERM" and stopped.value.exit_status == 143
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_a_stop_swallowed_by_a_weakref_callback_is_delivered_again():
+    """Python ignores an exception raised in a weakref callback (or a ``__del__``), printing
+    "Exception ignored": a stop raised there must still stop the run."""
+    import weakref
+
+    class Held:
+        pass
+
+    def stopped_inside(ref: object) -> None:
+        raise StopNow(signal.SIGTERM, "stopped at once")
+
+    with raise_on_stop_signals(), pytest.raises(StopNow):
+        held = Held()
+        ref = weakref.ref(held, stopped_inside)
+        del held  # the callback runs here, and its StopNow is swallowed ...
+        time.sleep(5)  # ... then delivered again
+    assert ref() is None

@@ -493,7 +493,12 @@ def test_ctrl_c_keeps_what_was_measured_and_the_next_run_measures_only_the_rest(
     with pytest.raises(TuneInterrupted) as caught:
         tune(tiny_recipe(), QUICK, stages=stages)
     assert caught.value.measured == 1
-    partial = json.loads(json.dumps(caught.value.partial))  # as interrupted.json holds it
+    partial = json.loads(json.dumps(caught.value.partial))  # as progress.json holds it
+    # The run as far as it went, for the report: nothing measured for it, its rows its own.
+    stopped = caught.value.result
+    assert caught.value.why == "stopped by SIGINT" and stopped.breakdown == {}
+    assert stopped.confirmation.state == "interrupted" and stopped.confirmation.ratio == 1.0
+    assert [o.name for o in stopped.candidates if o.comparison] == ["clip 10"]
 
     # Interrupted again before it replayed what it reuses: that is kept too.
     def ctrl_c(*_):
@@ -510,9 +515,9 @@ def test_ctrl_c_keeps_what_was_measured_and_the_next_run_measures_only_the_rest(
         QUICK,
         stages=CLIPPING,
         previous=partial,
-        previous_source="interrupted.json",
+        previous_source="progress.json",
     )
-    assert again.reuse_note == "reused 1 measured candidates from interrupted.json"
+    assert again.reuse_note == "reused 1 measured candidates from progress.json"
     rows = _rows(again)
     assert rows["clip 10"].reused and not rows["clip 20"].reused
     assert rows["clip 20"].comparison is not None  # measured in this run
@@ -541,11 +546,11 @@ def test_ctrl_c_while_a_reused_config_is_rebuilt_keeps_its_adoptions(monkeypatch
 def test_the_first_previous_run_made_for_this_one_is_reused():
     _, first = tune(tiny_recipe(), dataclasses.replace(QUICK, only=("precision",)))
     other = {**first.to_dict(), "fingerprint": {**first.fingerprint, "recipe": "another"}}
-    sources = [(other, "interrupted.json"), (first.to_dict(), "results.json")]
+    sources = [(other, "progress.json"), (first.to_dict(), "results.json")]
     reuse, note = Previous.first(sources, first.fingerprint)
     assert reuse is not None and note.endswith("from results.json")
     reuse, note = Previous.first(sources[:1], first.fingerprint)
-    assert reuse is None and note.startswith("interrupted.json was made with another recipe")
+    assert reuse is None and note.startswith("progress.json was made with another recipe")
 
 
 def test_a_previous_run_is_rebuilt_from_its_last_adoption_not_its_last_row():

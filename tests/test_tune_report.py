@@ -15,7 +15,13 @@ from rich.console import Console
 
 import torchturbo.output.results_file as results_module
 from torchturbo.config import TurboConfig
-from torchturbo.tune.report.write import incremental_table, write_report
+from torchturbo.tune.report.write import (
+    MANIFEST,
+    STAGING,
+    finish_replacement,
+    incremental_table,
+    write_report,
+)
 from torchturbo.tune.search.decide import Parity, RatioEstimate
 from torchturbo.tune.search.outcome import Comparison, Confirmation, Outcome, TuneResult
 
@@ -355,6 +361,74 @@ def test_an_interrupted_write_keeps_the_previous_results(
         write_report(tmp_path, changed, CONFIG_TOML)
     assert (tmp_path / "results.json").read_bytes() == before
     assert not list(tmp_path.glob(".*.tmp"))
+
+
+def _cut_short(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, after_manifest: bool) -> bytes:
+    """A report written over an earlier one, killed while its files are moved into place (after
+    the first move), or before its manifest was written; the new results.json's bytes."""
+    from torchturbo.tune.report import write
+
+    write_report(tmp_path, full_results(), CONFIG_TOML)
+    changed = copy.deepcopy(full_results())
+    changed["elapsed_s"] = 1.0
+    real_move = write._move_into_place
+
+    def killed(out_dir: Path, manifest: dict) -> None:
+        real_move(out_dir, {"files": manifest["files"][:1], "remove": []})
+        raise KeyboardInterrupt  # a kill -9 runs nothing more: no cleanup either
+
+    if after_manifest:
+        monkeypatch.setattr(write, "_move_into_place", killed)
+    else:
+        monkeypatch.setattr(write, "write_atomic", lambda *a: (_ for _ in ()).throw(SystemExit))
+    monkeypatch.setattr(write.shutil, "rmtree", lambda *a, **k: None)
+    with pytest.raises((KeyboardInterrupt, SystemExit)):
+        write_report(tmp_path, changed, CONFIG_TOML)
+    monkeypatch.undo()
+    return (json.dumps(changed, indent=2) + "\n").encode()
+
+
+def test_a_replacement_cut_short_after_its_manifest_is_finished_by_the_next_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    new = _cut_short(tmp_path, monkeypatch, after_manifest=True)
+    assert (tmp_path / STAGING / MANIFEST).exists()  # a mix on disk until the next run
+    finish_replacement(tmp_path)
+    assert (tmp_path / "results.json").read_bytes() == new
+    assert "1 s of a" in (tmp_path / "report.md").read_text()  # the new report's budget line
+    assert not (tmp_path / STAGING).exists()
+
+
+def test_a_replacement_cut_short_before_its_manifest_is_dropped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    write_report(tmp_path, full_results(), CONFIG_TOML)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    _cut_short(tmp_path, monkeypatch, after_manifest=False)
+    finish_replacement(tmp_path)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+def test_an_interrupted_run_reports_its_adoptions_unconfirmed(tmp_path: Path) -> None:
+    result = full_result()
+    adopted = [c for c in result.candidates if c.verdict == "adopted"]
+    rows = (
+        {"name": "baseline (fp32 eager)", "stage": "", "step_ms": 78.8, "throughput": 812.0},
+        *({"name": f"+ {o.name}", "stage": o.stage, **o.comparison.to_dict()} for o in adopted),
+    )
+    note = (
+        "stopped by SIGTERM before the confirmation: the search's adoptions measured 2.59x "
+        "together, unconfirmed; the same command measures the rest and confirms"
+    )
+    stopped = dataclasses.replace(
+        result,
+        confirmation=Confirmation(state="interrupted", comparison=None, note=note, rows=rows),
+    )
+    paths = write_report(tmp_path, stopped.to_dict(), CONFIG_TOML)
+    markdown = " ".join(paths["markdown"].read_text().split())
+    assert "Stopped by SIGTERM before the confirmation: the search's adoptions measured" in markdown
+    assert "each with the measurement that adopted it" in markdown
+    assert "+ channels_last" in markdown and "1.40x" in markdown
 
 
 def test_unserialisable_results_fail_before_writing(tmp_path: Path) -> None:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-from collections.abc import Iterator
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,9 @@ from torchturbo.output.units import parse_duration, parse_size
 
 #: The folder beside turbo.toml that holds what tuning compiled (see techniques/compile.py).
 COMPILE_CACHE = "compile-cache"
+#: The run's record so far in --out (``tune.report.write.PROGRESS``, named here without
+#: importing torch).
+PROGRESS = "progress.json"
 
 
 def add_parser(commands: Any) -> None:
@@ -32,12 +36,16 @@ def add_parser(commands: Any) -> None:
             "length: --planned-steps, else the recipe's, else assumed; the headline says "
             "which). What it compiles is kept in --out/compile-cache, which the written "
             "turbo.toml names so that train loads it. The whole run keeps to --time-budget; "
-            "what it cannot measure in time is reported with the time it needs. Tuning again "
-            "into the same --out reuses what was measured there, also after Ctrl-C (kept in "
-            "interrupted.json). Writes turbo.toml, "
-            "results.json, report.md and report.html to --out. Under "
+            "what it cannot measure in time is reported with the time it needs. Writes "
+            "turbo.toml, results.json, report.md and report.html to --out, replacing a previous "
+            "report there all at once; one tune per --out at a time. Every decided row is kept "
+            "in --out/progress.json as it is decided: SIGTERM, SIGUSR1, SIGUSR2 or Ctrl-C stops "
+            "at once, writes the report of what was measured and exits 75, and tuning again "
+            "into the same --out reuses what was measured there (also after a kill). Under "
             "torchrun every rank measures DDP/FSDP trials, rank 0 decides (its decisions are "
-            "broadcast), DDP comm hooks and bucket sizes are tuned too, and rank 0 writes."
+            "broadcast), DDP comm hooks and bucket sizes are tuned too, and rank 0 writes. "
+            "Exit status: 0 tuned; 75 stopped by a signal, what was measured kept; 2 a problem "
+            "with the input, printed in one line."
         ),
     )
     add_target_arguments(tune)
@@ -132,6 +140,36 @@ def estimate_accuracy(record: dict[str, Any]) -> str | None:
     )
 
 
+#: Room the report needs in --out (results, reports, four plots, the trainer settings: about
+#: 2 MiB measured), with a margin; a compile cache needs more, and only warns.
+REPORT_ROOM = 16 * 2**20
+COMPILE_CACHE_ROOM = 1024 * 2**20
+#: How --out is named when another tune holds it (``resume.lock.Owner``).
+TUNE_OUT = ("tune --out", "two tunes writing one folder would mix their reports")
+
+
+def check_room(out: Path, compiles: bool) -> str:
+    """Fail before the search when --out has no room for the report; a warning ("" if none)
+    when a compile stage may fill it with its cache."""
+    from torchturbo.resume.files import format_bytes, free_space
+
+    existing = out
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    free = free_space(existing)
+    if free < REPORT_ROOM:
+        raise ValueError(
+            f"--out {str(out)!r} has {format_bytes(free)} free, and the report needs about "
+            f"{format_bytes(REPORT_ROOM)}: free some space or give another directory"
+        )
+    if compiles and free < COMPILE_CACHE_ROOM:
+        return (
+            f"--out {str(out)!r} has {format_bytes(free)} free: the compile stage's cache "
+            f"(kept in {COMPILE_CACHE}) may need more; --skip compile leaves it out"
+        )
+    return ""
+
+
 @contextlib.contextmanager
 def _nothing_left_on_failure(out: Path, fresh: bool) -> Iterator[None]:
     """A run that fails leaves no empty folders behind: the compile cache the tuner pointed
@@ -146,6 +184,27 @@ def _nothing_left_on_failure(out: Path, fresh: bool) -> Iterator[None]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from torchturbo.reliability.preemption import EXIT_STOPPED, StopNow, raise_on_stop_signals
+
+    # From here on: importing torch and loading the recipe take seconds, and a signal then
+    # must stop the run as cleanly as one during the search.
+    try:
+        with raise_on_stop_signals():
+            stopped = _tune_command(args)
+    except StopNow as stop:  # before the baseline was measured, or a second signal
+        progress = args.out / PROGRESS
+        kept = (
+            f"the rows decided are kept in {progress}, and the same command goes on from there"
+            if progress.exists()
+            else "nothing was decided"
+        )
+        print(f"{stop.signal_name}: stopped at once; {kept}", file=sys.stderr)
+        return EXIT_STOPPED
+    return EXIT_STOPPED if stopped else 0
+
+
+def _tune_command(args: argparse.Namespace) -> bool:
+    """Tune and write the report; whether a stop signal cut the search short."""
     from rich.console import Console
     from rich.text import Text
 
@@ -153,15 +212,8 @@ def run(args: argparse.Namespace) -> int:
     from torchturbo.engine import resolve_device
     from torchturbo.measure.footprint import MemoryEstimate, describe
     from torchturbo.output.live import TuneLine
-    from torchturbo.output.table_fit import print_table
-    from torchturbo.tune.report.plots import plots_left_out
-    from torchturbo.tune.report.summary import batch_line, headline
-    from torchturbo.tune.report.write import (
-        incremental_table,
-        keep_interrupted,
-        read_previous,
-        write_report,
-    )
+    from torchturbo.resume.lock import Owner, hold_directory
+    from torchturbo.tune.report.write import finish_replacement, read_previous
     from torchturbo.tune.search.run import (
         TuneInterrupted,
         TuneOptions,
@@ -183,13 +235,19 @@ def run(args: argparse.Namespace) -> int:
         find_batch=args.find_batch,
         refuse_impossible=True,
     )
-    select_stages(tuner_stages(), options)  # a misspelt stage is refused before anything runs
+    # A misspelt stage is refused before anything runs.
+    selected = select_stages(tuner_stages(), options)
     if options.find_batch is not None:  # a budget to fit, before anything runs
         batch_budget(options.memory_budget, resolve_device(args.device or "auto"))
     check_writable(args.out)
-    previous = read_previous(args.out)
-    recipe = load_target(args)
     console = Console()  # the terminal's width; 80 columns when piped
+
+    def say(text: str) -> None:
+        console.print(Text(text), soft_wrap=True)
+
+    if room := check_room(args.out, "compile" in selected):
+        say(f"warning: {room}")
+    recipe = load_target(args)
     say_emulated(
         args.device or "auto",
         PRECISION_FORMATS,
@@ -200,51 +258,101 @@ def run(args: argparse.Namespace) -> int:
     def print_estimate(estimate: MemoryEstimate) -> None:
         if is_main_process():
             for text in describe(estimate):
-                console.print(Text(text), soft_wrap=True)
+                say(text)
 
     fresh = not args.out.exists()
-    with launched(args.device or "auto"), _nothing_left_on_failure(args.out, fresh):
+    with contextlib.ExitStack() as owned:
+        if is_main_process():  # rank 0 writes, so rank 0 owns --out
+            args.out.mkdir(parents=True, exist_ok=True)
+            owned.enter_context(_nothing_left_on_failure(args.out, fresh))
+            owned.enter_context(hold_directory(args.out, Owner(*TUNE_OUT)))
+            finish_replacement(args.out)
+        record = _progress_keeper(args.out, say) if is_main_process() else None
+        previous = read_previous(args.out)
+        with launched(args.device or "auto"):
+            stop: str | None = None
+            try:
+                with live_on_rank_zero(line):
+                    config, result = tune(
+                        recipe,
+                        options,
+                        on_progress=line.report,
+                        previous=previous,
+                        on_estimate=print_estimate,
+                        on_record=record,
+                    )
+            except TuneInterrupted as interrupted:
+                config, result, stop = interrupted.config, interrupted.result, interrupted.why
+            if not is_main_process():
+                return stop is not None
+            _report(args, console, config, result, stop)
+    return stop is not None
+
+
+def _progress_keeper(out: Path, say: Callable[[str], None]) -> Callable[[dict[str, Any]], None]:
+    """``tune``'s ``on_record``: progress.json rewritten after every decided row. A write that
+    fails (a full disk) is said once and the search goes on: its rows are printed at the end."""
+    from torchturbo.tune.report.write import keep_progress
+
+    failed: list[OSError] = []
+
+    def record(partial: dict[str, Any]) -> None:
         try:
-            with live_on_rank_zero(line):
-                config, result = tune(
-                    recipe,
-                    options,
-                    on_progress=line.report,
-                    previous=previous,
-                    on_estimate=print_estimate,
+            keep_progress(out, partial)
+        except OSError as err:
+            if not failed:
+                say(
+                    f"warning: the search's progress could not be kept in {str(out)!r} "
+                    f"({err.strerror or err}); it goes on, and prints its results at the end"
                 )
-        except TuneInterrupted as interrupted:
-            if is_main_process() and interrupted.measured:
-                kept = keep_interrupted(args.out, interrupted.partial)
-                console.print(
-                    Text(
-                        f"interrupted: {interrupted.measured} measured candidate(s) kept in "
-                        f"{kept}; the same command measures the rest"
-                    ),
-                    soft_wrap=True,
-                )
-            raise
-        if not is_main_process():
-            return 0
+            failed.append(err)
+
+    return record
+
+
+def _report(
+    args: argparse.Namespace, console: Any, config: Any, result: Any, stop: str | None
+) -> None:
+    """Print what was measured, then write the report: a report that cannot be written (a full
+    disk) loses nothing printed, and says so."""
+    from rich.text import Text
+
+    from torchturbo.output.table_fit import print_table
+    from torchturbo.tune.report.plots import plots_left_out
+    from torchturbo.tune.report.summary import batch_line, headline
+    from torchturbo.tune.report.write import incremental_table, write_report
+
+    def say(text: str) -> None:
+        console.print(Text(text), soft_wrap=True)
+
     results = result.to_dict()
     # The report's "how to use" line repeats what the user typed to name the target.
-    results["recipe"] = args.recipe or f"--workload {recipe.name}"
+    results["recipe"] = args.recipe or f"--workload {result.recipe}"
     if config.compile.cache_dir:  # relative to turbo.toml, which sits beside it
         config = config.replace(compile__cache_dir=COMPILE_CACHE)
-    paths = write_report(args.out, results, config.to_toml())
     if result.reuse_note:
-        console.print(Text(result.reuse_note), soft_wrap=True)
-    if (left_out := plots_left_out()) is not None:
-        console.print(Text(f"plots left out of the report: {left_out}"), soft_wrap=True)
+        say(result.reuse_note)
     print_table(console, incremental_table(results))
     if (accuracy := estimate_accuracy(results.get("memory_estimate") or {})) is not None:
-        console.print(Text(accuracy), soft_wrap=True)
-    console.print(Text(headline(results)), soft_wrap=True)
+        say(accuracy)
+    say(headline(results))
     if chosen := batch_line(results):
-        console.print(Text(chosen), soft_wrap=True)
-    console.print(Text(f"report: {paths['html']}"), soft_wrap=True)
-    console.print(
-        Text(f"use it: torchturbo bench {results['recipe']} --config {paths['config']}"),
-        soft_wrap=True,
-    )
-    return 0
+        say(chosen)
+    try:
+        paths = write_report(args.out, results, config.to_toml())
+    except OSError as err:
+        raise OSError(
+            err.errno,
+            f"the report could not be written ({err.strerror}); what was measured is printed above",
+            err.filename,
+        ) from err
+    if (left_out := plots_left_out()) is not None:
+        say(f"plots left out of the report: {left_out}")
+    say(f"report: {paths['html']}")
+    if stop is not None:
+        decided = sum(c.verdict in ("adopted", "rejected") for c in result.candidates)
+        say(
+            f"{stop}: {decided} decided candidate(s) kept in {paths['results']} and the "
+            "report; the same command goes on from there"
+        )
+    say(f"use it: torchturbo bench {results['recipe']} --config {paths['config']}")

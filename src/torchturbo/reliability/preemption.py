@@ -32,6 +32,7 @@ import _thread
 import contextlib
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -46,6 +47,8 @@ if TYPE_CHECKING:
 SAME_SIGNAL_S = 2.0
 #: How long the main thread has to unwind after a stop at once before the process exits.
 HARD_EXIT_S = 5.0
+#: How soon a stop that Python swallowed (raised in a weakref callback) is delivered again.
+REDELIVER_S = 0.01
 #: Seconds between two looks at whether a torchrun worker's parent (the agent) is alive.
 PARENT_POLL_S = 0.5
 #: The exit status of a run that stopped on a signal after saving its last step: BSD's
@@ -63,6 +66,10 @@ class StopNow(KeyboardInterrupt):
         super().__init__(f"{signal.Signals(signum).name}: {why}")
         self.signum = signum
         self.exit_status = 128 + signum
+
+    @property
+    def signal_name(self) -> str:
+        return signal.Signals(self.signum).name
 
 
 class StopRequest:
@@ -251,6 +258,52 @@ def stop_on_signals(
     finally:
         _OPEN.remove(stopper)
         stopper.cancel()
+        for signum, previous_handler in installed.items():
+            signal.signal(signum, previous_handler)
+
+
+@contextlib.contextmanager
+def raise_on_stop_signals() -> Iterator[None]:
+    """Within the block, each of :data:`STOP_SIGNALS` raises :class:`StopNow` at once: for work
+    that keeps its results as it goes and has no step to finish (the tuner, whose trials are
+    thrown away). Installed over the default dispositions only, in the main thread only, as
+    :func:`stop_on_signals` is; the previous handlers are back after the block.
+
+    A handler raises wherever the main thread is, and Python swallows an exception raised
+    inside a weakref callback or a ``__del__`` (it only prints "Exception ignored"): such a
+    StopNow is delivered again at once (``sys.unraisablehook``), so that no stop is lost."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: Any) -> None:
+        raise StopNow(signum, "stopped at once")
+
+    def deliver_again(unraisable: Any) -> None:
+        if not isinstance(unraisable.exc_value, StopNow):
+            previous_hook(unraisable)
+            return
+        # From another thread, a moment later: raised in this hook, it would be swallowed too
+        # (and if it lands in another callback, this hook sends it once more). A signal, not
+        # _thread.interrupt_main: it also wakes a main thread blocked in a sleep or a wait.
+        main = threading.main_thread().ident
+        assert main is not None
+        args = (main, unraisable.exc_value.signum)
+        timer = threading.Timer(REDELIVER_S, signal.pthread_kill, args)
+        timer.daemon = True
+        timer.start()
+
+    installed = {}
+    for signum in STOP_SIGNALS:
+        previous_handler = signal.getsignal(signum)
+        if _is_default(signum, previous_handler):
+            installed[signum] = previous_handler
+            signal.signal(signum, stop)
+    previous_hook, sys.unraisablehook = sys.unraisablehook, deliver_again
+    try:
+        yield
+    finally:
+        sys.unraisablehook = previous_hook
         for signum, previous_handler in installed.items():
             signal.signal(signum, previous_handler)
 

@@ -1,10 +1,12 @@
-"""One run at a time in a checkpoint directory: a lock that a crashed run does not leave behind.
+"""One run at a time in a directory: a lock that a crashed run does not leave behind.
 
-Two runs writing one directory (a job launched twice by mistake, as happens on clusters)
-interleave their checkpoints, so that a resume continues from the other run's state, and each
-one's pruning deletes the other's temporary files. :func:`hold_directory` takes an exclusive,
-non-blocking ``flock`` on ``<dir>/.lock`` and writes its owner there (pid, host, start time,
-command); a second run is refused at once with a :class:`CheckpointError` that names the first.
+Two runs writing one checkpoint directory (a job launched twice by mistake, as happens on
+clusters) interleave their checkpoints, so that a resume continues from the other run's state,
+and each one's pruning deletes the other's temporary files; two tunes into one ``--out`` mix
+their reports. :func:`hold_directory` takes an exclusive, non-blocking ``flock`` on
+``<dir>/.lock`` and writes its owner there (pid, host, start time, command); a second run is
+refused at once with a :class:`CheckpointError` that names the first, and the directory as its
+:class:`Owner` words it.
 
 The kernel releases a ``flock`` when its process ends, however it ends (SIGKILL and power loss
 included: a lock is no state on disk), so a crashed run leaves nothing stuck; the file it leaves
@@ -30,6 +32,7 @@ import sys
 import time
 import warnings
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +51,20 @@ _NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS)
 _HELD: set[int] = set()
 
 
+@dataclass(frozen=True)
+class Owner:
+    """What a locked directory is, for the messages: ``what`` names it ("checkpoint directory"),
+    ``clash`` says what two runs writing it would do."""
+
+    what: str
+    clash: str
+
+
+CHECKPOINTS = Owner(
+    "checkpoint directory", "two runs writing one directory would interleave their checkpoints"
+)
+
+
 def _close_held_in_child() -> None:
     for descriptor in list(_HELD):
         with contextlib.suppress(OSError):
@@ -59,14 +76,14 @@ os.register_at_fork(after_in_child=_close_held_in_child)
 
 
 @contextlib.contextmanager
-def hold_directory(directory: str | Path, *, option: str = "checkpoint_dir") -> Iterator[Path]:
+def hold_directory(directory: str | Path, owner: Owner = CHECKPOINTS) -> Iterator[Path]:
     """Own ``directory`` (which must exist) for the block; yields the lock file's path.
 
     Raises :class:`CheckpointError` when another process holds it, naming that process from its
-    record. ``option`` names the argument the directory came from, for that message.
+    record, and the directory as ``owner`` names it.
     """
     path = Path(directory) / LOCK_NAME
-    descriptor, locked = _open_locked(path, directory)
+    descriptor, locked = _open_locked(path, directory, owner)
     try:
         if locked:
             _write_owner(descriptor)
@@ -80,7 +97,7 @@ def hold_directory(directory: str | Path, *, option: str = "checkpoint_dir") -> 
         os.close(descriptor)  # releases the lock
 
 
-def _open_locked(path: Path, directory: str | Path) -> tuple[int, bool]:
+def _open_locked(path: Path, directory: str | Path, owner: Owner) -> tuple[int, bool]:
     """The lock file's descriptor, locked (or False where locks are unsupported). A file that
     its owner removed between our open and our lock is another inode than the path's: retry."""
     while True:
@@ -88,10 +105,10 @@ def _open_locked(path: Path, directory: str | Path) -> tuple[int, bool]:
             descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         except OSError as err:
             raise CheckpointError(
-                f"cannot lock checkpoint directory {str(directory)!r}: {err.strerror or err}"
+                f"cannot lock {owner.what} {str(directory)!r}: {err.strerror or err}"
             ) from err
         try:
-            locked = _lock(descriptor, directory)
+            locked = _lock(descriptor, directory, owner)
             if not locked or _same_file(path, descriptor):
                 return descriptor, locked
         except BaseException:
@@ -109,7 +126,7 @@ def _same_file(path: Path, descriptor: int) -> bool:
     return (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino)
 
 
-def _lock(descriptor: int, directory: str | Path) -> bool:
+def _lock(descriptor: int, directory: str | Path, owner: Owner) -> bool:
     """Take the lock on ``descriptor``: True when held, False on a file system without locks;
     raises when another process holds it."""
     if fcntl is None:  # pragma: no cover - Windows
@@ -119,8 +136,8 @@ def _lock(descriptor: int, directory: str | Path) -> bool:
     except OSError as err:
         if err.errno in _NO_LOCKS:
             warnings.warn(
-                f"checkpoint directory {str(directory)!r} is on a file system without file "
-                f"locks ({err.strerror}): a second run on it would not be refused",
+                f"{owner.what} {str(directory)!r} is on a file system without file locks "
+                f"({err.strerror}): a second run on it would not be refused",
                 RuntimeWarning,
                 stacklevel=4,
             )
@@ -128,10 +145,9 @@ def _lock(descriptor: int, directory: str | Path) -> bool:
         if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
             raise
         raise CheckpointError(
-            f"checkpoint directory {str(directory)!r} is in use by another run "
-            f"({describe_owner(_read_owner(descriptor))}): two runs writing one directory "
-            "would interleave their checkpoints; wait for it to end, stop it, or give another "
-            "directory"
+            f"{owner.what} {str(directory)!r} is in use by another run "
+            f"({describe_owner(_read_owner(descriptor))}): {owner.clash}; wait for it to end, "
+            "stop it, or give another directory"
         ) from None
     return True
 

@@ -38,6 +38,9 @@ def headline(results: dict) -> str:
         dropped = confirmation.get("dropped") or []
         if state == "dropped":  # re-measured alone: every adoption may have held
             line += f", after dropping {', '.join(dropped)}" if dropped else ", measured again"
+    elif state == "interrupted":
+        note = str(confirmation.get("note") or "stopped")
+        line = note[0].upper() + note[1:]
     elif state == "reverted":
         line = f"Nothing confirmed: keep {BASELINE_LABEL} ({confirmation.get('note') or ''})"
     elif state == "fits":
@@ -180,6 +183,12 @@ def incremental_note(results: dict) -> str:
             "throughput over the row above's, with its 99.9% interval, and the last row over "
             f"the first is the headline's ratio. {search}"
         )
+    if state == "interrupted":
+        return (
+            "The run was stopped before its confirmation: the baseline, then each adoption in "
+            "the order it was adopted, each with the measurement that adopted it (against the "
+            f"best of its time, in paired rounds, with its 99.9% interval). {search}"
+        )
     if state == "fits":
         return (
             "The kept plan's own measurement against what it was measured on, in paired rounds "
@@ -196,6 +205,8 @@ def confirmation_line(results: dict) -> str:
     c = results.get("confirmation")
     if isinstance(c, dict) and c.get("state") == "fits":
         return f"No confirmation against the baseline needed: {c.get('note')}."
+    if isinstance(c, dict) and c.get("state") == "interrupted":
+        return f"No confirmation: {c.get('note')}."
     if not isinstance(c, dict) or c.get("state") in (None, "not needed"):
         return (
             "No confirmation run: nothing was adopted, so the chosen config is the baseline "

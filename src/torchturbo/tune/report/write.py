@@ -8,12 +8,17 @@ verdict and reason, the loader verdict and four plots.
 
 This is the entry point; the work lives beside it, one job per module: ``fields`` (reading and
 formatting values), ``tables`` (rows), ``summary`` (sentences), ``plots`` (matplotlib figures),
-``document`` (markdown and HTML text) and ``files`` (atomic writes).
+``document`` (markdown and HTML text) and ``files`` (the output folder, the trainer settings).
+The report's files replace the previous ones together, through a staging folder and its
+manifest. Written by hand: a move that a kill cut short must be finished by the next run, under
+the folder's lock, which no library for atomic files offers for a set of files.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
 
 from rich.table import Table
@@ -46,17 +51,23 @@ def incremental_table(results: dict) -> Table:
     return table
 
 
-#: What an interrupted run measured (see ``tune.search.run.TuneInterrupted``); the next run in the
-#: same directory reads it before results.json, and a finished run removes it.
-INTERRUPTED = "interrupted.json"
+#: The run's record so far, rewritten after every decided row (``tune(on_record=)``): what a run
+#: stopped or killed at any point measured. The next run in the same directory reads it before
+#: results.json; a report that replaces it removes it.
+PROGRESS = "progress.json"
+#: The folder a report is written into before it replaces the previous one, file by file.
+STAGING = ".report-next"
+#: Written into the staging folder once every file is there: the list of files to move into
+#: place and of those to remove. Without it the staging folder is a report not yet complete.
+MANIFEST = "manifest.json"
 
 
 def read_previous(out_dir: Path) -> list[tuple[dict, str]]:
-    """What previous runs left in ``out_dir``, each with its path: an interrupted run's
-    interrupted.json first (it also holds what that run reused), then results.json. A file that
-    is missing or unreadable is left out: the run then starts afresh, as it would without it."""
+    """What previous runs left in ``out_dir``, each with its path: a run's progress.json first (it
+    also holds what that run reused), then results.json. A file that is missing or unreadable is
+    left out: the run then starts afresh, as it would without it."""
     found = []
-    for name in (INTERRUPTED, "results.json"):
+    for name in (PROGRESS, "results.json"):
         path = Path(out_dir) / name
         try:
             data = json.loads(path.read_text())
@@ -67,19 +78,52 @@ def read_previous(out_dir: Path) -> list[tuple[dict, str]]:
     return found
 
 
-def keep_interrupted(out_dir: Path, partial: dict) -> Path:
-    """Write what an interrupted run measured to ``out_dir``/interrupted.json; return its path."""
+def keep_progress(out_dir: Path, partial: dict) -> Path:
+    """Write the run's record so far to ``out_dir``/progress.json; return its path."""
     out_dir = Path(out_dir)
     prepare_dir(out_dir)
-    path = out_dir / INTERRUPTED
+    path = out_dir / PROGRESS
     write_atomic(path, (json.dumps(partial, indent=2) + "\n").encode())
     return path
+
+
+def finish_replacement(out_dir: Path) -> None:
+    """Leave ``out_dir`` holding one run's report: a replacement that a kill cut short is
+    finished when its staging folder was complete (its manifest written), else dropped; a
+    temporary file a kill left beside progress.json is removed. Call it holding the folder's
+    lock (``resume.lock.hold_directory``)."""
+    out_dir = Path(out_dir)
+    staging = out_dir / STAGING
+    if (staging / MANIFEST).is_file():
+        _move_into_place(out_dir, json.loads((staging / MANIFEST).read_text()))
+    shutil.rmtree(staging, ignore_errors=True)
+    for stray in out_dir.glob(f".{PROGRESS}.*.tmp"):
+        stray.unlink(missing_ok=True)
+
+
+def _move_into_place(out_dir: Path, manifest: dict) -> None:
+    """Each staged file renamed over its old self (a rename is atomic), the files the new report
+    has none of removed, progress.json last (its rows are in the new results.json)."""
+    staging = out_dir / STAGING
+    for name in manifest["files"]:
+        if (staging / name).exists():  # else moved already by a replacement cut short
+            target = out_dir / name
+            if target.is_symlink():  # a results.json linked from a dashboard stays linked
+                write_atomic(target, (staging / name).read_bytes())
+                (staging / name).unlink()
+            else:
+                os.replace(staging / name, target)
+    for name in manifest["remove"]:
+        (out_dir / name).unlink(missing_ok=True)
 
 
 def write_report(out_dir: Path, results: dict, config_toml: str) -> dict[str, Path]:
     """Write turbo.toml, results.json, report.md, report.html and the PNG plots; return their paths.
 
-    ``out_dir`` is created if missing. The returned keys are ``"config"`` (turbo.toml),
+    ``out_dir`` is created if missing. The files replace the previous report's together: they
+    are written into a staging folder first, and moved into place once all of them are there,
+    so that a kill leaves either report, never a mix of two (:func:`finish_replacement`
+    completes a move that was cut short). The returned keys are ``"config"`` (turbo.toml),
     ``"results"`` (results.json), ``"markdown"`` (report.md), ``"html"`` (report.html),
     ``"hf_trainer"`` and ``"lightning"`` (the same settings for those trainers) and one
     per plot drawn, from ``"throughput"``, ``"memory"``, ``"breakdown"``, ``"loss"``
@@ -91,29 +135,47 @@ def write_report(out_dir: Path, results: dict, config_toml: str) -> dict[str, Pa
     out_dir = Path(out_dir)
     record = json.dumps(results, indent=2) + "\n"
     prepare_dir(out_dir)
-    paths = {"results": out_dir / "results.json", "config": out_dir / "turbo.toml"}
-    # The record and the config first: if drawing fails later, the measurements are kept.
-    write_atomic(paths["results"], record.encode())
-    (out_dir / INTERRUPTED).unlink(missing_ok=True)  # what it kept is in this record now
-    write_atomic(paths["config"], config_toml.encode())
-    paths.update(write_trainer_settings(out_dir, TurboConfig.from_toml(config_toml)))
+    finish_replacement(out_dir)
+    staging = out_dir / STAGING
+    staging.mkdir()
+    try:
+        staged = _stage(staging, results, record, config_toml)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    drawn = {path.name for path in staged.values()}
+    manifest = {
+        "files": sorted(drawn),
+        "remove": [PROGRESS] + [f"{p.name}.png" for p in PLOTS if f"{p.name}.png" not in drawn],
+    }
+    write_atomic(staging / MANIFEST, json.dumps(manifest).encode())
+    _move_into_place(out_dir, manifest)
+    shutil.rmtree(staging, ignore_errors=True)
+    return {key: out_dir / path.name for key, path in staged.items()}
 
+
+def _stage(staging: Path, results: dict, record: str, config_toml: str) -> dict[str, Path]:
+    """Every file of the report written into ``staging``; their paths by key."""
+    paths = {"results": staging / "results.json", "config": staging / "turbo.toml"}
+    paths["results"].write_text(record)
+    paths["config"].write_text(config_toml)
+    paths.update(write_trainer_settings(staging, TurboConfig.from_toml(config_toml)))
     pngs: dict[str, bytes] = {}
     left_out = plots_left_out()
     for plot in PLOTS:
         figure = None if left_out else plot.draw(results)
-        path = out_dir / f"{plot.name}.png"
         if figure is None:
-            path.unlink(missing_ok=True)  # a previous run's plot would contradict this report
             continue
         pngs[plot.name] = png(figure)
-        paths[plot.name] = path
-        write_atomic(path, pngs[plot.name])
-
+        paths[plot.name] = staging / f"{plot.name}.png"
+        paths[plot.name].write_bytes(pngs[plot.name])
     blocks = build_blocks(results, pngs, plots_left_out=left_out)
     title = f"torchturbo tune report: {results.get('recipe') or 'recipe'}"
-    paths["markdown"] = out_dir / "report.md"
-    paths["html"] = out_dir / "report.html"
-    write_atomic(paths["markdown"], render_markdown(blocks).encode())
-    write_atomic(paths["html"], render_html(blocks, pngs, title).encode())
+    paths["markdown"] = staging / "report.md"
+    paths["html"] = staging / "report.html"
+    paths["markdown"].write_text(render_markdown(blocks))
+    paths["html"].write_text(render_html(blocks, pngs, title))
+    for path in paths.values():  # on disk before the manifest says the report is complete
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
     return paths

@@ -48,11 +48,7 @@ def confirm(run: Run, baseline: Incumbent, best: Incumbent) -> tuple[Confirmatio
     if floor is best:
         return _fits(floor, ()), floor
     steps = _chain_steps(run, baseline)
-    searched = math.prod(
-        a.outcome.over_best or a.outcome.comparison.speed.ratio
-        for a in run.adoptions
-        if a.outcome is not None and a.outcome.comparison is not None
-    )
+    searched = _searched(run)
     expected = confirmation_target(searched, must_fit=floor is not None)
     chained = compare_chain(
         [trial for _, _, trial in steps],
@@ -90,6 +86,40 @@ def confirm(run: Run, baseline: Incumbent, best: Incumbent) -> tuple[Confirmatio
         later = [a.name for a in run.adoptions[run.adoptions.index(floor) + 1 :]]
         return _fits(floor, tuple(later), describe(speed)), floor
     return _drop(run, baseline, measured)
+
+
+def _searched(run: Run) -> float:
+    """What the search's adoptions multiply to over the baseline, each by its own measurement."""
+    return math.prod(
+        a.outcome.over_best or a.outcome.comparison.speed.ratio
+        for a in run.adoptions
+        if a.outcome is not None and a.outcome.comparison is not None
+    )
+
+
+def unconfirmed(run: Run, why: str) -> Confirmation:
+    """The run stopped (``why``) before its confirmation: the incremental table is each
+    adoption's own measurement, the one that adopted it, against the best of its time."""
+    measured = [
+        (a.name, a.outcome.stage, a.outcome.comparison)
+        for a in run.adoptions
+        if a.outcome is not None and a.outcome.comparison is not None
+    ]
+    if not measured:
+        return Confirmation(state="interrupted", comparison=None, note=f"{why}: nothing adopted")
+    first = measured[0][2]
+    head = {
+        "name": f"baseline ({BASELINE})",
+        "stage": "",
+        "step_ms": first.reference_step_ms,
+        "throughput": first.reference_throughput,
+    }
+    rows = [{"name": f"+ {name}", "stage": stage, **c.to_dict()} for name, stage, c in measured]
+    note = (
+        f"{why} before the confirmation: the search's adoptions measured {_searched(run):.2f}x "
+        "together, unconfirmed; the same command measures the rest and confirms"
+    )
+    return Confirmation(state="interrupted", comparison=None, note=note, rows=(head, *rows))
 
 
 def _fitting_floor(run: Run, baseline: Incumbent) -> Incumbent | None:

@@ -227,7 +227,9 @@ def _times(steps: int, per_step: float | None) -> float | None:
     return None if per_step is None else steps * per_step
 
 
-ConfirmationState = Literal["not needed", "confirmed", "consistent", "dropped", "reverted", "fits"]
+ConfirmationState = Literal[
+    "not needed", "confirmed", "consistent", "dropped", "reverted", "fits", "interrupted"
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -242,7 +244,9 @@ class Confirmation:
     and the rest was confirmed. ``reverted``: nothing could be confirmed, the baseline is kept.
     ``fits``: the baseline does not fit the memory budget, so the adoption that made the step fit
     is kept whatever its speed (``comparison`` is its own measurement against the baseline);
-    adoptions after it that the confirmation contradicted are in ``dropped``.
+    adoptions after it that the confirmation contradicted are in ``dropped``. ``interrupted``:
+    a stop signal or Ctrl-C ended the run before the confirmation; the search's pick is kept,
+    unconfirmed, and the rows are each adoption's own measurement.
     """
 
     state: ConfirmationState

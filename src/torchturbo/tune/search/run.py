@@ -18,7 +18,8 @@ The budget covers all of it: before each candidate the time for the confirmation
 is held back, a running comparison stops when its next round would not fit, and a one-time cost
 that cannot be split (a compile) is announced with its estimate and started only when it fits.
 Tuning again with the previous results.json reuses what was measured (``previous``); so does
-tuning again after Ctrl-C, from what the interrupted run kept (:class:`TuneInterrupted`).
+tuning again after a stop, from the record kept after every decided row (``on_record``) or the
+report of the stopped run (:class:`TuneInterrupted`).
 
 Under torchrun every rank runs the tuner, every trial is a DDP/FSDP trial, and every branch taken
 on a measurement follows rank 0's value (``distributed.consensus``), so the ranks' collectives
@@ -68,7 +69,7 @@ from torchturbo.tune.search.budget import (
 )
 from torchturbo.tune.search.candidate import estimate, reserve, try_candidate
 from torchturbo.tune.search.compare import steps_per_round
-from torchturbo.tune.search.confirm import confirm
+from torchturbo.tune.search.confirm import confirm, unconfirmed
 from torchturbo.tune.search.fastest_fit import fastest_alternative, fastest_fit
 from torchturbo.tune.search.loader_stage import loader_stage
 from torchturbo.tune.search.outcome import Confirmation, Outcome, TuneResult, left_out_for_time
@@ -95,12 +96,20 @@ LARGE_GAIN = 1.10
 
 
 class TuneInterrupted(KeyboardInterrupt):
-    """Ctrl-C during :func:`tune` once candidates are being measured: ``partial`` holds every
-    candidate decided so far and the adoptions in order, in the shape of a results.json, so
-    that ``tune(..., previous=partial)`` reuses them and measures only the rest."""
+    """A stop signal or Ctrl-C during :func:`tune` once the baseline was measured. ``partial``
+    holds every candidate decided so far and the adoptions in order, in the shape of a
+    results.json, so that ``tune(..., previous=partial)`` reuses them and measures only the rest;
+    ``config`` and ``result`` are the run as far as it went (its confirmation ``interrupted``),
+    for the report. Building them measures nothing and meets no other rank."""
 
-    def __init__(self, partial: dict[str, Any]) -> None:
+    def __init__(
+        self, partial: dict[str, Any], config: TurboConfig, result: TuneResult, why: str
+    ) -> None:
         self.partial = partial
+        self.config = config
+        self.result = result
+        #: "stopped by SIGTERM": what ended the run.
+        self.why = why
         super().__init__(f"{self.measured} measured candidate(s) kept in .partial")
 
     @property
@@ -119,6 +128,7 @@ def tune(
     previous_source: str = "the previous results.json",
     clock: Callable[[], float] = time.perf_counter,
     on_estimate: Callable[[MemoryEstimate], None] | None = None,
+    on_record: Callable[[dict[str, Any]], None] | None = None,
 ) -> tuple[TurboConfig, TuneResult]:
     """Tune ``recipe``; returns the chosen config and the run's :class:`TuneResult`.
 
@@ -128,11 +138,21 @@ def tune(
     reused. ``on_progress(stage, candidate, seconds_left)`` is called as the work moves on;
     ``clock`` is what the budget is counted on. ``on_estimate`` is handed the memory estimate
     of the baseline step before anything is measured (the result then says how far off it was).
+    ``on_record`` is handed the run's record so far (as ``previous`` reads it) after every
+    decided row, so that a run killed at any point loses at most the row it was measuring.
     """
     options = options or TuneOptions()
     with compile_cache(options.compile_cache_dir):
         config, result = _tune(
-            recipe, options, stages, on_progress, previous, previous_source, clock, on_estimate
+            recipe,
+            options,
+            stages,
+            on_progress,
+            previous,
+            previous_source,
+            clock,
+            on_estimate,
+            on_record,
         )
     if config.compile.mode != "off" and options.compile_cache_dir:
         config = config.replace(compile__cache_dir=options.compile_cache_dir)
@@ -182,6 +202,7 @@ def _tune(
     previous_source: str,
     clock: Callable[[], float],
     on_estimate: Callable[[MemoryEstimate], None] | None,
+    on_record: Callable[[dict[str, Any]], None] | None,
 ) -> tuple[TurboConfig, TuneResult]:
     selected = select_stages(stages or tuner_stages(), options)
     budget = Budget(options.time_budget_s, clock)
@@ -240,6 +261,7 @@ def _tune(
             reference_losses=trial.loss_curve()[:PARITY_STEPS],
             adoptions=adoptions,
             memory=memory,
+            baseline_count=trial.mean_count(),
         )
         parameters = sum(p.numel() for p in trial.model.parameters())
         current = fingerprint(recipe, options, device, parameters)
@@ -248,8 +270,10 @@ def _tune(
         reuse, reuse_note = Previous.first(previous or [], current)
         if reuse_note:
             say("reuse", reuse_note, budget.left())
+        if on_record is not None:
+            run.on_decided = lambda: on_record(_partial(run, current, reuse))
+        loader = None
         try:
-            loader = None
             if LOADER_STAGE in selected:
                 outcome, loader, data = loader_stage(run, baseline)
                 run.outcomes.append(outcome)
@@ -261,7 +285,26 @@ def _tune(
             say("confirmation", best.name, budget.left())
             confirmation, best = confirm(run, baseline, best)
         except KeyboardInterrupt as interrupt:
-            raise TuneInterrupted(_partial(run, current, reuse)) from interrupt
+            best = run.adoptions[-1] if run.adoptions else baseline
+            # Ctrl-C under Python's own handler is a plain KeyboardInterrupt.
+            why = f"stopped by {getattr(interrupt, 'signal_name', None) or 'SIGINT'}"
+            result = _result(
+                run,
+                baseline,
+                best,
+                unconfirmed(run, why),
+                loader,
+                reuse,
+                reuse_note,
+                current,
+                interrupted=True,
+            )
+            result = dataclasses.replace(
+                result,
+                memory_estimate=_estimate_record(memory, memory_error, baseline.memory_bytes),
+            )
+            partial = _partial(run, current, reuse)
+            raise TuneInterrupted(partial, best.config, result, why) from interrupt
         result = _result(run, baseline, best, confirmation, loader, reuse, reuse_note, current)
         result = dataclasses.replace(
             result, memory_estimate=_estimate_record(memory, memory_error, baseline.memory_bytes)
@@ -413,6 +456,7 @@ def _search(
     planned = False
     memory, lever_of = memory_stages(), levers()
     while proposals := _proposals(run, stages, best, tried):
+        run.on_decided()  # the rows decided so far, whatever ends the run from here
         if not planned:  # before the first measurement, say what the budget leaves out
             planned = True
             # Estimates read this rank's clock: every rank takes rank 0's note (a collective).
@@ -447,6 +491,7 @@ def _search(
             # in the same rounds, which is what the incremental table shows.
             run.adoptions.append(incumbent)
             best = incumbent
+    run.on_decided()
     return best
 
 
@@ -551,7 +596,11 @@ def _result(
     reuse: Previous | None,
     reuse_note: str,
     current: dict[str, Any],
+    *,
+    interrupted: bool = False,
 ) -> TuneResult:
+    """The run's result. ``interrupted``: a stop cut it short, and the ranks may no longer meet:
+    nothing is measured (no phase breakdown) and the counts are those already agreed."""
     order = {name: i for i, name in enumerate([LOADER_STAGE, *tuner_stages()])}
     candidates = sorted(run.outcomes, key=lambda o: order.get(o.stage, len(order)))
     kept = (
@@ -562,7 +611,7 @@ def _result(
     loader_adopted = tuple(
         o.name for o in candidates if o.stage == LOADER_STAGE and o.verdict == "adopted"
     )
-    breakdown = _breakdowns(run, baseline, best)
+    breakdown = {} if interrupted else _breakdowns(run, baseline, best)
     return TuneResult(
         recipe=run.recipe.name,
         device=str(run.device),
@@ -582,7 +631,7 @@ def _result(
             loss_curve=tuple(run.reference_losses),
         ),
         baseline_step_ms=run.baseline_step_s * 1e3,
-        baseline_throughput=baseline.trial.mean_count() / run.baseline_step_s,
+        baseline_throughput=run.baseline_count / run.baseline_step_s,
         candidates=tuple(candidates),
         adopted=loader_adopted + kept,
         confirmation=confirmation,
@@ -612,16 +661,29 @@ def _result(
         system=summary(),
         fingerprint=current,
         budget_note=run.budget_note,
-        baseline_count_per_step=_job_count_per_step(run, baseline),
-        best_count_per_step=_job_count_per_step(run, best),
+        baseline_count_per_step=_job_count_per_step(run, baseline, run.baseline_count),
+        best_count_per_step=_job_count_per_step(
+            run, best, _trial_count(run, best, baseline, interrupted)
+        ),
     )
 
 
-def _job_count_per_step(run: Run, incumbent: Incumbent) -> float:
+def _trial_count(run: Run, best: Incumbent, baseline: Incumbent, interrupted: bool) -> float:
+    """The chosen config's trial's mean count per step: counted again (a collective), or after
+    a stop the figure its adoption agreed on."""
+    if best is baseline:
+        return run.baseline_count
+    if not interrupted:
+        return best.trial.mean_count()
+    counted = best.outcome.count_per_step if best.outcome is not None else None
+    return run.baseline_count if counted is None else counted
+
+
+def _job_count_per_step(run: Run, incumbent: Incumbent, trial_count: float) -> float:
     """What a step of ``incumbent``'s job trains on average: the epoch's tokens over its plan's
     batches where the recipe counts tokens and has lengths, else its trial's mean count."""
     count = run.batches.tokens_per_step(incumbent.config)
-    return incumbent.trial.mean_count() if count is None else count
+    return trial_count if count is None else count
 
 
 def _breakdowns(run: Run, baseline: Incumbent, best: Incumbent) -> dict[str, dict[str, float]]:

@@ -127,6 +127,11 @@ class Run:
     memory: MemoryEstimate | None = None
     #: Said before the search when the budget cannot measure every large expected gain.
     budget_note: str = ""
+    #: Samples or tokens per baseline step, measured once with the baseline (a collective
+    #: under torchrun: read here later, when ranks may no longer meet).
+    baseline_count: float = 0.0
+    #: Called after every decided row: the run's record so far is kept (``tune(on_record=)``).
+    on_decided: Callable[[], None] = lambda: None
 
     @property
     def horizon(self) -> Horizon:
