@@ -73,6 +73,13 @@ def add_parser(commands: Any) -> None:
     )
     train.add_argument("--resume", action="store_true", help="continue from --checkpoint-dir")
     train.add_argument(
+        "--next-epoch",
+        action="store_true",
+        help="with --resume: start the epoch after the checkpoint's instead of continuing it "
+        "(a resume mid-epoch onto changed data, or another [data] batches, is refused: the "
+        "checkpoint's position counts in the data it was saved with)",
+    )
+    train.add_argument(
         "--activation-budget",
         type=parse_size,
         metavar="SIZE",
@@ -137,6 +144,8 @@ def _train_command(args: argparse.Namespace) -> int:
 
     if args.resume and args.checkpoint_dir is None:
         raise ValueError("--resume needs --checkpoint-dir to know where to resume from")
+    if args.next_epoch and not args.resume:
+        raise ValueError("--next-epoch starts the epoch after a checkpoint's: give --resume too")
     if args.save_every and args.checkpoint_dir is None:
         raise ValueError("--save-every needs --checkpoint-dir to know where to save")
     config = chosen_config(args)
@@ -159,6 +168,7 @@ def _train_command(args: argparse.Namespace) -> int:
                 checkpoint_dir=args.checkpoint_dir,
                 save_every=args.save_every,
                 resume=args.resume,
+                next_epoch=args.next_epoch,
                 on_event=main_print,
                 logger=logger,
                 on_progress=on_progress,

@@ -28,7 +28,13 @@ from torchturbo.distributed.strategy import Strategy
 from torchturbo.reliability import remap
 from torchturbo.reliability.epochs import EpochLoader, LoaderPosition
 from torchturbo.reliability.guard import refuse_nonfinite_state
-from torchturbo.resume.checks import STATE_VERSION, check_resumable, lacking_files
+from torchturbo.resume.checks import (
+    STATE_VERSION,
+    check_resumable,
+    data_changes,
+    data_problems,
+    lacking_files,
+)
 from torchturbo.resume.files import CheckpointError
 from torchturbo.techniques.framework.steps import Steps
 
@@ -81,6 +87,8 @@ def save_training_state(turbo: Resumable, directory: str | Path, scheduler: Any 
             # another number of ranks continues from (reliability/remap.py).
             "loader_order": None if position is None else position.order,
             "world_size": turbo.strategy.env.world_size,
+            # What the position counts in: a resume onto other data must not continue it.
+            "data": None if turbo.loader is None else turbo.loader.identity,
         },
         "config.toml": turbo.config.to_toml(),
     }
@@ -111,8 +119,14 @@ def save_training_state(turbo: Resumable, directory: str | Path, scheduler: Any 
     )
 
 
-def load_training_state(turbo: Resumable, directory: str | Path, scheduler: Any = None) -> Path:
-    """Restore the newest valid checkpoint under ``directory`` into ``turbo``; returns its path."""
+def load_training_state(
+    turbo: Resumable, directory: str | Path, scheduler: Any = None, *, next_epoch: bool = False
+) -> Path:
+    """Restore the newest valid checkpoint under ``directory`` into ``turbo``; returns its path.
+
+    ``next_epoch``: the loader starts the epoch after the checkpoint's (at its start, the one
+    it was at) instead of continuing it: what a resume onto changed data or another batch plan
+    asks for, since the checkpoint's position counts in the data it was saved with."""
     if turbo.model is None or turbo.optimizer is None or turbo.strategy is None:
         raise CheckpointError("Turbo.load needs Turbo.setup(model, optimizer, ...) first")
     # A checkpoint whose manifest lacks a file every checkpoint holds is skipped as corrupt.
@@ -121,16 +135,22 @@ def load_training_state(turbo: Resumable, directory: str | Path, scheduler: Any 
     model = turbo.strategy.unwrap(turbo.model)
     saved_state = files.get("state.json")
     world = turbo.strategy.env.world_size
-    moved = remap.world_problems(saved_state, turbo.loader, world)
+    identity = None if turbo.loader is None else turbo.loader.identity
+    moved = [] if next_epoch else remap.world_problems(saved_state, turbo.loader, world)
+    changed = [] if next_epoch else data_problems(saved_state, identity)
     check_resumable(
         path,
         files,
         model,
         turbo.optimizer,
         turbo.loader,
-        position_problems=moved,
-        carried_over=not moved and remap.carried_over_state(saved_state, turbo.loader),
+        position_problems=[*moved, *changed],
+        # A new epoch counts no position of the old one: nothing to check it against.
+        carried_over=next_epoch
+        or (not moved and remap.carried_over_state(saved_state, turbo.loader)),
     )
+    if not next_epoch:
+        _warn_on_new_data(path, saved_state, identity)
     saved = files["state.json"]
     state = turbo.state_dict()  # the live state: what a sharded checkpoint is read into
     live = {"model": state["model"], "optimizer": state["optimizer"]}
@@ -154,7 +174,11 @@ def load_training_state(turbo: Resumable, directory: str | Path, scheduler: Any 
         random={**rng, "numpy": plain["numpy"], "python": plain["python"]},
         loader=None,
     )
-    if saved["loader"] is not None:
+    if saved["loader"] is not None and next_epoch:
+        epoch, batches = saved["loader"]
+        # The random state of the moment it was saved, as an uninterrupted run's next epoch.
+        state["loader"] = LoaderPosition(epoch + (1 if batches else 0), 0, None, rng["torch"])
+    elif saved["loader"] is not None:
         epoch, batches = saved["loader"]
         state["loader"] = LoaderPosition(
             epoch,
@@ -166,6 +190,19 @@ def load_training_state(turbo: Resumable, directory: str | Path, scheduler: Any 
         )
     turbo.load_state_dict(state)
     return path
+
+
+def _warn_on_new_data(path: Path, saved: Any, identity: dict[str, Any] | None) -> None:
+    """A checkpoint at an epoch's start resumed onto changed data: exact (the next epoch is the
+    current data's), but said, since the run no longer trains what it began with."""
+    changes = data_changes(saved, identity)
+    if changes:
+        warnings.warn(
+            f"resuming from {path} at the start of an epoch onto changed data: "
+            f"{'; '.join(changes)}; the next epoch trains the current data",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 def _warn_on_config_change(path: Path, saved_toml: str, current: TurboConfig) -> None:

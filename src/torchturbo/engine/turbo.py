@@ -37,7 +37,7 @@ from torchturbo.engine.compose import compose
 from torchturbo.engine.loader import training_loader
 from torchturbo.engine.state import load_training_state, save_training_state
 from torchturbo.measure.breakdown import NullRecorder, Recorder
-from torchturbo.reliability.epochs import EpochLoader
+from torchturbo.reliability.epochs import EpochLoader, data_identity
 from torchturbo.reliability.guard import (
     BACKWARD_INSIDE,
     LossFnError,
@@ -206,7 +206,7 @@ class Turbo:
                 pad_values=pad_values,
                 model=model,
             )
-        self.loader = EpochLoader(data)
+        self.loader = EpochLoader(data, data_identity(data, lengths))
         return self.model, optimizer, self.loader
 
     def _microbatcher(self, model: nn.Module) -> MicroBatcher:
@@ -454,12 +454,16 @@ class Turbo:
         """
         return save_training_state(self, directory, scheduler)
 
-    def load(self, directory: str | Path, *, scheduler: Any = None) -> Path:
+    def load(
+        self, directory: str | Path, *, scheduler: Any = None, next_epoch: bool = False
+    ) -> Path:
         """Restore the newest checkpoint under ``directory`` that verifies, after ``setup``.
 
-        The loader returned by ``setup`` continues from the saved position. Returns the path read.
+        The loader returned by ``setup`` continues from the saved position; a position counted
+        in other data (another size, lengths or batch plan) is refused mid-epoch, and
+        ``next_epoch=True`` starts the epoch after it instead. Returns the path read.
         """
-        return load_training_state(self, directory, scheduler)
+        return load_training_state(self, directory, scheduler, next_epoch=next_epoch)
 
     def close(self) -> None:
         """Nothing to release any more: the process-wide switches (TF32, cuDNN autotuning) are

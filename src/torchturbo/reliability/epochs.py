@@ -31,7 +31,8 @@ built and adds a dependency.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import hashlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +40,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, Sampler
 
 from torchturbo.data.batch_plan import PlannedSampler
+from torchturbo.data.length import length_or_none
 from torchturbo.reliability import remap
 
 
@@ -63,11 +65,30 @@ class LoaderPosition:
     order: dict[str, Any] | None = None
 
 
-class EpochLoader:
-    """Iterate ``loader`` epoch after epoch, one batch ahead, keeping a resumable position."""
+def data_identity(loader: DataLoader, lengths: Sequence[int] | None = None) -> dict[str, Any]:
+    """What a checkpoint records to recognise the data its epoch's position counts in: the
+    dataset's size (None for a stream without one), a digest of the per-sample lengths in their
+    order when they are given (a reordered or edited text dataset of the same size differs in
+    it), and the batch plan (its sampler's class). Samples of equal size reordered, without
+    lengths, are not seen: reading samples to fingerprint them would draw their augmentation."""
+    digest = None
+    if lengths is not None:
+        digest = hashlib.sha256(",".join(map(str, lengths)).encode()).hexdigest()[:16]
+    return {
+        "samples": length_or_none(loader.dataset),
+        "lengths": digest,
+        "plan": type(loader.batch_sampler).__name__ if loader.batch_sampler is not None else None,
+    }
 
-    def __init__(self, loader: DataLoader) -> None:
+
+class EpochLoader:
+    """Iterate ``loader`` epoch after epoch, one batch ahead, keeping a resumable position.
+    ``identity`` (:func:`data_identity`) goes into checkpoints: a resume onto other data is
+    refused mid-epoch rather than continued on it."""
+
+    def __init__(self, loader: DataLoader, identity: dict[str, Any] | None = None) -> None:
         self.loader = loader
+        self.identity = identity if identity is not None else data_identity(loader)
         #: The epoch the next ``iter()`` starts (the one in progress is ``epoch - 1``).
         self.epoch = 0
         #: Batches of the epoch in progress handed to the training loop so far.

@@ -127,6 +127,46 @@ def state_problems(state: Any, batches_per_epoch: int | None, path: Path) -> lis
     return problems
 
 
+def data_changes(state: Any, identity: Mapping[str, Any] | None) -> list[str]:
+    """How this run's data (``identity``, ``reliability.epochs.data_identity``) differs from the
+    data the checkpoint's position counts in, one phrase each; [] for a checkpoint that recorded
+    none (an older torchturbo, or no loader)."""
+    saved = state.get("data") if isinstance(state, dict) else None
+    if not isinstance(saved, dict) or identity is None:
+        return []
+    changes = []
+    if saved.get("samples") != identity.get("samples"):
+        changes.append(
+            f"the dataset has {identity.get('samples')} samples, the checkpoint's had "
+            f"{saved.get('samples')}"
+        )
+    elif saved.get("lengths") != identity.get("lengths"):
+        changes.append("the samples' lengths differ in order (the data was reordered or edited)")
+    if saved.get("plan") != identity.get("plan"):
+        changes.append(
+            f"the batches are planned by {identity.get('plan')}, the checkpoint's by "
+            f"{saved.get('plan')} ([data] batches)"
+        )
+    return changes
+
+
+def data_problems(state: Any, identity: Mapping[str, Any] | None) -> list[str]:
+    """The refusal of a mid-epoch resume onto changed data (``data_changes``): the position
+    counts batches of the old data, so continuing would skip some samples and repeat others.
+    At an epoch's start nothing is counted yet: no problem (the engine says so)."""
+    position = state.get("loader") if isinstance(state, dict) else None
+    changes = data_changes(state, identity)
+    if not changes or not (isinstance(position, list) and len(position) == 2 and position[1]):
+        return []
+    epoch, batches = position
+    return [
+        f"{'; '.join(changes)}: its position (epoch {epoch}, {batches} batches in) counts in the "
+        "data it was saved with, and continuing it here would skip some samples and train "
+        f"others twice; resume with --next-epoch (Turbo.load(..., next_epoch=True)) to start "
+        f"epoch {epoch + 1} from this checkpoint"
+    ]
+
+
 def model_problems(saved: Any, model: nn.Module) -> list[str]:
     """Parameter and buffer names and shapes of the checkpoint against ``model``'s."""
     if not isinstance(saved, Mapping):

@@ -99,6 +99,7 @@ def train(
     checkpoint_dir: str | Path | None = None,
     save_every: int = 0,
     resume: bool = False,
+    next_epoch: bool = False,
     on_event: Callable[[str], None] | None = None,
     logger: AnyLogger | None = None,
     on_progress: Callable[[TrainProgress], None] | None = None,
@@ -107,7 +108,9 @@ def train(
 
     ``save_every`` > 0 saves every that many optimizer steps into ``checkpoint_dir``, which is
     also saved at the end; ``resume`` continues from its newest valid checkpoint, whose step must
-    not exceed ``steps``. A run that ends on skipped non-finite steps raises
+    not exceed ``steps``; ``next_epoch`` (with ``resume``) starts the epoch after the checkpoint's
+    instead of continuing it, as a resume onto changed data or another batch plan must (a
+    mid-epoch resume onto them is refused). A run that ends on skipped non-finite steps raises
     :class:`~torchturbo.reliability.guard.NonFiniteError` instead of returning, and saves nothing.
     ``logger`` receives each optimizer step's metrics (under torchrun, pass it on every rank: the
     meter all-reduces the counts; ``metrics_log.open_loggers`` gives rank 0 the only writers).
@@ -121,6 +124,8 @@ def train(
     :class:`~torchturbo.reliability.preemption.StopNow`.
     """
     _check_arguments(steps, save_every, checkpoint_dir, resume)
+    if next_epoch and not resume:
+        raise ValueError("next_epoch starts the epoch after a checkpoint's: it needs resume=True")
     graceful = checkpoint_dir is not None
     with (
         stop_on_signals(graceful, grace_s=config.reliability.stop_grace_s) as stop,
@@ -134,6 +139,7 @@ def train(
             checkpoint_dir=checkpoint_dir,
             save_every=save_every,
             resume=resume,
+            next_epoch=next_epoch,
             on_event=on_event or (lambda event: None),
             logger=logger,
             on_progress=on_progress,
@@ -149,6 +155,7 @@ def _train(
     checkpoint_dir: str | Path | None,
     save_every: int,
     resume: bool,
+    next_epoch: bool,
     on_event: Callable[[str], None],
     logger: AnyLogger | None,
     on_progress: Callable[[TrainProgress], None] | None,
@@ -169,7 +176,7 @@ def _train(
         resumed_from: Path | None = None
         if resume:
             assert checkpoint_dir is not None  # _check_arguments refuses resume without one
-            resumed_from = turbo.load(checkpoint_dir)
+            resumed_from = turbo.load(checkpoint_dir, next_epoch=next_epoch)
         if resumed_from is not None:
             check_steps(steps, turbo.optimizer_steps, resumed_from)
             on_event(
