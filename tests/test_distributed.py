@@ -359,3 +359,19 @@ def test_torchrun_train_is_ddp_equal_to_one_process_on_the_union_of_batches(tmp_
     assert error(union) <= tolerance
     # Negative control: weighing each rank's mean equally (plain DDP) lands far outside it.
     assert error(mean_of_means) > 10 * tolerance
+
+
+STREAM = str(Path(__file__).parent / "recipes" / "stream.py") + ":recipe"
+
+
+@pytest.mark.slow
+def test_a_stream_recipe_trains_under_torchrun_each_rank_its_own_share(tmp_path, monkeypatch):
+    """An IterableDataset has no len() for a DistributedSampler: dealt out instead, rank r the
+    r-th item of each round of 2, the odd 37th dropped, so both ranks have 5 batches."""
+    log = tmp_path / "ids"
+    monkeypatch.setenv("STREAM_LOG", str(log))
+    command = ["-m", "torchturbo", "train", STREAM, "--device", "cpu", "--steps", "5"]
+    output = torchrun_two(command, TIMEOUT_S)
+    assert "trained to optimizer step 5" in output
+    ids = [[int(i) for i in Path(f"{log}.rank{r}").read_text().split()] for r in range(2)]
+    assert sorted(ids[0]) == list(range(0, 36, 2)) and sorted(ids[1]) == list(range(1, 36, 2))

@@ -97,3 +97,47 @@ def test_bucketed_batches_pad_far_less_than_random_ones():
     random_batches = torch.randperm(400).split(8)
     naive = padding_fraction([b.tolist() for b in random_batches], lengths)
     assert bucketed < 0.1 < 0.4 < naive
+
+
+def test_a_stream_is_dealt_out_to_ranks_an_equal_share_each():
+    from torchturbo.data.streams import RankShare
+
+    class Count(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(range(11))
+
+    shares = [list(RankShare(Count(), 3, rank)) for rank in range(3)]
+    assert shares == [[0, 3, 6], [1, 4, 7], [2, 5, 8]]  # 9 and 10: an incomplete round
+    with pytest.raises(TypeError):
+        len(RankShare(Count(), 3, 0))  # the stream has no len(), nor has its share
+
+
+def test_lengths_given_for_a_stream_say_what_to_do():
+    from torchturbo import Recipe
+    from torchturbo.recipe import RecipeError
+
+    class Rows(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter([])
+
+    with pytest.raises(RecipeError, match=r"the dataset is a stream .* drop lengths="):
+        Recipe(
+            name="stream",
+            model=lambda: torch.nn.Linear(2, 2),
+            optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+            loss_fn=lambda model, batch: model(batch).sum(),
+            dataset=Rows(),
+            batch_size=2,
+            lengths=[3, 4],
+        )
+
+
+def test_a_length_plan_on_a_stream_says_what_to_do():
+    from torchturbo.data.batch_plan import BatchSource
+
+    class Rows(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter([])
+
+    with pytest.raises(ValueError, match=r"a stream \(Rows, an IterableDataset\) with no index"):
+        BatchSource(Rows(), None, 4).require_lengths("buckets")

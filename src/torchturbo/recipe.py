@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, IterableDataset
 
 from torchturbo.data.length import length_or_none
 
@@ -105,6 +105,14 @@ class Recipe:
             raise RecipeError(
                 f"Recipe {self.name!r}: count_unit must be 'samples' or 'tokens', "
                 f"got {self.count_unit!r}"
+            )
+        if self.lengths is not None and isinstance(self.dataset, IterableDataset):
+            raise RecipeError(
+                f"Recipe {self.name!r}: lengths are given, but the dataset is a stream "
+                f"({type(self.dataset).__name__}, an IterableDataset), which has no index to "
+                "attach a length to: drop lengths= (a stream trains on its own batches, [data] "
+                "batches = 'rows'), or make the dataset map-style (__len__ and __getitem__) to "
+                "plan batches by length"
             )
         if self.lengths is not None and len(self.lengths) != size:
             samples = "no len()" if size is None else f"{size} samples"

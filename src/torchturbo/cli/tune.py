@@ -261,30 +261,28 @@ def _tune_command(args: argparse.Namespace) -> bool:
                 say(text)
 
     fresh = not args.out.exists()
-    with contextlib.ExitStack() as owned:
+    # The lock after the launch: only then does each process know its rank.
+    with launched(args.device or "auto"), contextlib.ExitStack() as owned:
         if is_main_process():  # rank 0 writes, so rank 0 owns --out
             args.out.mkdir(parents=True, exist_ok=True)
             owned.enter_context(_nothing_left_on_failure(args.out, fresh))
             owned.enter_context(hold_directory(args.out, Owner(*TUNE_OUT)))
             finish_replacement(args.out)
         record = _progress_keeper(args.out, say) if is_main_process() else None
-        previous = read_previous(args.out)
-        with launched(args.device or "auto"):
-            stop: str | None = None
-            try:
-                with live_on_rank_zero(line):
-                    config, result = tune(
-                        recipe,
-                        options,
-                        on_progress=line.report,
-                        previous=previous,
-                        on_estimate=print_estimate,
-                        on_record=record,
-                    )
-            except TuneInterrupted as interrupted:
-                config, result, stop = interrupted.config, interrupted.result, interrupted.why
-            if not is_main_process():
-                return stop is not None
+        stop: str | None = None
+        try:
+            with live_on_rank_zero(line):
+                config, result = tune(
+                    recipe,
+                    options,
+                    on_progress=line.report,
+                    previous=read_previous(args.out),
+                    on_estimate=print_estimate,
+                    on_record=record,
+                )
+        except TuneInterrupted as interrupted:
+            config, result, stop = interrupted.config, interrupted.result, interrupted.why
+        if is_main_process():
             _report(args, console, config, result, stop)
     return stop is not None
 

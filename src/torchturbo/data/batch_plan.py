@@ -26,7 +26,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 from torch import nn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 
 #: Lengths above this many samples are matched on a seeded sample of them: the plan's count is a
 #: ratio of sums, and planning every length of a huge dataset a dozen times would take minutes.
@@ -83,6 +83,13 @@ class BatchSource:
     def require_lengths(self, plan: str) -> Sequence[int]:
         """The per-sample lengths, or a clear error naming the ``[data] batches`` plan that
         needs them."""
+        if isinstance(self.dataset, IterableDataset):
+            raise ValueError(
+                f"[data] batches = {plan!r} plans batches by per-sample length, and the dataset "
+                f"is a stream ({type(self.dataset).__name__}, an IterableDataset) with no index "
+                "to plan by: use [data] batches = 'rows', or a map-style dataset (__len__ and "
+                "__getitem__) with its lengths"
+            )
         if self.lengths is None:
             raise ValueError(
                 f"[data] batches = {plan!r} needs per-sample lengths: {self.lengths_from}"

@@ -10,12 +10,13 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from torchturbo.config import TurboConfig
 from torchturbo.data.batch_plan import BatchSource
 from torchturbo.data.collate import pad_collate
 from torchturbo.data.loader import build_loader
+from torchturbo.data.streams import RankShare
 from torchturbo.distributed.strategy import Strategy
 from torchturbo.recipe import Recipe
 from torchturbo.techniques import registry
@@ -52,7 +53,8 @@ def training_loader(
 
     A batch plan (``[data] batches`` buckets or packed) shards whole batches across ranks itself
     and replaces the caller's ``batch_sampler``; otherwise a dataset with ``batch_size`` is split
-    across ranks by the strategy, and a ``batch_sampler`` of the caller's is used as given.
+    across ranks by the strategy, a stream (``IterableDataset``) is dealt out to them
+    (``data.streams.RankShare``), and a ``batch_sampler`` of the caller's is used as given.
     Without ``collate_fn``, :func:`pad_collate` pads variable-length fields of dict samples
     (``pad_values`` per field) and collates the rest as torch's default collate does.
     """
@@ -87,7 +89,10 @@ def training_loader(
     collate_fn = collate_fn or functools.partial(
         pad_collate, pad_to_multiple=config.data.pad_to_multiple, pad_values=pad_values
     )
-    if batch_sampler is None and batch_size is not None:
+    if isinstance(data, IterableDataset):
+        if env.world_size > 1:  # no index to split by: dealt out, an equal share each
+            data = RankShare(data, env.world_size, env.rank)
+    elif batch_sampler is None and batch_size is not None:
         batch_sampler = strategy.batch_sampler(data, batch_size, shuffle=shuffle, seed=seed or 0)
         batch_size = None if batch_sampler is not None else batch_size
     if batch_size is None and batch_sampler is None:

@@ -163,9 +163,10 @@ class Turbo:
         Without ``collate_fn``, :func:`~torchturbo.data.collate.pad_collate` pads
         variable-length fields of dict samples (``pad_values`` per field, e.g. the tokenizer's
         pad id) and collates the rest as torch's default collate does. Under torchrun a dataset
-        given with ``batch_size`` is split across ranks (a ``DistributedSampler``); a
-        DataLoader, a ``batch_sampler`` or an ``IterableDataset`` is used as given and must
-        shard itself. ``comm_stats`` counts DDP's gradient bytes and time
+        given with ``batch_size`` is split across ranks (a ``DistributedSampler``), a stream
+        (``IterableDataset``) is dealt out to them, an equal share each
+        (``data.streams.RankShare``); a DataLoader or a ``batch_sampler`` is used as given
+        and must shard itself. ``comm_stats`` counts DDP's gradient bytes and time
         (``distributed/comm.py``). ``strategy`` overrides the one the config and the launch
         choose: ``Strategy(config, device, DistEnv())`` trains this model in this process alone
         inside a torchrun job (a rank-0 reference, an evaluation).

@@ -78,7 +78,10 @@ def estimate_memory(
         small, large = size, size
     trial = Trial(recipe, TurboConfig(device=str(device)), [_take(batch, large, size)])
     try:
-        model = trial.model
+        assert trial.turbo.strategy is not None  # set up by the trial
+        # Under torchrun the trial's model is wrapped (DDP's ``module.``): the blocks are named
+        # in the user's model.
+        model = trial.turbo.strategy.unwrap(trial.model)
         names = _attributed(model, blocks)
         first, _ = _saved(trial, _take(batch, small, size), names, size)
         second, tensors = _saved(trial, _take(batch, large, size), names, size)
