@@ -113,6 +113,27 @@ def test_a_path_under_a_file_is_refused_before_the_first_step(tmp_path):
     assert calls[0] == 0
 
 
+@pytest.mark.parametrize("resume", [False, True], ids=["fresh", "resume"])
+def test_a_loop_of_symbolic_links_is_named_as_one(tmp_path, resume):
+    """Path.exists() is False for a link loop and mkdir says "File exists": neither is what
+    the user needs to hear."""
+    recipe, calls = _counting(load_recipe(TINY))
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    said = r"checkpoint directory .*: '.*a' is a loop of symbolic links \(it leads back to itself\)"
+    with pytest.raises(CheckpointError, match=said):
+        train(recipe, CONFIG, steps=2, checkpoint_dir=tmp_path / "a" / "ckpt", resume=resume)
+    assert calls[0] == 0
+
+
+def test_a_loop_of_symbolic_links_as_tune_out_is_named_as_one(tmp_path, capsys):
+    from torchturbo.cli import main
+
+    (tmp_path / "a").symlink_to(tmp_path / "a")
+    assert main(["tune", TINY, "--device", "cpu", "--out", str(tmp_path / "a")]) == 2
+    assert "is a loop of symbolic links (it leads back to itself)" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     ("code", "said"),
     [

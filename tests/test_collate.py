@@ -72,3 +72,14 @@ def test_samples_with_other_fields_or_shapes_are_refused_with_what_differs():
         pad_collate([{"x": torch.zeros(2, 3)}, {"x": torch.zeros(3, 4)}])
     with pytest.raises(ValueError, match="empty batch"):
         pad_collate([])
+
+
+def test_a_sample_of_another_dtype_is_named_by_its_place_in_the_batch():
+    from torchturbo.data.collate import SampleDtypeError
+
+    samples = [{"x": torch.zeros(3), "y": torch.tensor(1)} for _ in range(4)]
+    samples[2] = {"x": torch.zeros(3, dtype=torch.float64), "y": torch.tensor(1)}
+    with pytest.raises(SampleDtypeError, match=r"sample\['x'\] is float64 where the other") as bad:
+        pad_collate(samples)
+    assert bad.value.position == 2
+    pad_collate(samples[:2] + samples[3:])  # the control: one dtype, collated as before

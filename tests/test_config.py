@@ -214,13 +214,30 @@ def test_a_section_with_a_wrong_type_skips_its_combination_checks():
         (lambda tmp: tmp / "missing.toml", "does not exist"),
         (lambda tmp: _write(tmp / "x.toml", b"\x00\xd0\xcf\x11\xe0binary"), "is not UTF-8 text"),
         (lambda tmp: _write(tmp / "x.toml", b"#" * (2 << 20)), "bytes, not a config file"),
+        (lambda tmp: _write(tmp / "x.toml", b""), "is empty, so it sets nothing"),
+        (lambda tmp: _write(tmp / "x.toml", b"\n  \n"), "is empty, so it sets nothing"),
+        (lambda tmp: _loop(tmp / "x.toml"), "is a loop of symbolic links"),
     ],
+    ids=["directory", "device", "missing", "binary", "huge", "empty", "blank", "link loop"],
 )
 def test_a_path_that_is_not_a_config_file_is_named_and_said_what_it_is(tmp_path, make, message):
     path = make(tmp_path)
     with pytest.raises(ConfigError, match=message) as caught:
         TurboConfig.load(path)
     assert repr(str(path)) in str(caught.value)
+
+
+def _loop(path: Path) -> Path:
+    """``path`` a link to a link back to it."""
+    other = path.with_name("other.toml")
+    path.symlink_to(other)
+    other.symlink_to(path)
+    return path
+
+
+def test_a_byte_order_mark_is_read_as_the_text_it_starts(tmp_path):
+    path = _write(tmp_path / "bom.toml", "\ufeff[accumulation]\nsteps = 4\n".encode())
+    assert TurboConfig.load(path).accumulation.steps == 4
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root reads files whatever their mode")

@@ -146,3 +146,39 @@ def test_the_cli_asks_for_resume_with_next_epoch(tmp_path, capsys):
     assert "--next-epoch starts the epoch after a checkpoint's: give --resume too" in (
         capsys.readouterr().err
     )
+
+
+def _with_a_float64_sample(odd: int, fixed: bool = False) -> Recipe:
+    generator = torch.Generator().manual_seed(0)
+    rows = []
+    for i in range(24):
+        x = torch.randn(8, generator=generator)
+        rows.append((x.double() if i == odd and not fixed else x, (x.sum() > 0).long()))
+    return Recipe(
+        name="f64",
+        model=lambda: nn.Linear(8, 2),
+        optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+        loss_fn=lambda model, batch: nn.functional.cross_entropy(model(batch[0]), batch[1]),
+        dataset=rows,
+        batch_size=BATCH,
+        seed=3,
+    )
+
+
+def test_a_sample_of_another_dtype_names_its_index_and_step_and_the_steps_trained_are_kept(
+    tmp_path,
+):
+    from torchturbo.data.collate import SampleDtypeError
+
+    # Sample 17 is in the seeded shuffle's 3rd batch: two steps train before it.
+    with pytest.raises(SampleDtypeError) as bad:
+        train(_with_a_float64_sample(17), CONFIG, steps=6, checkpoint_dir=tmp_path)
+    message = str(bad.value)
+    assert message.startswith("dataset sample 17 (epoch 0, ")
+    assert "is float64 where the other samples of its batch hold float32" in message
+    saved = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("ckpt-"))
+    assert "(at optimizer step 3); the last optimizer step is saved in " in message
+    assert saved == ["ckpt-0000000002"] and message.endswith("fix the sample and --resume")
+    fixed = _with_a_float64_sample(17, fixed=True)
+    result = train(fixed, CONFIG, steps=6, checkpoint_dir=tmp_path, resume=True)
+    assert result.optimizer_steps == 6

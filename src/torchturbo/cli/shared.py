@@ -107,7 +107,11 @@ def check_writable(directory: Path, option: str = "--out") -> None:
     import os
     import tempfile
 
+    from torchturbo.base.paths import loop_words, symlink_loop
+
     where = f"{option} {str(directory)!r}"
+    if (loop := symlink_loop(directory)) is not None:
+        raise ValueError(f"{where}: {loop_words(loop)}")
     existing = directory
     while not existing.exists() and existing != existing.parent:
         if existing.is_symlink():  # a dangling link: writing through it needs its target

@@ -5,6 +5,7 @@ TOML is read by ``tomllib`` (standard library) and written by ``tomli-w``.
 
 from __future__ import annotations
 
+import errno
 import stat
 import sys
 from pathlib import Path
@@ -51,16 +52,29 @@ def _read_config_file(path: Path) -> str:
     except FileNotFoundError:
         raise ConfigError(f"config file {str(path)!r} does not exist") from None
     except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise ConfigError(
+                f"config file {str(path)!r} is a loop of symbolic links (one leads back to "
+                "another): point it at the file itself"
+            ) from None
         raise ConfigError(f"cannot read config file {str(path)!r}: {err.strerror}") from None
     if kind:
         raise ConfigError(f"config file {str(path)!r} is {kind}")
     try:
-        return data.decode("utf-8")
+        # utf-8-sig: a byte-order mark (Windows editors write one) is not a TOML statement.
+        text = data.decode("utf-8-sig")
     except UnicodeDecodeError as err:
         raise ConfigError(
             f"config file {str(path)!r} is not UTF-8 text (byte {data[err.start]:#04x} at offset "
             f"{err.start}): a config is a TOML file such as the turbo.toml that tune writes"
         ) from None
+    if not text.strip():
+        raise ConfigError(
+            f"config file {str(path)!r} is empty, so it sets nothing (a write that failed?): "
+            "give it the settings (torchturbo config show prints them all), or leave the "
+            "config out to train with the defaults"
+        )
+    return text
 
 
 def _not_a_file(mode: int) -> str | None:

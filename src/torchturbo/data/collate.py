@@ -24,6 +24,8 @@ from typing import Any
 import torch
 from torch.utils.data import default_collate
 
+from torchturbo.base.nested import named_tensors
+
 IGNORE_INDEX = -100  # the default ignore_index of torch.nn.functional.cross_entropy
 #: The fields whose lengths define a sample's sequence length, in order of preference.
 _SEQUENCE_KEYS = ("tokens", "input_ids")
@@ -41,6 +43,7 @@ def pad_collate(
         raise ValueError("pad_collate got an empty batch")
     if pad_to_multiple < 1:
         raise ValueError(f"pad_to_multiple must be >= 1, got {pad_to_multiple}")
+    check_dtypes(samples)
     if not all(isinstance(s, Mapping) for s in samples):
         return default_collate(list(samples))
     keys = list(samples[0])
@@ -68,6 +71,42 @@ def pad_collate(
         elif "attention_mask" not in batch:
             batch["attention_mask"] = mask.long()
     return batch
+
+
+class SampleDtypeError(ValueError):
+    """A sample whose tensor has another dtype than the same tensor of the batch's others:
+    ``torch.stack`` would promote the whole batch to the wider dtype, and the model would fail
+    on it later ("mat1 and mat2 must have the same dtype") or train in it unseen. ``position``
+    is the sample's place in its batch (None once re-raised from a loader worker, which keeps
+    the message only); the loader then names its dataset index and the step."""
+
+    def __init__(self, message: str, position: int | None = None) -> None:
+        super().__init__(message)
+        self.position = position
+
+
+def check_dtypes(samples: Sequence[Any]) -> None:
+    """Raise :class:`SampleDtypeError` for the first sample whose tensor at some place differs
+    in dtype from the majority of the batch's (every sample's tensors by name)."""
+    named = [dict(named_tensors(sample, "sample")) for sample in samples]
+    for name in named[0]:
+        tensors = [each.get(name) for each in named]
+        kinds = [t.dtype for t in tensors if t is not None]
+        if len(set(kinds)) < 2:
+            continue
+        usual = max(set(kinds), key=kinds.count)
+        odd, tensor = next(
+            (i, t) for i, t in enumerate(tensors) if t is not None and t.dtype != usual
+        )
+        raise SampleDtypeError(
+            f"{name} is {_dtype_name(tensor.dtype)} where the other samples of its batch hold "
+            f"{_dtype_name(usual)}: convert it where the dataset builds its samples",
+            odd,
+        )
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _variable_length(values: list[Any]) -> bool:

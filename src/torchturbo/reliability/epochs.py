@@ -40,6 +40,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, Sampler
 
 from torchturbo.data.batch_plan import PlannedSampler
+from torchturbo.data.collate import SampleDtypeError, check_dtypes
 from torchturbo.data.length import length_or_none
 from torchturbo.reliability import remap
 
@@ -241,7 +242,7 @@ class EpochLoader:
         iterator = iter(loader)
         for _ in range(skip if method == "drain" else 0):
             next(iterator, None)
-        current = next(iterator, _END)
+        current = self._fetch(iterator)
         if resume is not None and self._after_resume is not None:
             self._after_resume()
         if current is _END:
@@ -253,7 +254,14 @@ class EpochLoader:
         while True:
             # Taken before the next batch is fetched: the state with ``current`` the last one.
             state = self._capture()
-            upcoming = next(iterator, _END)
+            try:
+                upcoming = self._fetch(iterator, ahead=1)
+            except SampleDtypeError:
+                # The batch in hand is good: trained first, so that the failure loses nothing.
+                self.batches += 1
+                self._source_state = state
+                yield current
+                raise
             if upcoming is _END:
                 break
             self.batches += 1
@@ -268,6 +276,43 @@ class EpochLoader:
         finally:
             self._at_last_batch = False
         self._in_epoch = False
+
+    def _fetch(self, iterator: Iterator[Any], ahead: int = 0) -> Any:
+        """The next batch (``_END`` after the last); a sample of another dtype than its batch's
+        others is named by its dataset index and its place in the epoch."""
+        try:
+            return next(iterator, _END)
+        except SampleDtypeError as err:
+            batch = self.batches + ahead  # 0-based in the epoch
+            where = f"epoch {self.epoch - 1}, {batch} batches in"
+            raise self._named(err, batch, where) from err
+
+    def _named(self, err: SampleDtypeError, batch: int, where: str) -> SampleDtypeError:
+        """``err`` with the dataset index of its sample, found by drawing the batch's indices
+        again from the epoch's random state and checking those samples here (a worker's error
+        keeps only its message)."""
+        indices = self._indices_of(batch)
+        if indices is not None:
+            try:
+                check_dtypes([self.loader.dataset[i] for i in indices])
+            except SampleDtypeError as found:
+                assert found.position is not None
+                return SampleDtypeError(
+                    f"dataset sample {indices[found.position]} ({where}): {found}",
+                    found.position,
+                )
+        return SampleDtypeError(f"{where}: {str(err).splitlines()[-1]}", err.position)
+
+    def _indices_of(self, batch: int) -> list[int] | None:
+        """The dataset indices of this rank's ``batch``-th batch of the epoch, drawn again from
+        the epoch's order (``remap``: the order a resume rebuilds); None where it cannot be."""
+        order = remap.spec(self.loader, self.epoch - 1)
+        if order is None:
+            return None
+        batches = remap.remainder_batches(self.loader, order, 0, *self._start_state)
+        if batch >= len(batches):
+            return None
+        return [int(i) for i in batches[batch]]
 
     def _source(self) -> Any:
         return self.loader if self._stateful == "loader_state" else self.loader.dataset

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from torchturbo.base.paths import loop_words, symlink_loop
 from torchturbo.resume.files import CheckpointError, format_bytes, free_space, list_checkpoints
 
 #: Bytes of the small files of a checkpoint (random states, counters, config, manifest).
@@ -42,6 +43,8 @@ def prepare_directory(directory: str | Path, *, resume: bool) -> Path:
     """Create ``directory`` unless ``resume`` (which needs it to exist) and prove it writable."""
     path = Path(directory)
     shown = repr(str(path))
+    if (loop := symlink_loop(path)) is not None:
+        raise CheckpointError(f"checkpoint directory {shown}: {loop_words(loop)}")
     if path.exists() and not path.is_dir():
         raise CheckpointError(f"checkpoint directory {shown} is not a directory")
     if resume and not path.exists():

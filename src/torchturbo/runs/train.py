@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from torchturbo.config import INT64_MAX, ConfigError, TurboConfig
+from torchturbo.data.collate import SampleDtypeError
 from torchturbo.data.length import length_or_none
 from torchturbo.distributed.launch import current_env, init_distributed
 from torchturbo.engine import Turbo
@@ -189,37 +190,44 @@ def _train(
         clock = _StepClock(turbo.device)
         while turbo.optimizer_steps < steps and not stopping:
             yielded = 0
-            for batch in loader:
-                yielded += 1
-                samples += leading_size(batch) * world_size
-                metrics = turbo.step(recipe.loss_fn, batch)
-                clock.stepped()
-                if meter is not None:
-                    meter.update(metrics)
-                for event in microbatcher.events[seen_events:]:
-                    on_event(event)
-                seen_events = len(microbatcher.events)
-                if not metrics.optimizer_stepped:
-                    continue
-                last_loss = float(metrics.loss)
-                # Every rank asks at every step boundary, so that they all stop after this one.
-                stopping = turbo.agree_to_stop(stop)
-                if save_every and turbo.optimizer_steps % save_every == 0:
-                    assert checkpoint_dir is not None  # _check_arguments: needs one
-                    saved = turbo.save(checkpoint_dir)
-                if on_progress is not None:
-                    checkpoint = saved or resumed_from
-                    on_progress(
-                        TrainProgress(turbo.optimizer_steps, steps, last_loss, samples, checkpoint)
-                    )
-                if turbo.optimizer_steps >= steps or stopping:
-                    break
-            else:  # the epoch ended
-                if not yielded:
-                    raise ValueError(f"recipe {recipe.name!r}: the data loader yields no batch")
-                if batches_per_epoch is None:  # a stream: its length is known now
-                    batches_per_epoch = loader.batches
-                    _check_accumulation(config, recipe, batches_per_epoch)
+            try:
+                for batch in loader:
+                    yielded += 1
+                    samples += leading_size(batch) * world_size
+                    metrics = turbo.step(recipe.loss_fn, batch)
+                    clock.stepped()
+                    if meter is not None:
+                        meter.update(metrics)
+                    for event in microbatcher.events[seen_events:]:
+                        on_event(event)
+                    seen_events = len(microbatcher.events)
+                    if not metrics.optimizer_stepped:
+                        continue
+                    last_loss = float(metrics.loss)
+                    # Every rank asks at every step boundary, so that they all stop after this one.
+                    stopping = turbo.agree_to_stop(stop)
+                    if save_every and turbo.optimizer_steps % save_every == 0:
+                        assert checkpoint_dir is not None  # _check_arguments: needs one
+                        saved = turbo.save(checkpoint_dir)
+                    if on_progress is not None:
+                        checkpoint = saved or resumed_from
+                        on_progress(
+                            TrainProgress(
+                                turbo.optimizer_steps, steps, last_loss, samples, checkpoint
+                            )
+                        )
+                    if turbo.optimizer_steps >= steps or stopping:
+                        break
+                else:  # the epoch ended
+                    if not yielded:
+                        raise ValueError(f"recipe {recipe.name!r}: the data loader yields no batch")
+                    if batches_per_epoch is None:  # a stream: its length is known now
+                        batches_per_epoch = loader.batches
+                        _check_accumulation(config, recipe, batches_per_epoch)
+            except SampleDtypeError as err:
+                saved = _save_before_failing(turbo, checkpoint_dir, first_step, saved)
+                why = _failed_at(err, turbo, checkpoint_dir, saved)
+                raise SampleDtypeError(why, err.position) from err
         interrupted = stopping and turbo.optimizer_steps < steps
         turbo.guard.raise_if_ending_nonfinite(model, turbo.optimizer_steps)
         just_saved = saved is not None and saved.name == checkpoint_name(turbo.optimizer_steps)
@@ -321,6 +329,36 @@ class _StepClock:
             return None
         sync(self.device)
         return (time.perf_counter() - self.first_end) / (self.steps - 1)
+
+
+def _save_before_failing(
+    turbo: Turbo, checkpoint_dir: str | Path | None, first_step: int, saved: Path | None
+) -> Path | None:
+    """Before a run ends on bad data: its last optimizer step saved (in one process, between
+    windows, when it trained since its last save), so that a resume loses nothing."""
+    just_saved = saved is not None and saved.name == checkpoint_name(turbo.optimizer_steps)
+    if (
+        checkpoint_dir is None
+        or turbo.optimizer_steps == first_step
+        or just_saved
+        or turbo.window_open
+        or current_env().world_size > 1  # a save is collective: the other ranks are not here
+    ):
+        return saved
+    return turbo.save(checkpoint_dir)
+
+
+def _failed_at(
+    err: Exception, turbo: Turbo, checkpoint_dir: str | Path | None, saved: Path | None
+) -> str:
+    """``err`` with the step it stopped and what was kept."""
+    if saved is not None:
+        kept = f"the last optimizer step is saved in {saved}: fix the sample and --resume"
+    elif checkpoint_dir is None:
+        kept = "nothing saved (give --checkpoint-dir to keep the steps trained)"
+    else:
+        kept = "no step was trained since the run began: nothing to save"
+    return f"{err} (at optimizer step {turbo.optimizer_steps + 1}); {kept}"
 
 
 def _check_arguments(
