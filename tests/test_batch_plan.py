@@ -322,6 +322,43 @@ def test_packing_refuses_a_model_that_leaks_on_every_host(tmp_path: Any) -> None
         trainer.get_train_dataloader()
 
 
+def cached_llama() -> LlamaForCausalLM:
+    """The Llama as its config comes: use_cache = True, which the Trainer turns off to train."""
+    model = llama()
+    model.config.use_cache = True
+    return model
+
+
+@pytest.mark.parametrize(
+    ("model_init", "passes"), [(cached_llama, True), (leaky, False)], ids=["isolates", "leaks"]
+)
+def test_the_tuner_and_turbo_trainer_agree_on_packing_a_model_init_trainers_model(
+    tmp_path: Any, model_init: Any, passes: bool
+) -> None:
+    """Trainer.train() builds a fresh model from model_init, use_cache on as its config has
+    it, and sets the Trainer's use_cache only later: the check must see it as it trains, as the
+    tuner's recipe does, or TurboTrainer refuses the packing the tuner chose."""
+    from torchturbo.techniques.tools.packing_isolation import (
+        check_isolation,
+        isolation_documents,
+    )
+
+    kwargs = {
+        "args": trainer_args(tmp_path),
+        "train_dataset": documents(),
+        "data_collator": collate,
+    }
+    recipe = recipe_from_trainer(Trainer(model_init=model_init, **kwargs))
+    assert check_isolation(recipe.model(), isolation_documents(documents())).ok == passes
+    kwargs["args"].max_steps = 2
+    trainer = TurboTrainer(model_init=model_init, turbo_config=CONFIGS["packing"], **kwargs)
+    if passes:
+        assert trainer.train().global_step == 2
+    else:
+        with pytest.raises(ValueError, match="refused on IgnoresPositions: "):
+            trainer.train()
+
+
 def test_a_plan_without_lengths_names_the_field_that_needs_them() -> None:
     source = BatchSource(documents(), None, BATCH_SIZE)
     with pytest.raises(ValueError, match=r"\[data\] batches = 'buckets' needs per-sample lengths"):

@@ -180,11 +180,7 @@ class _Factories:
             self.last = self.trainer.call_model_init()
         else:
             self.last = copy.deepcopy(self.initial)
-        config = getattr(self.last, "config", None)
-        use_cache = getattr(self.trainer.args, "use_cache", None)
-        if config is not None and use_cache is not None:
-            config.use_cache = use_cache
-        return self.last
+        return as_trained(self.last, self.trainer.args)
 
     def optimizer(self, params: Any) -> torch.optim.Optimizer:
         model = parameter_owner(params, self.last)
@@ -192,6 +188,18 @@ class _Factories:
             template = getattr(self.template, "optimizer", self.template)  # accelerate's wrapper
             return clone_optimizer(template, self.template_model, model)
         return trainer_optimizer(self.trainer, model)
+
+
+def as_trained(model: nn.Module, args: Any) -> nn.Module:
+    """``model`` with the Trainer's ``use_cache``, as ``Trainer.train`` sets it on the model it
+    trains (transformers 5; a Llama config's own ``use_cache=True`` makes a cache and skips the
+    packed-sequence mask). What the packing check must see, in the tuner's recipe and in
+    ``TurboTrainer`` alike, also for a model that ``model_init`` built just now."""
+    config = getattr(model, "config", None)
+    use_cache = getattr(args, "use_cache", None)
+    if config is not None and use_cache is not None:
+        config.use_cache = use_cache
+    return model
 
 
 def trainer_optimizer(trainer: Trainer, model: nn.Module) -> torch.optim.Optimizer:
@@ -417,7 +425,8 @@ class TurboTrainer(Trainer):
         tuner's trials build it: the same batches for the same config and seed."""
         args = self.args
         assert self.model is not None  # Trainer.__init__ sets it, from model_init when given
-        model = self.model
+        # train() may have just built it from model_init, before it sets use_cache on it.
+        model = as_trained(self.model, args)
         lengths = sample_lengths(dataset, length_column=args.length_column_name)
         seed = args.data_seed if args.data_seed is not None else args.seed
         # One replica: accelerate shards whole batches across processes itself.
