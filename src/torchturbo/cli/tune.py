@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -198,7 +199,8 @@ def run(args: argparse.Namespace) -> int:
             if progress.exists()
             else "nothing was decided"
         )
-        print(f"{stop.signal_name}: stopped at once; {kept}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # the group may be gone: torchrun's variable
+            print(f"{stop.signal_name}: stopped at once; {kept}", file=sys.stderr)
         return EXIT_STOPPED
     return EXIT_STOPPED if stopped else 0
 
