@@ -8,9 +8,19 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from fault_runs import PY, ROOT, TORCHRUN, TORCHTURBO, Bench, Row, equal, micro_steps, newest, run
-
-from torchturbo.resume.files import list_checkpoints, read_checkpoint
+from fault_runs import (
+    PY,
+    ROOT,
+    TORCHRUN,
+    TORCHTURBO,
+    Bench,
+    Row,
+    equal,
+    micro_steps,
+    newest,
+    run,
+    state,
+)
 
 RECIPES = ROOT / "benchmarks" / "fault_recipes.py"
 
@@ -18,11 +28,6 @@ RECIPES = ROOT / "benchmarks" / "fault_recipes.py"
 def _train(recipe: str, ckpt: Path, steps: int, *more: Any) -> list[Any]:
     argv = ["train", f"{RECIPES}:{recipe}", "--device", "cpu", "--steps", steps]
     return [*TORCHTURBO, *argv, "--checkpoint-dir", ckpt, *more]
-
-
-def _weights(ckpt: Path) -> dict[str, Any]:
-    files = read_checkpoint(list_checkpoints(ckpt)[0])
-    return {"model": files["model.pt"], "optimizer": files["optimizer.pt"]}
 
 
 def grown_data(bench: Bench) -> Row:
@@ -79,7 +84,7 @@ def float64_sample(bench: Bench) -> Row:
     proc = run(_train("float64_sample", ckpt, 6), env={"FAULTS_FLOAT64": "1"})
     kept = newest(ckpt)
     resumed = run(_train("float64_sample", ckpt, 6, "--resume"))
-    identical = resumed.process.returncode == 0 and equal(_weights(ckpt), _weights(reference))
+    identical = resumed.process.returncode == 0 and equal(state(ckpt), state(reference))
     return Row(
         "one float64 sample among float32 ones",
         proc.process.returncode,

@@ -128,6 +128,10 @@ def test_tune_keeps_every_decided_row_as_it_goes(tmp_path, monkeypatch):
     """progress.json holds each row once decided: what a kill -9 would leave to reuse."""
     from test_tune import CLIPPING
 
+    from torchturbo.cli.tune import PROGRESS
+
+    assert PROGRESS == "progress.json"  # the CLI names it without importing torch: one name
+
     from torchturbo.tune.report import write
     from torchturbo.tune.search import run as search
 
@@ -141,6 +145,7 @@ def test_tune_keeps_every_decided_row_as_it_goes(tmp_path, monkeypatch):
     monkeypatch.setattr(write, "keep_progress", keep)
     monkeypatch.setattr(search, "tune", functools.partial(search.tune, stages=CLIPPING))
     assert main(_tune_argv(tmp_path / "report")) == 0
+    assert write.PROGRESS == PROGRESS
     decided = ["loader settings", "clip 10", "clip 20"]
     assert kept == [decided[:1], decided[:2], decided]
 

@@ -26,9 +26,10 @@ def symlink_loop(path: str | Path) -> Path | None:
     return None
 
 
-def loop_words(loop: Path) -> str:
-    """What to tell the user about ``loop`` (from :func:`symlink_loop`)."""
+def loop_words(loop: Path, target: str = "a real directory") -> str:
+    """What to tell the user about ``loop`` (from :func:`symlink_loop`), a path that should lead
+    to ``target``."""
     return (
-        f"{str(loop)!r} is a loop of symbolic links (it leads back to itself): point it at a "
-        "real directory, or give another path"
+        f"{str(loop)!r} is a loop of symbolic links (it leads back to itself): point it at "
+        f"{target}, or give another path"
     )

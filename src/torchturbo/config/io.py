@@ -16,6 +16,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised only on Python 3.10
     import tomli as tomllib
 
+from torchturbo.base.paths import loop_words, symlink_loop
 from torchturbo.config.validation import ConfigError
 
 #: A config file is a few hundred bytes; a larger one is the wrong file.
@@ -53,9 +54,9 @@ def _read_config_file(path: Path) -> str:
         raise ConfigError(f"config file {str(path)!r} does not exist") from None
     except OSError as err:
         if err.errno == errno.ELOOP:
+            loop = symlink_loop(path) or path
             raise ConfigError(
-                f"config file {str(path)!r} is a loop of symbolic links (one leads back to "
-                "another): point it at the file itself"
+                f"config file {str(path)!r}: {loop_words(loop, 'the config file')}"
             ) from None
         raise ConfigError(f"cannot read config file {str(path)!r}: {err.strerror}") from None
     if kind:

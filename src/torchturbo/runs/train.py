@@ -230,10 +230,7 @@ def _train(
                 raise SampleDtypeError(why, err.position) from err
         interrupted = stopping and turbo.optimizer_steps < steps
         turbo.guard.raise_if_ending_nonfinite(model, turbo.optimizer_steps)
-        just_saved = saved is not None and saved.name == checkpoint_name(turbo.optimizer_steps)
-        trained = turbo.optimizer_steps > first_step
-        if checkpoint_dir is not None and trained and not just_saved:
-            saved = turbo.save(checkpoint_dir)
+        saved = _save_unsaved(turbo, checkpoint_dir, first_step, saved)
     finally:
         turbo.close()
     if interrupted:
@@ -331,21 +328,25 @@ class _StepClock:
         return (time.perf_counter() - self.first_end) / (self.steps - 1)
 
 
+def _save_unsaved(
+    turbo: Turbo, checkpoint_dir: str | Path | None, first_step: int, saved: Path | None
+) -> Path | None:
+    """The last optimizer step saved, when there is a directory and the run trained since it
+    began and since its last save; else ``saved`` as it was."""
+    just_saved = saved is not None and saved.name == checkpoint_name(turbo.optimizer_steps)
+    if checkpoint_dir is None or turbo.optimizer_steps == first_step or just_saved:
+        return saved
+    return turbo.save(checkpoint_dir)
+
+
 def _save_before_failing(
     turbo: Turbo, checkpoint_dir: str | Path | None, first_step: int, saved: Path | None
 ) -> Path | None:
-    """Before a run ends on bad data: its last optimizer step saved (in one process, between
-    windows, when it trained since its last save), so that a resume loses nothing."""
-    just_saved = saved is not None and saved.name == checkpoint_name(turbo.optimizer_steps)
-    if (
-        checkpoint_dir is None
-        or turbo.optimizer_steps == first_step
-        or just_saved
-        or turbo.window_open
-        or current_env().world_size > 1  # a save is collective: the other ranks are not here
-    ):
-        return saved
-    return turbo.save(checkpoint_dir)
+    """Before a run ends on bad data: its last optimizer step saved (:func:`_save_unsaved`), in
+    one process and between windows only, so that a resume loses nothing."""
+    if turbo.window_open or current_env().world_size > 1:  # a save is collective: the other
+        return saved  # ranks are not here; inside a window there is no step to save
+    return _save_unsaved(turbo, checkpoint_dir, first_step, saved)
 
 
 def _failed_at(
