@@ -12,8 +12,7 @@ import random
 
 import pytest
 
-from torchturbo.tune.report.fields import fmt_interval
-from torchturbo.tune.search.decide import (
+from torchturbo.techniques.framework.decide import (
     MIN_ROUNDS,
     Parity,
     RatioEstimate,
@@ -31,6 +30,7 @@ from torchturbo.tune.search.decide import (
     rounds_to_decide,
     t_quantile,
 )
+from torchturbo.tune.report.fields import fmt_interval
 from torchturbo.tune.search.state import MAX_ROUNDS
 
 OK_PARITY = Parity(2.3, 2.31, 0.004, True, True)

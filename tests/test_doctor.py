@@ -192,7 +192,7 @@ def test_conv_bn_model_is_flagged_for_fusion():
 
 def _gain(ratios, final=True):
     from torchturbo.doctor.gains import Gain
-    from torchturbo.tune.search.decide import estimate
+    from torchturbo.techniques.framework.decide import estimate
 
     return Gain("config", estimate(ratios, final=final))
 

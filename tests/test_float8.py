@@ -21,8 +21,8 @@ from torchturbo.techniques.float8 import (
     float8_stage,
     float8_unavailable,
 )
+from torchturbo.techniques.framework.decide import loss_parity
 from torchturbo.trials.trial import Trial, fixed_batches
-from torchturbo.tune.search.decide import loss_parity
 from torchturbo.tune.search.run import TuneOptions, tune
 from torchturbo.tune.search.state import PARITY_STEPS
 

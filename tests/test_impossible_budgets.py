@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from torchturbo.cli import main
+from torchturbo.techniques.framework.decide import MIN_ROUNDS
 from torchturbo.tune.search.budget import (
     BudgetError,
     memory_floor,
@@ -18,7 +19,6 @@ from torchturbo.tune.search.budget import (
     refuse_impossible_memory_budget,
     refuse_short_time_budget,
 )
-from torchturbo.tune.search.decide import MIN_ROUNDS
 
 TINY = f"{Path(__file__).parent / 'recipes' / 'tiny.py'}:recipe"
 

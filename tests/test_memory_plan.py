@@ -15,6 +15,7 @@ from torchturbo.config import CheckpointConfig, ConfigError, TurboConfig
 from torchturbo.measure.footprint import BlockMemory, Line, MemoryEstimate, describe
 from torchturbo.recipe import Recipe
 from torchturbo.techniques.checkpointing import select_blocks
+from torchturbo.techniques.framework.decide import Verdict
 from torchturbo.techniques.framework.proposal import Candidate
 from torchturbo.trials.memory_estimate import estimate_memory, estimate_recipe_memory
 from torchturbo.trials.trial import Trial, fixed_batches
@@ -28,7 +29,6 @@ from torchturbo.tune.memory.plan import (
 )
 from torchturbo.tune.search import candidate as candidate_module
 from torchturbo.tune.search import fastest_fit as fastest_fit_module
-from torchturbo.tune.search.decide import Verdict
 from torchturbo.tune.search.run import tune
 from torchturbo.tune.search.stages import tuner_stages
 

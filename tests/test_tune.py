@@ -16,19 +16,19 @@ from conftest import ConvNet, classification_loss, cpu_stage_context
 
 from torchturbo.config import TurboConfig
 from torchturbo.recipe import Recipe
-from torchturbo.techniques.framework.proposal import Candidate
-from torchturbo.trials.trial import Trial, fixed_batches, start_trial
-from torchturbo.tune.search import candidate as candidate_module
-from torchturbo.tune.search import run as search
-from torchturbo.tune.search.budget import COMPILE_BASE_S
-from torchturbo.tune.search.compare import batch_cycle, compare, steps_per_round
-from torchturbo.tune.search.decide import (
+from torchturbo.techniques.framework.decide import (
     MIN_ROUNDS,
     Verdict,
     describe,
     head_to_head_decided,
     job_times,
 )
+from torchturbo.techniques.framework.proposal import Candidate
+from torchturbo.trials.trial import Trial, fixed_batches, start_trial
+from torchturbo.tune.search import candidate as candidate_module
+from torchturbo.tune.search import run as search
+from torchturbo.tune.search.budget import COMPILE_BASE_S
+from torchturbo.tune.search.compare import batch_cycle, compare, steps_per_round
 from torchturbo.tune.search.outcome import STATES
 from torchturbo.tune.search.previous import Previous, is_reusable
 from torchturbo.tune.search.run import TuneInterrupted, TuneOptions, select_stages, tune
@@ -248,7 +248,7 @@ def test_a_later_alternative_slower_than_the_leader_leaves_the_leader(monkeypatc
 def test_an_alternative_within_the_noise_of_its_leader_wins_by_the_jobs_time():
     """Both alternatives already beat the best: the race ends once they are within 5% of each
     other both ways, and the shorter job at the measured ratio wins, one-time costs included."""
-    from torchturbo.tune.search.decide import Parity, estimate, judge_against_leader
+    from torchturbo.techniques.framework.decide import Parity, estimate, judge_against_leader
 
     ratios = [1.03, 0.99, 1.02, 1.01, 1.04, 1.00, 1.02, 1.01] * 4
     assert head_to_head_decided(ratios)

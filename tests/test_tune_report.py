@@ -15,6 +15,7 @@ from rich.console import Console
 
 import torchturbo.output.results_file as results_module
 from torchturbo.config import TurboConfig
+from torchturbo.techniques.framework.decide import Parity, RatioEstimate
 from torchturbo.tune.report.write import (
     MANIFEST,
     STAGING,
@@ -22,7 +23,6 @@ from torchturbo.tune.report.write import (
     incremental_table,
     write_report,
 )
-from torchturbo.tune.search.decide import Parity, RatioEstimate
 from torchturbo.tune.search.outcome import Comparison, Confirmation, Outcome, TuneResult
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -2,10 +2,10 @@
 
 Training variants (bf16, channels_last) run as fresh ``trials.trial.Trial`` s on the same fixed
 batches; each is timed against its reference in paired rounds and decided by the tuner's
-sequential rule (``tune.search.compare``, ``tune.search.decide``), capped at a few rounds: a
-diagnosis, not a tuning run. So a figure the doctor prints means what the tuner's would, and a
-gain that does not clear the noise reads "within noise", never "recommended". Conv→BatchNorm
-folding is timed the same way on the eval-mode forward it is valid for.
+sequential rule (``tune.search.compare``, ``techniques.framework.decide``), capped at a few
+rounds: a diagnosis, not a tuning run. So a figure the doctor prints means what the tuner's
+would, and a gain that does not clear the noise reads "within noise", never "recommended".
+Conv→BatchNorm folding is timed the same way on the eval-mode forward it is valid for.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from torch.nn.utils.fusion import fuse_conv_bn_eval
 
 from torchturbo.config import TurboConfig
 from torchturbo.recipe import Recipe
+from torchturbo.techniques.framework.decide import RatioEstimate, describe
 from torchturbo.trials.trial import Trial
 from torchturbo.tune.search.compare import compare
-from torchturbo.tune.search.decide import RatioEstimate, describe
 
 #: Rounds per comparison: enough to decide a clear gain (3-5 rounds), few enough for a diagnosis.
 MAX_ROUNDS = 6

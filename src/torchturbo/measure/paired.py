@@ -9,9 +9,9 @@ gave per-round ratios from 0.34x to 10.5x for length buckets that ran 1.9x. When
 the same batches in step, a round's ratio cancels how costly its batches were; when they train
 different batches (length buckets against padded ones), the ratio is of throughputs, counting the
 samples or tokens each block processed. After every round ``stop(rounds)`` is asked whether the
-comparison is decided (the tuner's sequential rule, ``tune.search.decide.estimate``) or out of
-time, so a large effect costs three rounds and a slow model is not measured longer than it can
-afford.
+comparison is decided (the tuner's sequential rule, ``techniques.framework.decide.estimate``)
+or out of time, so a large effect costs three rounds and a slow model is not measured longer
+than it can afford.
 
 ``measure_interleaved`` times a fixed number of repeats of any number of variants; this is its
 two-variant, sequential form.

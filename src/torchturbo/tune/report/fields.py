@@ -12,7 +12,7 @@ import math
 from typing import Any
 
 from torchturbo.output.tables import format_bytes
-from torchturbo.tune.search.decide import (
+from torchturbo.techniques.framework.decide import (
     FUTILITY_CONFIDENCE,
     MIN_ROUNDS,
     WIDEST_SHOWN,

@@ -16,8 +16,8 @@ from collections.abc import Callable
 
 from torchturbo.measure.system import usable_cores
 from torchturbo.output.tables import format_bytes
+from torchturbo.techniques.framework.decide import MIN_ROUNDS
 from torchturbo.techniques.framework.facts import Facts
-from torchturbo.tune.search.decide import MIN_ROUNDS
 
 #: torch.compile's cost on a 2-core CPU, fitted to the built-in workloads and Hugging Face
 #: encoders (torch 2.13): about 15 s to start inductor plus ~0.3 s per leaf module traced.

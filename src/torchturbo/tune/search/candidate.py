@@ -22,6 +22,15 @@ from torchturbo.config import TurboConfig
 from torchturbo.distributed.consensus import agree, any_rank
 from torchturbo.measure.timing import time_once
 from torchturbo.techniques import registry
+from torchturbo.techniques.framework.decide import (
+    MIN_ROUNDS,
+    head_to_head_decided,
+    job_times,
+    judge,
+    judge_against_leader,
+    loss_parity,
+    rounds_to_decide,
+)
 from torchturbo.techniques.framework.facts import shape_key
 from torchturbo.techniques.framework.proposal import Candidate
 from torchturbo.trials.trial import Trial, start_trial
@@ -33,15 +42,6 @@ from torchturbo.tune.search.budget import (
     machine_load,
 )
 from torchturbo.tune.search.compare import Measured, compare, steps_per_round
-from torchturbo.tune.search.decide import (
-    MIN_ROUNDS,
-    head_to_head_decided,
-    job_times,
-    judge,
-    judge_against_leader,
-    loss_parity,
-    rounds_to_decide,
-)
 from torchturbo.tune.search.outcome import Comparison, Outcome, State
 from torchturbo.tune.search.state import (
     PARITY_STEPS,

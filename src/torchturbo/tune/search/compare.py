@@ -22,8 +22,8 @@ import torch
 from torchturbo.distributed.consensus import agree
 from torchturbo.measure.paired import Round, Side, interleaved_round, paired_rounds
 from torchturbo.recipe import Recipe
+from torchturbo.techniques.framework.decide import MIN_ROUNDS, RatioEstimate, estimate
 from torchturbo.trials.trial import Trial
-from torchturbo.tune.search.decide import MIN_ROUNDS, RatioEstimate, estimate
 from torchturbo.tune.search.outcome import Comparison
 
 #: A timed block should last at least this long, so that timer and scheduler jitter (~1 ms)

@@ -19,16 +19,16 @@ from typing import Any
 
 from torchturbo.config import TurboConfig, sections
 from torchturbo.distributed.consensus import agree
-from torchturbo.trials.trial import Trial, start_trial
-from torchturbo.tune.search.budget import CONFIRM_ROUNDS
-from torchturbo.tune.search.compare import Measured, compare, compare_chain
-from torchturbo.tune.search.decide import (
+from torchturbo.techniques.framework.decide import (
     MIN_ROUNDS,
     confirmation_target,
     describe,
     holds_alone,
     judge_confirmation,
 )
+from torchturbo.trials.trial import Trial, start_trial
+from torchturbo.tune.search.budget import CONFIRM_ROUNDS
+from torchturbo.tune.search.compare import Measured, compare, compare_chain
 from torchturbo.tune.search.outcome import Comparison, Confirmation
 from torchturbo.tune.search.stages import memory_stages
 from torchturbo.tune.search.state import REPORT_S, WARM_STEPS, Incumbent, Run

@@ -28,16 +28,16 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from torchturbo.techniques.framework.proposal import Candidate
-from torchturbo.tune.search.candidate import reserve, try_candidate
-from torchturbo.tune.search.compare import compare
-from torchturbo.tune.search.decide import (
+from torchturbo.techniques.framework.decide import (
     describe,
     head_to_head_decided,
     job_times,
     judge_race,
     order_known,
 )
+from torchturbo.techniques.framework.proposal import Candidate
+from torchturbo.tune.search.candidate import reserve, try_candidate
+from torchturbo.tune.search.compare import compare
 from torchturbo.tune.search.outcome import Comparison, Outcome
 from torchturbo.tune.search.state import Incumbent, Run
 

@@ -17,7 +17,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from torchturbo.tune.search.decide import Parity, RatioEstimate, job_times
+from torchturbo.techniques.framework.decide import Parity, RatioEstimate, job_times
 
 #: "reference" is the baseline's row: what every other config is measured against.
 State = Literal["reference", "adopted", "rejected", "undecided", "not measured", "not applicable"]

@@ -11,12 +11,12 @@ import torch
 from torchturbo.config import TurboConfig
 from torchturbo.measure.footprint import MemoryEstimate
 from torchturbo.recipe import Recipe
+from torchturbo.techniques.framework.decide import MIN_ROUNDS
 from torchturbo.techniques.framework.facts import Facts
 from torchturbo.techniques.framework.proposal import Candidate, StageContext
 from torchturbo.trials.trial import Trial, TrialBatches
 from torchturbo.tune.batch.choice import BatchMode
 from torchturbo.tune.search.budget import Budget
-from torchturbo.tune.search.decide import MIN_ROUNDS
 from torchturbo.tune.search.horizon import Horizon, horizon
 from torchturbo.tune.search.outcome import Outcome
 
