@@ -102,6 +102,16 @@ def add_parser(commands: Any) -> None:
         "MLFLOW_TRACKING_URI's); the run's config goes along (default: tensorboard,csv with "
         "--log-dir)",
     )
+    train.add_argument(
+        "--tuned-out",
+        type=Path,
+        default=Path("tuned"),
+        metavar="DIR",
+        help="with --tune.in_run (tuning while training: the facts choose where the run starts, "
+        "then each choice a step can switch is measured on the job's own steps and kept only "
+        "where it is faster at the same loss): where results.json, with every verdict, and the "
+        "decided turbo.toml go, after each decision and at the end (default: %(default)s)",
+    )
     train.set_defaults(run=run)
 
 
@@ -172,6 +182,7 @@ def _train_command(args: argparse.Namespace) -> int:
                 on_event=main_print,
                 logger=logger,
                 on_progress=on_progress,
+                tuned_dir=args.tuned_out if config.tune.in_run else None,
             )
         except TrainInterrupted as stopped:
             again = "again" if args.resume else "with --resume"
@@ -200,7 +211,8 @@ def _train_command(args: argparse.Namespace) -> int:
         + ", micro-batch "
         f"split {result.micro_batch_split} (size {result.micro_batch_size})" + resumed + saved
     )
-
+    if config.tune.in_run:
+        print(f"tuned in the run: the decided turbo.toml and every verdict are in {args.tuned_out}")
     return 0
 
 

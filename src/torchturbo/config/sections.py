@@ -365,6 +365,25 @@ class ReliabilityConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class TuneConfig:
+    """Tuning inside the run (``engine/in_run.py``): the job itself is the measurement."""
+
+    SECTION: typing.ClassVar[str] = "tune"
+    #: Tune while training: before the first step, facts measured in seconds (the matrix-product
+    #: rate of each precision here, the padding of the data's lengths) choose where the run
+    #: starts (bf16 where it is measured fast, length buckets where lengths pad heavily); then
+    #: each choice a step can switch is measured on the job's own steps, paired and judged by
+    #: the tuner's rules, and kept only where it is faster at the same loss.
+    in_run: bool = False
+    #: The most of the job's steps the in-run measurement may spend on the slower side of its
+    #: comparisons (those steps still train the model).
+    measure_share: float = between(0.1, 0.01, high=0.5, why="half the job")
+
+    def __post_init__(self) -> None:
+        validate_section(self)
+
+
+@dataclass(frozen=True, kw_only=True)
 class DistributedConfig:
     """Multi-process training under torchrun (see torchturbo/distributed/). Ignored with one
     process."""

@@ -39,6 +39,7 @@ from torchturbo.config.sections import (
     OptimizerConfig,
     PrecisionConfig,
     ReliabilityConfig,
+    TuneConfig,
 )
 from torchturbo.config.validation import ConfigError, device_problem, did_you_mean, quote
 
@@ -66,6 +67,7 @@ class TurboConfig:
         default_factory=ActivationCompressionConfig
     )
     liger_kernel: LigerKernelConfig = field(default_factory=LigerKernelConfig)
+    tune: TuneConfig = field(default_factory=TuneConfig)
 
     def __post_init__(self) -> None:
         problems = [] if (problem := device_problem(self.device)) is None else [problem]

@@ -94,6 +94,8 @@ def save_training_state(turbo: Resumable, directory: str | Path, scheduler: Any 
     }
     for name, kept in state["steps"].items():  # the step hooks' state (fp16's loss scale)
         files[f"{name}.pt"] = kept
+    if state.get("in_run") is not None:  # what tuning inside the run measured and decided
+        files["in_run.json"] = state["in_run"]
     if scheduler is not None:
         files["scheduler.pt"] = scheduler.state_dict()
     per_rank = {
@@ -155,7 +157,6 @@ def load_training_state(
     state = turbo.state_dict()  # the live state: what a sharded checkpoint is read into
     live = {"model": state["model"], "optimizer": state["optimizer"]}
     tensors = turbo.strategy.load_tensors(path, files, live)
-    _warn_on_config_change(path, files["config.toml"], turbo.config)
     if scheduler is not None:
         if "scheduler.pt" not in files:
             raise CheckpointError(
@@ -173,6 +174,7 @@ def load_training_state(
         micro_batch_split=saved["micro_batch_split"],
         random={**rng, "numpy": plain["numpy"], "python": plain["python"]},
         loader=None,
+        in_run=files.get("in_run.json"),
     )
     if saved["loader"] is not None and next_epoch:
         epoch, batches = saved["loader"]
@@ -189,6 +191,8 @@ def load_training_state(
             saved.get("loader_order"),
         )
     turbo.load_state_dict(state)
+    # After the load: tuning inside the run restores the config it had decided on.
+    _warn_on_config_change(path, files["config.toml"], turbo.config)
     return path
 
 

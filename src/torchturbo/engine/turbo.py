@@ -8,7 +8,9 @@ scaling and the optimizer step, ``framework/steps.py``); ``compose.compose`` add
 the strategy's wrapping. What differs across processes is the strategy
 (``distributed/strategy.py``, chosen from the launch environment). This module runs one training
 micro-step (``step``) with exact accumulation and clipping, and owns the run's state
-(``state_dict``).
+(``state_dict``). With ``[tune] in_run`` it tunes while it trains (``in_run``): the facts choose
+the start in ``setup``, and ``step`` runs each accumulation window on the side the in-run tuner
+names, timing the windows it measures.
 Reliability lives beside it: ``oom`` (micro-batching on out-of-memory), ``guard`` (non-finite
 losses, unreadable batches), ``resume`` and ``checkpoint`` (``save``/``load``), ``epochs`` (the
 resumable loader).
@@ -18,6 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import time
+import typing
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,9 +38,18 @@ from torchturbo.distributed.launch import init_distributed
 from torchturbo.distributed.select import select_strategy
 from torchturbo.distributed.strategy import Strategy
 from torchturbo.engine.compose import compose
+from torchturbo.engine.in_run import (
+    InRunTuner,
+    Side,
+    comparisons_for,
+    start_from_facts,
+    work_of,
+)
 from torchturbo.engine.loader import training_loader
 from torchturbo.engine.state import load_training_state, save_training_state
 from torchturbo.measure.breakdown import NullRecorder, Recorder
+from torchturbo.measure.timing import sync
+from torchturbo.recipe import Recipe
 from torchturbo.reliability.epochs import EpochLoader, data_identity
 from torchturbo.reliability.guard import (
     BACKWARD_INSIDE,
@@ -49,7 +62,9 @@ from torchturbo.reliability.oom import MicroBatcher, leading_size
 from torchturbo.reliability.preemption import StopRequest, agree_to_stop
 from torchturbo.reliability.random_state import capture_random_state, restore_random_state
 from torchturbo.techniques import registry
+from torchturbo.techniques.framework import facts
 from torchturbo.techniques.framework.result import TechniqueResult, reasons
+from torchturbo.techniques.framework.steps import Steps
 from torchturbo.techniques.tools.accumulation import (
     AccumulationWindow,
     scale_and_clip_gradients,
@@ -131,6 +146,13 @@ class Turbo:
         self._notes: dict[str, str] = {}
         self._channels_last_inputs = False
         self._step_switches = registry.step_switches(self.config, "engine")
+        #: Tuning inside the run (``[tune] in_run``), set by ``setup``; None when off.
+        self.in_run: InRunTuner | None = None
+        #: Step hooks by config, for the sides the in-run tuner switches between (each keeps
+        #: its own state: a loss scale).
+        self._sides: dict[str, Steps] = {}
+        #: The open window's side, its start (perf_counter) and its work so far.
+        self._measured: tuple[Side, float, int] | None = None
 
     # -- setup ------------------------------------------------------------------------------
 
@@ -149,6 +171,7 @@ class Turbo:
         pad_values: Mapping[str, int] | None = None,
         comm_stats: CommStats | None = None,
         strategy: Strategy | None = None,
+        planned_steps: int | None = None,
     ) -> tuple[nn.Module, torch.optim.Optimizer, EpochLoader | None]:
         """Compose the model, keep the optimizer, and build or wrap the loader.
 
@@ -169,10 +192,15 @@ class Turbo:
         and must shard itself. ``comm_stats`` counts DDP's gradient bytes and time
         (``distributed/comm.py``). ``strategy`` overrides the one the config and the launch
         choose: ``Strategy(config, device, DistEnv())`` trains this model in this process alone
-        inside a torchrun job (a rank-0 reference, an evaluation).
+        inside a torchrun job (a rank-0 reference, an evaluation). With ``[tune] in_run``, the
+        facts measured here choose the config the run starts from (``engine/in_run.py``), and
+        ``planned_steps``, the optimizer steps the job will train, bounds its measuring.
         """
         if self.model is not None:
             raise RuntimeError("Turbo.setup was already called: build one Turbo per model")
+        if self.config.tune.in_run:
+            known_lengths = None if isinstance(data, DataLoader) else lengths
+            self._start_in_run(model, data, known_lengths, batch_size, seed, planned_steps)
         env = init_distributed(self.config.device)
         self.strategy = strategy or select_strategy(self.config, self.device, env)
         self.model, results = compose(
@@ -209,6 +237,99 @@ class Turbo:
             )
         self.loader = EpochLoader(data, data_identity(data, lengths))
         return self.model, optimizer, self.loader
+
+    def _start_in_run(
+        self,
+        model: nn.Module,
+        data: Any,
+        lengths: Sequence[int] | None,
+        batch_size: int | None,
+        seed: int | None,
+        planned_steps: int | None,
+    ) -> None:
+        """Start from the facts (``in_run.start_from_facts``) and set up the measuring."""
+        size = batch_size or getattr(data, "batch_size", None) or 1
+        dataset = data.dataset if isinstance(data, DataLoader) else data
+        known = Recipe(
+            name="this run",
+            model=lambda: model,
+            optimizer=_unknown,
+            loss_fn=_unknown,
+            # A manual loop (no data given): one unknown sample, never read.
+            dataset=dataset if dataset is not None else typing.cast(Dataset, [None]),
+            batch_size=size,
+            lengths=lengths,
+            seed=seed or 0,
+        )
+        found = facts.before_training(model, self.device, lengths, size, seed or 0)
+        user = self.config
+        started, starts = start_from_facts(user, found, known, self.device)
+        self.config = started
+        self.steps = self._side_steps(started)
+        self._step_switches = registry.step_switches(started, "engine")
+        comparisons = comparisons_for(started, user, starts)
+        self.in_run = InRunTuner(
+            started, starts, comparisons, planned_steps=planned_steps, device=self.device
+        )
+        for start in starts:
+            said = "started with" if start.taken else f"not started ({start.why_not})"
+            self.in_run.events.append(f"in-run: {start.name} {said}: {start.evidence}")
+
+    def _side_steps(self, config: TurboConfig) -> Steps:
+        """The step hooks of ``config``, built once per side."""
+        key = config.to_toml()
+        if key not in self._sides:
+            self._sides[key] = registry.step_hooks(config, self.device)
+        return self._sides[key]
+
+    def _use(self, config: TurboConfig) -> None:
+        """Run the next steps with ``config``'s step hooks and switches."""
+        steps = self._side_steps(config)
+        if steps is self.steps:
+            return
+        composed = {k: v for k, v in self._results.items() if k not in self.steps.hooks}
+        self.steps = steps
+        self._step_switches = registry.step_switches(config, "engine")
+        self._results = {**composed, **steps.results}
+
+    def _open_window(self, loss_fn: LossFn, batch: Any) -> None:
+        """The in-run tuner names this window's side; a measured window is timed."""
+        assert self.in_run is not None
+        measuring = self.in_run.current is not None
+        side = self.in_run.side(functools.partial(self._parity_losses, loss_fn, batch))
+        self._use(self.in_run.config_of(side))
+        self._measured = None
+        if measuring and self.in_run.current is not None:
+            sync(self.device)
+            self._measured = (side, time.perf_counter(), 0)
+
+    def _close_window(self) -> None:
+        assert self.in_run is not None
+        if self._measured is not None:
+            side, started, work = self._measured
+            sync(self.device)
+            self.in_run.window_done(side, time.perf_counter() - started, work)
+            self._measured = None
+        self.config = self.in_run.config
+
+    def _parity_losses(
+        self, loss_fn: LossFn, batch: Any, with_config: TurboConfig, without: TurboConfig
+    ) -> tuple[float, float]:
+        """Both sides' losses on ``batch``, without gradients, from the same random state
+        (dropout draws alike) and leaving the model's buffers (batch-norm statistics) and the
+        random state as they were."""
+        assert self.model is not None
+        buffers = [b.detach().clone() for b in self.model.buffers()]
+        losses = []
+        devices = [self.device] if self.device.type == "cuda" else []
+        for config in (with_config, without):
+            with torch.random.fork_rng(devices=devices), torch.no_grad():
+                loss, _ = self._forward_with(self._side_steps(config), loss_fn, batch)
+                losses.append(float(loss))
+        with torch.no_grad():
+            for kept, buffer in zip(buffers, self.model.buffers(), strict=True):
+                buffer.copy_(kept)
+        return losses[0], losses[1]
 
     def _microbatcher(self, model: nn.Module) -> MicroBatcher:
         reliability = self.config.reliability
@@ -275,6 +396,11 @@ class Turbo:
             raise RuntimeError("call Turbo.setup(model, optimizer, ...) before Turbo.step")
         last_batch = self.loader is not None and self.loader.at_last_batch
         closing = self.batches_in_window + 1 >= self._window.micro_steps or last_batch
+        if self.in_run is not None and self.batches_in_window == 0:
+            self._open_window(loss_fn, batch)
+        if self._measured is not None:
+            side, started, work = self._measured
+            self._measured = (side, started, work + work_of(batch))
         micro_step = functools.partial(self._micro_step, loss_fn)
         with self.steps.step_context(), self.switches():
             try:
@@ -292,6 +418,8 @@ class Turbo:
             if closing:
                 skipped, grad_norm = self._optimizer_step()
                 stepped = True
+        if closing and self.in_run is not None:
+            self._close_window()
         return StepMetrics(loss, count, stepped, skipped, grad_norm, pieces)
 
     def switches(self) -> contextlib.AbstractContextManager[Any]:
@@ -334,13 +462,19 @@ class Turbo:
         """The forward half of a step: batch to the device, autocast, (mean loss, count)."""
         if self.model is None:
             raise RuntimeError("call Turbo.setup(model, optimizer, ...) before Turbo.forward")
+        return self._forward_with(self.steps, loss_fn, batch)
+
+    def _forward_with(
+        self, steps: Steps, loss_fn: LossFn, batch: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self.model is not None
         batch = to_device(
             batch,
             self.device,
             non_blocking=self.config.data.non_blocking,
             channels_last=self._channels_last_inputs,
         )
-        with self.steps.step_context(), self.steps.forward_context():
+        with steps.step_context(), steps.forward_context():
             return _split_loss(call_loss_fn(loss_fn, self.model, batch), batch, self.device)
 
     def flush(self) -> bool:
@@ -416,7 +550,9 @@ class Turbo:
         return {
             "model": model_state,
             "optimizer": optimizer_state,
-            "steps": self.steps.state_dict(),
+            # The decided side's: a measured run may have ended its last window on the other.
+            "steps": self._side_steps(self.config).state_dict(),
+            "in_run": None if self.in_run is None else self.in_run.state_dict(),
             "optimizer_steps": self.optimizer_steps,
             "skipped_steps": self.skipped_steps,
             "micro_batch_split": self.microbatcher.split,
@@ -434,6 +570,10 @@ class Turbo:
         self.strategy.load_state_dicts(
             self.model, self.optimizer, state["model"], state["optimizer"]
         )
+        if self.in_run is not None and state.get("in_run") is not None:
+            self.in_run.load_state_dict(state["in_run"])
+            self.config = self.in_run.config
+            self._use(self.config)
         self.steps.load_state_dict(state["steps"])
         self.optimizer_steps = state["optimizer_steps"]
         self.skipped_steps = state["skipped_steps"]
@@ -487,3 +627,9 @@ def _split_loss(
         raise ValueError(f"loss_fn must return a scalar tensor as the loss, got {loss!r}")
     count = torch.as_tensor(count, dtype=torch.float32, device=device)
     return loss, count
+
+
+def _unknown(*args: Any) -> Any:
+    """The loss and optimizer of a run are not known when ``setup`` chooses its start; the
+    stages that choose it read facts only."""
+    raise RuntimeError("tuning inside the run: its start reads facts, not the loss or optimizer")

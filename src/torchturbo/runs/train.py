@@ -41,6 +41,7 @@ from torchturbo.resume.files import CheckpointError, checkpoint_name
 from torchturbo.resume.lock import hold_directory
 from torchturbo.runs.metrics_log import AnyLogger
 from torchturbo.runs.step_meter import recipe_meter
+from torchturbo.runs.tuned import write_decided
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,7 @@ def train(
     on_event: Callable[[str], None] | None = None,
     logger: AnyLogger | None = None,
     on_progress: Callable[[TrainProgress], None] | None = None,
+    tuned_dir: str | Path | None = None,
 ) -> TrainResult:
     """Train ``recipe`` for ``steps`` optimizer steps (counted across resumes).
 
@@ -117,6 +119,10 @@ def train(
     meter all-reduces the counts; ``metrics_log.open_loggers`` gives rank 0 the only writers).
     ``on_event`` receives the micro-batcher's events and how the loader resumed;
     ``on_progress`` a :class:`TrainProgress` after each optimizer step.
+
+    With ``[tune] in_run`` the run tunes while it trains (``engine/in_run.py``): ``on_event``
+    receives what it started with, measures and decides, and ``tuned_dir`` gets ``results.json``
+    and the decided ``turbo.toml`` after each decision and at the end (rank 0 writes).
 
     With ``checkpoint_dir``, a stop signal (``torchturbo.reliability.preemption``: SIGTERM, SIGUSR1,
     SIGUSR2, Ctrl-C) finishes the optimizer step under way, saves it and raises
@@ -144,6 +150,7 @@ def train(
             on_event=on_event or (lambda event: None),
             logger=logger,
             on_progress=on_progress,
+            tuned_dir=tuned_dir,
         )
 
 
@@ -160,10 +167,14 @@ def _train(
     on_event: Callable[[str], None],
     logger: AnyLogger | None,
     on_progress: Callable[[TrainProgress], None] | None,
+    tuned_dir: str | Path | None,
 ) -> TrainResult:
     turbo = Turbo(config)
     model, optimizer = recipe.build()
-    model, _, loader = turbo.setup(model, optimizer, recipe.dataset, **recipe_data(recipe))
+    model, _, loader = turbo.setup(
+        model, optimizer, recipe.dataset, **recipe_data(recipe), planned_steps=steps
+    )
+    tuning = _InRunNews(turbo, on_event, tuned_dir)
     # Given a dataset, setup builds the loader; it always builds the micro-batcher.
     assert loader is not None and turbo.microbatcher is not None
     microbatcher = turbo.microbatcher
@@ -184,6 +195,7 @@ def _train(
                 f"resumed from {resumed_from} at optimizer step {turbo.optimizer_steps}; "
                 f"data: {loader.resume_note}"
             )
+        tuning.tell()
         saved, last_loss, seen_events, first_step = None, None, 0, turbo.optimizer_steps
         meter = recipe_meter(turbo, recipe, logger) if logger is not None else None
         samples, stopping = 0, False
@@ -203,6 +215,7 @@ def _train(
                     seen_events = len(microbatcher.events)
                     if not metrics.optimizer_stepped:
                         continue
+                    tuning.tell()
                     last_loss = float(metrics.loss)
                     # Every rank asks at every step boundary, so that they all stop after this one.
                     stopping = turbo.agree_to_stop(stop)
@@ -231,6 +244,7 @@ def _train(
         interrupted = stopping and turbo.optimizer_steps < steps
         turbo.guard.raise_if_ending_nonfinite(model, turbo.optimizer_steps)
         saved = _save_unsaved(turbo, checkpoint_dir, first_step, saved)
+        tuning.keep()
     finally:
         turbo.close()
     if interrupted:
@@ -247,6 +261,31 @@ def _train(
         first_step_s=clock.first_s,
         later_step_s=clock.later_s(),
     )
+
+
+class _InRunNews:
+    """Tells ``on_event`` what tuning inside the run said since last asked, and keeps its
+    decisions in ``tuned_dir`` when it decided something new (and at the end)."""
+
+    def __init__(
+        self, turbo: Turbo, on_event: Callable[[str], None], tuned_dir: str | Path | None
+    ) -> None:
+        self.turbo, self.on_event, self.tuned_dir = turbo, on_event, tuned_dir
+        self.told = 0
+
+    def tell(self) -> None:
+        tuner = self.turbo.in_run
+        if tuner is None or len(tuner.events) == self.told:
+            return
+        for event in tuner.events[self.told :]:
+            self.on_event(event)
+        self.told = len(tuner.events)
+        self.keep()
+
+    def keep(self) -> None:
+        tuner = self.turbo.in_run
+        if tuner is not None and self.tuned_dir is not None and current_env().rank == 0:
+            write_decided(tuner, self.tuned_dir)
 
 
 @contextlib.contextmanager

@@ -129,7 +129,7 @@ TECHNIQUE = Technique(
     batches=_batches,
     plans=PLAN,
     needs=frozenset({"lengths"}),
-    stage=Stage("dynamic_batching", 70, dynamic_batching_stage, lever="batching"),
+    stage=Stage("dynamic_batching", 70, dynamic_batching_stage, lever="batching", from_facts=True),
     levers=(Lever("length buckets", length_buckets_gain),),
     translations={"transformers": _hf_arguments, "lightning": _lightning_arguments},
 )

@@ -258,7 +258,7 @@ TECHNIQUE = Technique(
             None if config.precision.dtype == "tf32" else "Trainer(precision=...)"
         ),
     },
-    stage=Stage("precision", 10, precision_stage),
+    stage=Stage("precision", 10, precision_stage, from_facts=True),
     levers=tuple(
         Lever(dtype, functools.partial(precision_gain, dtype=dtype))
         for dtype in ("bf16", "fp16", "tf32")

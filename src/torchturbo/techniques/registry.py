@@ -233,6 +233,39 @@ def stages() -> list[Stage]:
     return sorted((t.stage for t in techniques() if t.stage is not None), key=lambda s: s.rank)
 
 
+def changed_techniques(before: Any, after: Any) -> list[Technique]:
+    """The techniques whose own fields differ between configs ``before`` and ``after``."""
+    return [
+        t
+        for t in techniques()
+        if any(
+            getattr(t.section_of(before), f) != getattr(t.section_of(after), f)
+            for f in t.owned_fields(before)
+        )
+    ]
+
+
+def switchable_per_step(before: Any, after: Any) -> bool:
+    """Whether a step can switch between ``before`` and ``after``: they differ in at least one
+    technique and only in techniques that act inside a step (step hooks, process-wide switches),
+    none that transforms the model, rebuilds the optimizer or plans the batches."""
+    changed = changed_techniques(before, after)
+    if not changed or _dict_without_techniques(before) != _dict_without_techniques(after):
+        return False
+    return all(
+        t.transform is None and t.rebuild_optimizer is None and t.batches is None for t in changed
+    )
+
+
+def _dict_without_techniques(config: Any) -> dict[str, Any]:
+    """``config`` as a dict less every field a technique owns: what no technique changes."""
+    out = config.to_dict()
+    for entry in techniques():
+        for name in entry.owned_fields(config):
+            out.get(entry.section, {}).pop(name, None)
+    return out
+
+
 def levers() -> list[Lever]:
     """Every technique's doctor levers."""
     return [lever for t in techniques() for lever in t.levers]

@@ -68,6 +68,10 @@ class Stage:
     #: fp16; length buckets or packing, two stages of the lever "batching"): the tuner measures
     #: them all against the same best and races those that would be adopted head to head.
     lever: str = ""
+    #: Its candidates' priors are facts measured in seconds, not guesses (the matrix-product
+    #: rate of a precision here, the padding the lengths imply): tuning inside a run lets them
+    #: choose where the run starts (``engine/in_run.py``).
+    from_facts: bool = False
 
 
 @dataclass(frozen=True)
@@ -198,13 +202,20 @@ class Technique:
         """This technique's section of ``config``."""
         return config.section(self.section)
 
+    def owned_fields(self, config: TurboConfig) -> list[str]:
+        """The fields of its section it owns (``fields``, else all of them)."""
+        return [
+            f.name
+            for f in dataclasses.fields(self.section_of(config))
+            if not self.fields or f.name in self.fields
+        ]
+
     def changed_fields(self, config: TurboConfig) -> list[str]:
         """The fields of its section that ``config`` sets away from their defaults."""
         section = self.section_of(config)
         default = type(section)()
         return [
-            f.name
-            for f in dataclasses.fields(section)
-            if (not self.fields or f.name in self.fields)
-            and getattr(section, f.name) != getattr(default, f.name)
+            name
+            for name in self.owned_fields(config)
+            if getattr(section, name) != getattr(default, name)
         ]

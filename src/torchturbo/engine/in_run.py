@@ -1,0 +1,405 @@
+"""Tuning inside the run (``[tune] in_run``): the job's own steps are the measurement.
+
+**Where the run starts.** Before the first step, :func:`start_from_facts` lets facts measured in
+seconds choose the starting configuration: each tuner stage whose prior is such a fact
+(``Stage.from_facts``: a precision's matrix-product rate here, the padding the data's lengths
+imply) proposes its candidates, and the one expected to gain most, by at least ``START_GAIN``,
+is taken, unless the user's config already sets that technique. So the job starts where the
+trainer's obvious setting would (bf16 where bf16 is measured fast, length buckets where lengths
+pad heavily), and no slower.
+
+**Measured on real steps.** :class:`InRunTuner` then measures, on the job's own steps, each
+started choice that a step can switch (``registry.switchable_per_step``: step hooks and
+process-wide switches only): accumulation windows alternate between the config with the choice
+and the one without it, in the order ABBA, and each pair gives the ratio of their seconds for
+the work each did, the elements of the batch's largest tensor (padded tokens, pixels), since
+consecutive batches differ. Every measured window trains the model. Before the side without it
+first trains, both sides' losses on the same batch must agree within ``LOSS_TOLERANCE``. A
+step's seconds are not proportional to its work (each step has fixed costs too), so each window
+is scaled by a cost model fitted to every timed window of the comparison, seconds = a + b x
+work (:func:`cost_model`), before the two sides are compared. The
+ratios are judged by the tuner's rules (``framework.decide.estimate``): faster keeps the choice,
+not faster drops it, and undecided (the slower side may use at most ``[tune] measure_share`` of
+the job's steps) keeps the start. A choice that cannot switch mid-run (the batch plan) stays as
+the facts chose it. Under torchrun every rank runs the same sides and the windows' costs are
+the slowest rank's (one all-reduce per measured window), so every rank decides alike.
+
+Written here rather than taken from a library: no tuner we know of measures on the job's own
+steps (DeepSpeed's autotuner runs separate trials; Lightning's and Accelerate's finders only
+shrink the batch on out-of-memory).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+
+from torchturbo.base.nested import iter_tensors
+from torchturbo.config import TurboConfig
+from torchturbo.recipe import Recipe
+from torchturbo.techniques import registry
+from torchturbo.techniques.framework.decide import (
+    MIN_ROUNDS,
+    RatioEstimate,
+    describe,
+    estimate,
+    loss_parity,
+    rounds_to_decide,
+)
+from torchturbo.techniques.framework.facts import Facts
+from torchturbo.techniques.framework.proposal import StageContext
+from torchturbo.techniques.framework.spec import Technique
+
+#: A start is taken only where the facts expect at least this gain: below it the noise of a
+#: prior is larger than the gain, and the measurement would only undo it.
+START_GAIN = 1.10
+#: Losses on the same batch may differ by this share between the two sides (the tuner's default).
+LOSS_TOLERANCE = 0.05
+#: Windows of each side run untimed before its first paired round: the first carries one-time
+#: costs (autocast's weight casts, allocator growth).
+WARM_WINDOWS = 1
+#: The job's steps assumed when the host does not say how many it will train.
+ASSUMED_STEPS = 300
+
+Verdict = Literal["measuring", "adopted", "dropped", "undecided", "loss differs", "waiting"]
+Side = Literal["with", "without"]
+
+
+@dataclass(frozen=True)
+class Start:
+    """One candidate a from-facts stage proposed, and whether the run started with it."""
+
+    name: str
+    stage: str
+    expected_gain: float | None
+    evidence: str
+    taken: bool
+    #: Why it was not taken ("" when taken).
+    why_not: str = ""
+    #: The techniques it changes.
+    techniques: tuple[str, ...] = ()
+
+
+def start_from_facts(
+    config: TurboConfig, facts: Facts, recipe: Recipe, device: torch.device
+) -> tuple[TurboConfig, list[Start]]:
+    """The config the run starts from and every candidate considered (module docstring)."""
+    best, starts = config, []
+    for stage in registry.stages():
+        if not stage.from_facts:
+            continue
+        context = StageContext(recipe, best, device, facts, None, None)
+        proposed = stage.propose(context)
+        if isinstance(proposed, str):
+            continue
+        gains = {c.name: c.expected_gain or 0.0 for c in proposed if c.not_applicable is None}
+        leader = max(gains, key=lambda name: gains[name], default=None)
+        for candidate in proposed:
+            changed = registry.changed_techniques(best, candidate.config)
+            why_not = _why_not(candidate.name, leader, gains, config, changed)
+            starts.append(
+                Start(
+                    candidate.name,
+                    stage.name,
+                    candidate.expected_gain,
+                    candidate.not_applicable or candidate.evidence,
+                    taken=not why_not,
+                    why_not=why_not,
+                    techniques=tuple(t.name for t in changed),
+                )
+            )
+            if not why_not:
+                best = candidate.config
+    return best, starts
+
+
+def _why_not(
+    name: str,
+    leader: str | None,
+    gains: dict[str, float],
+    user: TurboConfig,
+    changed: list[Technique],
+) -> str:
+    if name not in gains:
+        return "not applicable here"
+    if not changed:
+        return "the config already has it"
+    set_by_user = [t.name for t in changed if t.changed_fields(user)]
+    if set_by_user:
+        return f"the config sets {', '.join(set_by_user)} itself"
+    if name != leader:
+        return f"{leader} is expected to gain more"
+    if gains[name] < START_GAIN:
+        return f"expected {gains[name]:.2f}x, under the {START_GAIN:.2f}x a start needs"
+    return ""
+
+
+def work_of(batch: Any) -> int:
+    """A batch's work: the elements of its largest tensor (padded tokens, pixels)."""
+    return max((t.numel() for t in iter_tensors(batch)), default=1) or 1
+
+
+@dataclass
+class Comparison:
+    """One started choice measured on the job's steps: its config against the config without."""
+
+    name: str
+    with_config: TurboConfig
+    without_config: TurboConfig
+    verdict: Verdict = "waiting"
+    #: Per pair: (work, seconds) of the window with the choice, then of the one without it.
+    pairs: list[tuple[int, float, int, float]] = field(default_factory=list)
+    evidence: str = ""
+    #: Windows each side ran so far (the first ``WARM_WINDOWS`` of each are not timed).
+    windows: dict[str, int] = field(default_factory=lambda: {"with": 0, "without": 0})
+    parity_checked: bool = False
+
+    @property
+    def ratios(self) -> list[float]:
+        """Per pair: the cost without the choice over the cost with it, each window's seconds
+        over the cost model's for its work (> 1: the choice is faster)."""
+        model = cost_model([(w, t) for pair in self.pairs for w, t in (pair[:2], pair[2:])])
+        return [
+            (without_s / model(without_work)) / (with_s / model(with_work))
+            for with_work, with_s, without_work, without_s in self.pairs
+        ]
+
+    def speed(self) -> RatioEstimate | None:
+        return estimate(self.ratios) if self.pairs else None
+
+    def row(self) -> dict[str, Any]:
+        """Its line of results.json."""
+        speed = self.speed()
+        return {
+            "name": self.name,
+            "verdict": self.verdict,
+            "evidence": self.evidence,
+            "ratio": None if speed is None else speed.ratio,
+            "low": None if speed is None else speed.low,
+            "high": None if speed is None else speed.high,
+            "pairs": len(self.pairs),
+            "windows": dict(self.windows),
+        }
+
+
+class InRunTuner:
+    """Chooses each accumulation window's side and judges the pairs (module docstring).
+
+    The engine asks :meth:`side` when a window opens and reports its seconds and work with
+    :meth:`window_done` when it closes; :attr:`config` is the config training runs now.
+    """
+
+    def __init__(
+        self,
+        config: TurboConfig,
+        starts: list[Start],
+        comparisons: list[Comparison],
+        *,
+        planned_steps: int | None,
+        device: torch.device,
+    ) -> None:
+        self.config = config
+        self.starts = starts
+        self.comparisons = comparisons
+        self.planned_steps = planned_steps
+        self.device = device
+        self.events: list[str] = []
+        #: Windows run on the slower side of a comparison so far, all comparisons together.
+        self.spent_windows = 0
+        self._pending: tuple[Side, float] | None = None
+        self._round: dict[Side, tuple[int, float]] = {}
+
+    @property
+    def current(self) -> Comparison | None:
+        """The comparison being measured, or None once all are decided."""
+        return next((c for c in self.comparisons if c.verdict in ("waiting", "measuring")), None)
+
+    @property
+    def budget_windows(self) -> int:
+        """Windows the side without the choice may run, over the whole job."""
+        steps = self.planned_steps or ASSUMED_STEPS
+        share = self.config.tune.measure_share
+        return max(2 * MIN_ROUNDS + WARM_WINDOWS, math.floor(share * steps))
+
+    def side(self, parity: Callable[[TurboConfig, TurboConfig], tuple[float, float]]) -> Side:
+        """The side the window now opening runs. ``parity(with, without)`` returns both sides'
+        losses on this window's first batch; it is called once per comparison, before the side
+        without the choice first trains."""
+        comparison = self.current
+        if comparison is None:
+            return "with"
+        if not comparison.parity_checked:
+            comparison.parity_checked = True
+            with_loss, without_loss = parity(comparison.with_config, comparison.without_config)
+            check = loss_parity([without_loss], [with_loss], LOSS_TOLERANCE)
+            if not check.ok:
+                why = (
+                    f"loss {check.loss:.4g} against {check.reference_loss:.4g} without it on "
+                    f"the same batch ({check.relative_diff:.1%} > {LOSS_TOLERANCE:.0%})"
+                )
+                self._decide(comparison, "loss differs", why)
+                return self.side(parity)
+            comparison.verdict = "measuring"
+            self.events.append(
+                f"in-run: measuring {comparison.name} on the job's steps, paired with windows "
+                "without it"
+            )
+        # ABBA: windows 0,3 with the choice, 1,2 without, and so on.
+        position = sum(comparison.windows.values()) % 4
+        return "with" if position in (0, 3) else "without"
+
+    def window_done(self, side: Side, seconds: float, work: int) -> None:
+        """Record a closed window of ``side`` that took ``seconds`` for ``work`` (module
+        docstring: the slowest rank's cost under torchrun)."""
+        comparison = self.current
+        if comparison is None or comparison.verdict != "measuring":
+            return
+        seconds = _slowest_rank(seconds, self.device)
+        warm = comparison.windows[side] < WARM_WINDOWS
+        comparison.windows[side] += 1
+        if side == "without":
+            self.spent_windows += 1
+        if warm:
+            return
+        self._round[side] = (work, seconds)
+        if len(self._round) < 2:
+            return
+        comparison.pairs.append((*self._round["with"], *self._round["without"]))
+        self._round = {}
+        self._judge(comparison)
+
+    def _judge(self, comparison: Comparison) -> None:
+        speed = estimate(comparison.ratios)
+        left = self.budget_windows - self.spent_windows
+        if speed.decision == "faster":
+            self._decide(comparison, "adopted", describe(speed))
+        elif speed.decision == "not faster":
+            self._decide(comparison, "dropped", describe(speed))
+        elif left <= 0 or _hopeless(speed, comparison.ratios, left):
+            self._decide(comparison, "undecided", f"{describe(speed)}; kept as the facts chose")
+
+    def _decide(self, comparison: Comparison, verdict: Verdict, evidence: str) -> None:
+        comparison.verdict = verdict
+        comparison.evidence = evidence
+        self._round = {}
+        if verdict in ("dropped", "loss differs"):
+            self.config = comparison.without_config
+        self.events.append(f"in-run: {comparison.name} {verdict}: {evidence}")
+
+    def config_of(self, side: Side) -> TurboConfig:
+        comparison = self.current
+        if comparison is None or side == "with":
+            return self.config
+        return comparison.without_config
+
+    def results(self) -> dict[str, Any]:
+        """What results.json records: the start and every verdict."""
+        return {
+            "start": [dataclasses.asdict(s) for s in self.starts],
+            "measured": [c.row() for c in self.comparisons],
+            "spent_windows": self.spent_windows,
+            "budget_windows": self.budget_windows,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "config": self.config.to_dict(),
+            "spent_windows": self.spent_windows,
+            "comparisons": [
+                {
+                    "name": c.name,
+                    "verdict": c.verdict,
+                    "pairs": [list(pair) for pair in c.pairs],
+                    "evidence": c.evidence,
+                    "windows": dict(c.windows),
+                    "parity_checked": c.parity_checked,
+                }
+                for c in self.comparisons
+            ],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue a resumed run's measuring where it stopped: verdicts, pairs, spent windows.
+        A comparison this run does not have (the facts chose another start) is dropped."""
+        self.config = TurboConfig.from_dict(state["config"])
+        self.spent_windows = state["spent_windows"]
+        saved = {entry["name"]: entry for entry in state["comparisons"]}
+        for comparison in self.comparisons:
+            entry = saved.get(comparison.name)
+            if entry is None:
+                continue
+            comparison.verdict = entry["verdict"]
+            comparison.pairs = [tuple(pair) for pair in entry["pairs"]]
+            comparison.evidence = entry["evidence"]
+            comparison.windows = dict(entry["windows"])
+            comparison.parity_checked = entry["parity_checked"]
+        self._round = {}
+
+
+def comparisons_for(
+    config: TurboConfig, user: TurboConfig, starts: list[Start]
+) -> list[Comparison]:
+    """A comparison for each taken start that a step can switch off: ``config`` (the start)
+    against ``config`` with that technique's fields as the ``user`` set them."""
+    out = []
+    for start in starts:
+        if not start.taken:
+            continue
+        without = _without(config, user, start)
+        if registry.switchable_per_step(config, without):
+            out.append(Comparison(start.name, config, without))
+    return out
+
+
+def _without(config: TurboConfig, user: TurboConfig, start: Start) -> TurboConfig:
+    """``config`` with the fields of the techniques ``start`` changed put back as ``user``
+    had them."""
+    values = {
+        f"{entry.section}__{name}": getattr(user.section(entry.section), name)
+        for entry in registry.techniques()
+        if entry.name in start.techniques
+        for name in entry.owned_fields(user)
+    }
+    return config.replace(**values)
+
+
+def cost_model(points: list[tuple[int, float]]) -> Callable[[int], float]:
+    """Seconds as a function of work, ``a + b x work``, fitted by least squares to ``points``
+    (work, seconds); proportional to work where the points do not fix a line with positive
+    cost (one work size, or a fit that would make some work free)."""
+    works = [w for w, _ in points]
+    if len(set(works)) < 2:
+        return float
+    mean_w = sum(works) / len(works)
+    mean_t = sum(t for _, t in points) / len(points)
+    spread = sum((w - mean_w) ** 2 for w in works)
+    slope = sum((w - mean_w) * (t - mean_t) for w, t in points) / spread
+    intercept = mean_t - slope * mean_w
+    if slope <= 0 or intercept < 0:
+        return float
+    return lambda work: intercept + slope * work
+
+
+def _hopeless(speed: RatioEstimate, ratios: list[float], windows_left: int) -> bool:
+    """Whether the pairs the budget has left (two windows each, one on the slower side) cannot
+    decide the comparison at the spread measured so far."""
+    if len(ratios) < MIN_ROUNDS:
+        return False
+    needed = rounds_to_decide(speed, ratios)
+    return needed is not None and needed - len(ratios) > windows_left
+
+
+def _slowest_rank(cost: float, device: torch.device) -> float:
+    """The largest of every rank's ``cost`` under torchrun; ``cost`` in one process."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return cost
+    backend_device = device if dist.get_backend() != "gloo" else torch.device("cpu")
+    value = torch.tensor([cost], dtype=torch.float64, device=backend_device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return float(value.item())
