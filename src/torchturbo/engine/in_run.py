@@ -33,15 +33,20 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+import typing
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.utils.data import Dataset
 
 from torchturbo.base.nested import iter_tensors
 from torchturbo.config import TurboConfig
+from torchturbo.output.results_file import write_atomic, write_results
 from torchturbo.recipe import Recipe
 from torchturbo.techniques import registry
 from torchturbo.techniques.framework.decide import (
@@ -52,7 +57,7 @@ from torchturbo.techniques.framework.decide import (
     loss_parity,
     rounds_to_decide,
 )
-from torchturbo.techniques.framework.facts import Facts
+from torchturbo.techniques.framework.facts import Facts, before_training
 from torchturbo.techniques.framework.proposal import StageContext
 from torchturbo.techniques.framework.spec import Technique
 
@@ -66,6 +71,9 @@ LOSS_TOLERANCE = 0.05
 WARM_WINDOWS = 1
 #: The job's steps assumed when the host does not say how many it will train.
 ASSUMED_STEPS = 300
+#: What a run that tuned inside itself keeps, as ``tune`` does: every verdict, the decided config.
+RESULTS = "results.json"
+CONFIG = "turbo.toml"
 
 Verdict = Literal["measuring", "adopted", "dropped", "undecided", "loss differs", "waiting"]
 Side = Literal["with", "without"]
@@ -84,6 +92,46 @@ class Start:
     why_not: str = ""
     #: The techniques it changes.
     techniques: tuple[str, ...] = ()
+
+
+def start(
+    config: TurboConfig,
+    model: nn.Module | None,
+    device: torch.device,
+    *,
+    data: Dataset | None,
+    lengths: Sequence[int] | None,
+    batch_size: int,
+    seed: int,
+    planned_steps: int | None,
+) -> InRunTuner:
+    """The in-run tuner of a run of ``model`` on ``data`` (``lengths`` per sample, None where
+    not known), its start chosen by the facts measured here now; every host calls this."""
+    known = Recipe(
+        name="this run",
+        model=(lambda: model) if model is not None else _unknown,
+        optimizer=_unknown,
+        loss_fn=_unknown,
+        # A manual loop (no data given): one unknown sample, never read.
+        dataset=data if data is not None else typing.cast(Dataset, [None]),
+        batch_size=batch_size,
+        lengths=lengths,
+        seed=seed,
+    )
+    found = before_training(model, device, lengths, batch_size, seed)
+    started, starts = start_from_facts(config, found, known, device)
+    comparisons = comparisons_for(started, config, starts)
+    tuner = InRunTuner(started, starts, comparisons, planned_steps=planned_steps, device=device)
+    for entry in starts:
+        said = "started with" if entry.taken else f"not started ({entry.why_not})"
+        tuner.events.append(f"in-run: {entry.name} {said}: {entry.evidence}")
+    return tuner
+
+
+def _unknown(*args: Any) -> Any:
+    """The loss and optimizer of a run are not known when its start is chosen; the stages that
+    choose it read facts only."""
+    raise RuntimeError("tuning inside the run: its start reads facts, not the loss or optimizer")
 
 
 def start_from_facts(
@@ -306,6 +354,17 @@ class InRunTuner:
             "spent_windows": self.spent_windows,
             "budget_windows": self.budget_windows,
         }
+
+    def write(self, directory: str | Path) -> Path:
+        """Keep what was decided in ``directory`` (made if missing): ``results.json``, the start
+        and every verdict, and ``turbo.toml``, the decided config, which the next run trains as
+        it is (its ``[tune] in_run`` off: the measuring is done). Returns the config's path."""
+        directory = Path(directory)
+        decided = self.config.replace(tune__in_run=False)
+        write_results(directory / RESULTS, {**self.results(), "config": decided.to_dict()})
+        path = directory / CONFIG
+        write_atomic(path, decided.to_toml().encode())
+        return path
 
     def state_dict(self) -> dict[str, Any]:
         return {

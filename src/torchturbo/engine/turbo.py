@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-import typing
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,19 +36,13 @@ from torchturbo.distributed.comm import CommStats
 from torchturbo.distributed.launch import init_distributed
 from torchturbo.distributed.select import select_strategy
 from torchturbo.distributed.strategy import Strategy
+from torchturbo.engine import in_run
 from torchturbo.engine.compose import compose
-from torchturbo.engine.in_run import (
-    InRunTuner,
-    Side,
-    comparisons_for,
-    start_from_facts,
-    work_of,
-)
+from torchturbo.engine.in_run import InRunTuner, Side, work_of
 from torchturbo.engine.loader import training_loader
 from torchturbo.engine.state import load_training_state, save_training_state
 from torchturbo.measure.breakdown import NullRecorder, Recorder
 from torchturbo.measure.timing import sync
-from torchturbo.recipe import Recipe
 from torchturbo.reliability.epochs import EpochLoader, data_identity
 from torchturbo.reliability.guard import (
     BACKWARD_INSIDE,
@@ -62,7 +55,6 @@ from torchturbo.reliability.oom import MicroBatcher, leading_size
 from torchturbo.reliability.preemption import StopRequest, agree_to_stop
 from torchturbo.reliability.random_state import capture_random_state, restore_random_state
 from torchturbo.techniques import registry
-from torchturbo.techniques.framework import facts
 from torchturbo.techniques.framework.result import TechniqueResult, reasons
 from torchturbo.techniques.framework.steps import Steps
 from torchturbo.techniques.tools.accumulation import (
@@ -247,33 +239,20 @@ class Turbo:
         seed: int | None,
         planned_steps: int | None,
     ) -> None:
-        """Start from the facts (``in_run.start_from_facts``) and set up the measuring."""
-        size = batch_size or getattr(data, "batch_size", None) or 1
-        dataset = data.dataset if isinstance(data, DataLoader) else data
-        known = Recipe(
-            name="this run",
-            model=lambda: model,
-            optimizer=_unknown,
-            loss_fn=_unknown,
-            # A manual loop (no data given): one unknown sample, never read.
-            dataset=dataset if dataset is not None else typing.cast(Dataset, [None]),
-            batch_size=size,
+        """Start where the facts point (``in_run.start``) and set up the measuring."""
+        self.in_run = in_run.start(
+            self.config,
+            model,
+            self.device,
+            data=data.dataset if isinstance(data, DataLoader) else data,
             lengths=lengths,
+            batch_size=batch_size or getattr(data, "batch_size", None) or 1,
             seed=seed or 0,
+            planned_steps=planned_steps,
         )
-        found = facts.before_training(model, self.device, lengths, size, seed or 0)
-        user = self.config
-        started, starts = start_from_facts(user, found, known, self.device)
-        self.config = started
-        self.steps = self._side_steps(started)
-        self._step_switches = registry.step_switches(started, "engine")
-        comparisons = comparisons_for(started, user, starts)
-        self.in_run = InRunTuner(
-            started, starts, comparisons, planned_steps=planned_steps, device=self.device
-        )
-        for start in starts:
-            said = "started with" if start.taken else f"not started ({start.why_not})"
-            self.in_run.events.append(f"in-run: {start.name} {said}: {start.evidence}")
+        self.config = self.in_run.config
+        self.steps = self._side_steps(self.config)
+        self._step_switches = registry.step_switches(self.config, "engine")
 
     def _side_steps(self, config: TurboConfig) -> Steps:
         """The step hooks of ``config``, built once per side."""
@@ -627,9 +606,3 @@ def _split_loss(
         raise ValueError(f"loss_fn must return a scalar tensor as the loss, got {loss!r}")
     count = torch.as_tensor(count, dtype=torch.float32, device=device)
     return loss, count
-
-
-def _unknown(*args: Any) -> Any:
-    """The loss and optimizer of a run are not known when ``setup`` chooses its start; the
-    stages that choose it read facts only."""
-    raise RuntimeError("tuning inside the run: its start reads facts, not the loss or optimizer")

@@ -41,7 +41,6 @@ from torchturbo.resume.files import CheckpointError, checkpoint_name
 from torchturbo.resume.lock import hold_directory
 from torchturbo.runs.metrics_log import AnyLogger
 from torchturbo.runs.step_meter import recipe_meter
-from torchturbo.runs.tuned import write_decided
 
 
 @dataclass(frozen=True)
@@ -285,7 +284,7 @@ class _InRunNews:
     def keep(self) -> None:
         tuner = self.turbo.in_run
         if tuner is not None and self.tuned_dir is not None and current_env().rank == 0:
-            write_decided(tuner, self.tuned_dir)
+            tuner.write(self.tuned_dir)
 
 
 @contextlib.contextmanager

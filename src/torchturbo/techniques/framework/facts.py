@@ -197,7 +197,7 @@ def gather(
 
 
 def before_training(
-    model: nn.Module,
+    model: nn.Module | None,
     device: torch.device,
     lengths: Sequence[int] | None,
     batch_size: int,
@@ -206,15 +206,16 @@ def before_training(
     """The facts measured before any step runs, in seconds and without the loss: each
     precision's matrix-product rate here and the padding ``lengths`` imply in batches of
     ``batch_size``. Those that need a forward (FLOP shares, the LM head's logits) are left
-    unknown; tuning inside a run starts from these (``engine/in_run.py``)."""
+    unknown, and those of the model too when it is not built yet (None); tuning inside a run
+    starts from these (``engine/in_run.py``)."""
     padding = None if lengths is None else padding_fractions(lengths, batch_size, seed)
     return Facts(
         device=str(device),
         gemm_speedup=gemm_speedups(device),
         emulated=emulated_precisions(device),
         padding=padding,
-        has_convolutions=has_2d_convolutions(model),
+        has_convolutions=model is not None and has_2d_convolutions(model),
         conv_share=0.0,
-        leaf_modules=leaf_module_count(model),
+        leaf_modules=0 if model is None else leaf_module_count(model),
         shapes_vary=lengths is not None and len(set(lengths)) > 1,
     )
