@@ -168,3 +168,26 @@ def edit_checkpoint_json(checkpoint: Path, name: str, edit) -> None:
         manifest = json.loads((checkpoint / "manifest.json").read_text())
         manifest["files"][name] = hashlib.sha256((checkpoint / name).read_bytes()).hexdigest()
         (checkpoint / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.fixture
+def fast_bf16(monkeypatch):
+    """Tuning inside a run made deterministic: this machine's bf16 matrix products measured
+    4x fp32's (so the facts start runs on bf16), and every measured window's seconds made
+    proportional to its work, bf16 windows taking half (so the job's steps adopt it)."""
+    from torchturbo.engine.in_run import InRunTuner
+    from torchturbo.techniques.framework import facts
+
+    monkeypatch.setattr(
+        facts, "gemm_speedups", lambda device: {"bf16": 4.0, "fp16": 4.0, "tf32": 1.0}
+    )
+    monkeypatch.setattr(
+        facts, "emulated_precisions", lambda device: {"fp16": "no fp16 units", "tf32": "no TF32"}
+    )
+    real = InRunTuner.window_done
+
+    def timed(self, side, seconds, work):
+        dtype = self.config_of(side).precision.dtype
+        return real(self, side, (0.5 if dtype == "bf16" else 1.0) * work / 100, work)
+
+    monkeypatch.setattr(InRunTuner, "window_done", timed)

@@ -80,7 +80,7 @@ INVALID = [
     ("[reliability]\nmemory_budget_bytes = 0", "memory_budget_bytes = 0"),
     ("[reliability]\nmemory_budget_bytes = 1e9", "expected int or nothing"),
     ("[tune]\nmeasure_share = 0.9", "measure_share = 0.9"),
-    ("[tune]\nin_run = \"yes\"", "in_run"),
+    ('[tune]\nin_run = "yes"', "in_run"),
     ("[reliability]\nnonfinite_patience = -1", "nonfinite_patience = -1"),
     ('[reliability]\nauto_microbatch = "yes"', "auto_microbatch"),
     ('[distributed]\nstrategy = "zero"', "'ddp', 'fsdp'"),

@@ -23,7 +23,6 @@ from torchturbo.engine.in_run import (
 )
 from torchturbo.recipe import Recipe
 from torchturbo.runs.train import train
-from torchturbo.techniques.framework import facts as facts_module
 from torchturbo.techniques.framework.decide import MIN_ROUNDS
 from torchturbo.techniques.framework.facts import Facts
 
@@ -209,20 +208,6 @@ def test_the_tuner_state_round_trips():
 
 
 # -- the engine -------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def fast_bf16(monkeypatch):
-    """This machine's bf16 made fast and its timings made decisive: bf16 steps take half."""
-    monkeypatch.setattr(facts_module, "gemm_speedups", lambda device: _facts().gemm_speedup)
-    monkeypatch.setattr(facts_module, "emulated_precisions", lambda device: _facts().emulated)
-    real = InRunTuner.window_done
-
-    def timed(self, side, seconds, work):
-        dtype = self.config_of(side).precision.dtype
-        return real(self, side, (0.5 if dtype == "bf16" else 1.0) * work / 100, work)
-
-    monkeypatch.setattr(InRunTuner, "window_done", timed)
 
 
 def test_the_engine_trains_every_step_and_every_sample_once_per_epoch_while_tuning(fast_bf16):

@@ -443,3 +443,47 @@ def test_negative_control_without_the_random_state_the_resume_differs(tmp_path, 
     monkeypatch.setattr(TurboLightningCallback, "load_state_dict", lambda self, state: None)
     resumed = _fitted(tmp_path / "run", ckpt_path="hpc")
     assert not all(torch.equal(full[name], value) for name, value in resumed.items())
+
+
+class ManyTags(Tags):
+    def setup(self, stage: str) -> None:
+        self.data = [
+            {"input_ids": [1 + (i + j) % 15 for j in range(n)], "labels": [j % 3 for j in range(n)]}
+            for i, n in enumerate([2, 30, 3, 28, 4, 25, 2, 31] * 6)
+        ]
+
+
+class SeenPrecision(pl.Callback):
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.seen.append(trainer.precision)
+
+
+def test_in_run_tuning_starts_from_the_facts_and_measures_the_precision_on_lightning_steps(
+    fast_bf16, tmp_path
+):
+    """``[tune] in_run = true`` and nothing else: the callback starts on bf16 and length
+    buckets (the facts say bf16 is fast and the lengths pad), runs fp32 windows against bf16
+    ones by swapping the precision plugin, adopts bf16 and keeps what it decided."""
+    config = CPU.replace(tune__in_run=True)
+    callback, seen = TurboLightningCallback(config), SeenPrecision()
+    trainer = pl.Trainer(
+        max_steps=40,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        callbacks=[callback, seen],
+        **trainer_kwargs(config).kwargs,
+    )
+    trainer.fit(Tagger(), datamodule=ManyTags())
+    assert trainer.global_step == 40
+    assert callback.config.data.batches == "buckets" and callback.config.precision.dtype == "bf16"
+    (bf16,) = callback.in_run.comparisons
+    assert bf16.verdict == "adopted" and bf16.windows["without"] >= 3
+    assert "32-true" in seen.seen and seen.seen[-1] == "bf16-mixed"
+    decided = TurboConfig.from_toml((tmp_path / "tuned" / "turbo.toml").read_text())
+    assert decided.precision.dtype == "bf16" and not decided.tune.in_run

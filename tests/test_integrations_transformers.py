@@ -6,6 +6,7 @@ Tiny models from configs (no downloads) on synthetic token-tagging data with lon
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import re
@@ -229,6 +230,8 @@ def test_every_config_field_is_carried_or_noted():
         ("activation_compression", "dtype"): "bf16",
         ("activation_compression", "min_bytes"): 4096,
         ("liger_kernel", "enabled"): True,
+        ("tune", "in_run"): True,
+        ("tune", "measure_share"): 0.2,
     }
     every_field = {(s, f.name) for s, cls in sections().items() for f in dataclasses.fields(cls)}
     assert set(changed) == every_field  # a new core config field must be added here
@@ -624,3 +627,37 @@ def test_resuming_skips_a_checkpoint_that_a_kill_cut_short(tmp_path):
         assert last_complete_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-2")
     (tmp_path / "checkpoint-4" / "trainer_state.json").write_text("{}")
     assert last_complete_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-4")
+
+
+def test_in_run_turbo_trainer_starts_where_the_facts_point(fast_bf16, tmp_path):
+    """``[tune] in_run = true`` and nothing else: the Trainer's arguments are rebuilt on bf16,
+    its batches are length buckets, it trains the steps asked and keeps its reasons."""
+    from recipes import hf_causal_lm
+    from transformers import TrainingArguments
+
+    from torchturbo.integrations.transformers import TurboTrainer
+
+    config = TurboConfig(device="cpu").replace(tune__in_run=True)
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        max_steps=6,
+        report_to="none",
+        use_cpu=True,
+        disable_tqdm=True,
+        save_strategy="no",
+    )
+    trainer = TurboTrainer(
+        model=hf_causal_lm.model(),
+        args=args,
+        train_dataset=hf_causal_lm.documents(),
+        data_collator=hf_causal_lm.collator(),
+        turbo_config=config,
+    )
+    assert trainer.args.bf16 and not args.bf16  # the user's arguments are left as they were
+    assert trainer.turbo_config.data.batches == "buckets"
+    output = trainer.train()
+    assert output.global_step == 6
+    saved = json.loads((tmp_path / "tuned" / "results.json").read_text())
+    assert {s["name"] for s in saved["start"] if s["taken"]} == {"bf16", "length buckets"}
+    assert saved["measured"] == []  # accelerate's autocast is fixed for the run

@@ -104,9 +104,11 @@ def start(
     batch_size: int,
     seed: int,
     planned_steps: int | None,
+    measured: bool = True,
 ) -> InRunTuner:
     """The in-run tuner of a run of ``model`` on ``data`` (``lengths`` per sample, None where
-    not known), its start chosen by the facts measured here now; every host calls this."""
+    not known), its start chosen by the facts measured here now; every host calls this.
+    ``measured=False``: the host cannot switch a choice per step, so none is measured."""
     known = Recipe(
         name="this run",
         model=(lambda: model) if model is not None else _unknown,
@@ -120,7 +122,7 @@ def start(
     )
     found = before_training(model, device, lengths, batch_size, seed)
     started, starts = start_from_facts(config, found, known, device)
-    comparisons = comparisons_for(started, config, starts)
+    comparisons = comparisons_for(started, config, starts) if measured else []
     tuner = InRunTuner(started, starts, comparisons, planned_steps=planned_steps, device=device)
     for entry in starts:
         said = "started with" if entry.taken else f"not started ({entry.why_not})"
@@ -443,6 +445,29 @@ def cost_model(points: list[tuple[int, float]]) -> Callable[[int], float]:
     if slope <= 0 or intercept < 0:
         return float
     return lambda work: intercept + slope * work
+
+
+def same_batch_losses(
+    model: nn.Module,
+    device: torch.device,
+    loss_under: Callable[[TurboConfig], float],
+    with_config: TurboConfig,
+    without: TurboConfig,
+) -> tuple[float, float]:
+    """``loss_under(config)`` for both sides of a comparison, on the batch the host closed
+    over: without gradients, each from the same random state (dropout draws alike), and the
+    model's buffers (batch-norm statistics) and the random state left as they were, so that
+    measuring does not change what the run trains."""
+    buffers = [b.detach().clone() for b in model.buffers()]
+    devices = [device] if device.type == "cuda" else []
+    losses = []
+    for config in (with_config, without):
+        with torch.random.fork_rng(devices=devices), torch.no_grad():
+            losses.append(loss_under(config))
+    with torch.no_grad():
+        for kept, buffer in zip(buffers, model.buffers(), strict=True):
+            buffer.copy_(kept)
+    return losses[0], losses[1]
 
 
 def _hopeless(speed: RatioEstimate, ratios: list[float], windows_left: int) -> bool:

@@ -294,21 +294,13 @@ class Turbo:
     def _parity_losses(
         self, loss_fn: LossFn, batch: Any, with_config: TurboConfig, without: TurboConfig
     ) -> tuple[float, float]:
-        """Both sides' losses on ``batch``, without gradients, from the same random state
-        (dropout draws alike) and leaving the model's buffers (batch-norm statistics) and the
-        random state as they were."""
+        """Both sides' losses on ``batch`` (``in_run.same_batch_losses``)."""
         assert self.model is not None
-        buffers = [b.detach().clone() for b in self.model.buffers()]
-        losses = []
-        devices = [self.device] if self.device.type == "cuda" else []
-        for config in (with_config, without):
-            with torch.random.fork_rng(devices=devices), torch.no_grad():
-                loss, _ = self._forward_with(self._side_steps(config), loss_fn, batch)
-                losses.append(float(loss))
-        with torch.no_grad():
-            for kept, buffer in zip(buffers, self.model.buffers(), strict=True):
-                buffer.copy_(kept)
-        return losses[0], losses[1]
+
+        def loss_under(config: TurboConfig) -> float:
+            return float(self._forward_with(self._side_steps(config), loss_fn, batch)[0])
+
+        return in_run.same_batch_losses(self.model, self.device, loss_under, with_config, without)
 
     def _microbatcher(self, model: nn.Module) -> MicroBatcher:
         reliability = self.config.reliability

@@ -14,7 +14,10 @@
   buckets, packed rows: ``registry.batch_plan``, as the engine and the tuner's trials build it)
   in place of the train DataLoader's sampler and collate; and preemption: on SIGTERM,
   SIGUSR1, SIGUSR2 or Ctrl-C the step under way is saved as Lightning's ``hpc_ckpt_N.ckpt``,
-  which ``fit(ckpt_path="hpc")`` resumes, and the run exits 75.
+  which ``fit(ckpt_path="hpc")`` resumes, and the run exits 75. With ``[tune] in_run`` it tunes
+  while Lightning trains (``engine/in_run.py``): the facts choose the start in ``setup``, and
+  the precision is measured on the job's own steps by swapping Lightning's precision plugin
+  per accumulation window.
 
 Needs ``pip install 'torchturbo[lightning]'`` (the ``lightning`` package; the standalone
 ``pytorch_lightning`` package has its own, incompatible Callback class).
@@ -26,8 +29,10 @@ import contextlib
 import copy
 import functools
 import math
+import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -47,10 +52,13 @@ from torchturbo.data.batch_plan import BatchSource
 from torchturbo.data.collate import IGNORE_INDEX
 from torchturbo.data.length import length_or_none
 from torchturbo.distributed.ddp import COMM_HOOKS, check_comm_hook
+from torchturbo.engine import in_run
+from torchturbo.engine.in_run import InRunTuner, Side, work_of
 from torchturbo.integrations.lengths import sample_lengths
 from torchturbo.integrations.optimizers import clone_optimizer, parameter_owner
 from torchturbo.integrations.stopping import StopWatch, TrainerStopped, announce
 from torchturbo.integrations.translate import DDPSpec, Translation, lightning_arguments
+from torchturbo.measure.timing import sync
 from torchturbo.recipe import Recipe, RecipeError
 from torchturbo.reliability.random_state import capture_random_state, restore_random_state
 from torchturbo.techniques import registry
@@ -114,7 +122,14 @@ class TurboLightningCallback(pl.Callback):
     config's batch plan: the same dataset, collate and worker settings, its batches those the
     tuner measured for this config and ``seed`` (``recipe_from_lightning``'s recipes use seed
     0). Each rank takes its share of whole batches: under DDP pass
-    ``use_distributed_sampler=False`` (``trainer_kwargs`` does)."""
+    ``use_distributed_sampler=False`` (``trainer_kwargs`` does).
+
+    With ``[tune] in_run`` the facts measured in ``setup`` choose the config the run starts
+    from (``in_run.start``: bf16 where it is fast here, length buckets where lengths pad
+    heavily), and each accumulation window runs on the side the in-run tuner names, by
+    swapping the strategy's precision plugin: the job's own steps decide whether the precision
+    stays. ``in_run`` holds the tuner; its verdicts and the decided config are written to
+    ``<default_root_dir>/tuned`` at the end, and Lightning's checkpoints keep its state."""
 
     def __init__(self, config: TurboConfig, *, seed: int = 0, stop_on_signals: bool = True) -> None:
         self.config = config
@@ -131,6 +146,12 @@ class TurboLightningCallback(pl.Callback):
         )
         self._stepped = 0
         self._resumed_random: dict[str, Any] | None = None
+        #: Tuning inside the run (``[tune] in_run``), started in ``setup``; None when off.
+        self.in_run: InRunTuner | None = None
+        self._plugins: dict[str, Any] = {}
+        #: The open window's side, its start (perf_counter) and its work so far.
+        self._measured: tuple[Side, float, int] | None = None
+        self._told = 0
 
     @property
     def applied(self) -> dict[str, str | None]:
@@ -141,12 +162,101 @@ class TurboLightningCallback(pl.Callback):
         if stage != "fit":
             return
         device = trainer.strategy.root_device
+        if self.config.tune.in_run and self.in_run is None:
+            self._start_in_run(trainer, pl_module, device)
         self.results |= registry.compose_model(pl_module, self.config, device, "lightning")
         self._switches.enter_context(
             registry.held_switches(self.config, device, "lightning", self.results)
         )
         if registry.plans_batches(self.config):
             self._plan_train_loader(trainer, pl_module)
+
+    # -- tuning inside the run ------------------------------------------------------------------
+
+    def _start_in_run(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, device: torch.device
+    ) -> None:
+        """Start where the facts point, on the train loader's dataset and batch size."""
+        datamodule = getattr(trainer, "datamodule", None)
+        loader = (datamodule if datamodule is not None else pl_module).train_dataloader()
+        dataset = getattr(loader, "dataset", None)
+        lengths = None if dataset is None else sample_lengths(dataset)
+        steps, _ = planned_lightning_steps(trainer, length_or_none(loader))
+        self.in_run = in_run.start(
+            self.config,
+            pl_module,
+            device,
+            data=dataset,
+            lengths=lengths,
+            batch_size=getattr(loader, "batch_size", None) or 1,
+            seed=self.seed,
+            planned_steps=steps,
+        )
+        self.config = self.in_run.config
+        self._use_precision(trainer, self.config)
+        self._tell(trainer)
+
+    def _use_precision(self, trainer: pl.Trainer, config: TurboConfig) -> None:
+        """Train the next steps with the precision plugin Lightning builds for ``config``'s
+        ``Trainer(precision=...)``; one plugin per precision, so a scaler keeps its state."""
+        precision = trainer_kwargs(config).kwargs.get("precision", "32-true")
+        if trainer.strategy.precision_plugin.precision == precision:
+            return
+        if precision not in self._plugins:
+            self._plugins[precision] = _precision_plugin(precision, trainer.strategy.root_device)
+        trainer.strategy.precision_plugin = self._plugins[precision]
+
+    def _open_window(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
+        assert self.in_run is not None
+        measuring = self.in_run.current is not None
+        side = self.in_run.side(functools.partial(self._parity_losses, trainer, pl_module, batch))
+        self._use_precision(trainer, self.in_run.config_of(side))
+        self._measured = None
+        if measuring and self.in_run.current is not None:
+            sync(trainer.strategy.root_device)
+            self._measured = (side, time.perf_counter(), 0)
+
+    def _close_window(self, trainer: pl.Trainer) -> None:
+        assert self.in_run is not None
+        if self._measured is not None:
+            side, started, work = self._measured
+            sync(trainer.strategy.root_device)
+            self.in_run.window_done(side, time.perf_counter() - started, work)
+            self._measured = None
+        self.config = self.in_run.config
+        self._tell(trainer)
+
+    def _parity_losses(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        batch: Any,
+        with_config: TurboConfig,
+        without: TurboConfig,
+    ) -> tuple[float, float]:
+        """``training_step``'s loss on ``batch`` under each side's precision plugin
+        (``in_run.same_batch_losses``), the module detached from the Trainer meanwhile: what
+        it logs then is not logged."""
+
+        def loss_under(config: TurboConfig) -> float:
+            self._use_precision(trainer, config)
+            with trainer.strategy.precision_plugin.train_step_context():
+                return float(training_step_loss(pl_module, batch))
+
+        device = trainer.strategy.root_device
+        with _detached(pl_module):
+            return in_run.same_batch_losses(pl_module, device, loss_under, with_config, without)
+
+    def _tell(self, trainer: pl.Trainer) -> None:
+        """Say on rank 0 what the in-run tuner said since last asked."""
+        assert self.in_run is not None
+        for event in self.in_run.events[self._told :]:
+            announce(event, trainer.global_rank)
+        self._told = len(self.in_run.events)
+
+    def _keep_decided(self, trainer: pl.Trainer) -> None:
+        if self.in_run is not None and trainer.global_rank == 0:
+            self.in_run.write(Path(trainer.default_root_dir) / "tuned")
 
     def _plan_train_loader(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Make ``train_dataloader()`` return its loader rebuilt on the config's batch plan."""
@@ -231,6 +341,11 @@ class TurboLightningCallback(pl.Callback):
         if self._resumed_random is not None:  # the first step after a resume
             restore_random_state(self._resumed_random)
             self._resumed_random = None
+        if self.in_run is not None and batch_idx % max(1, trainer.accumulate_grad_batches) == 0:
+            self._open_window(trainer, pl_module, batch)
+        if self._measured is not None:
+            side, started, work = self._measured
+            self._measured = (side, started, work + work_of(batch))
 
     def on_train_batch_end(
         self,
@@ -240,16 +355,19 @@ class TurboLightningCallback(pl.Callback):
         batch: Any,
         batch_idx: int,
     ) -> None:
-        if self._watch is None or trainer.global_step == self._stepped:
+        if trainer.global_step == self._stepped:
             return  # inside an accumulation window: no optimizer step yet
         self._stepped = trainer.global_step
-        if not self._watch.should_stop(trainer.strategy.root_device):
+        if self.in_run is not None:
+            self._close_window(trainer)
+        if self._watch is None or not self._watch.should_stop(trainer.strategy.root_device):
             return
         # Lightning's preemption checkpoint (its SLURM requeue writes the same), on every rank.
         path = trainer.strategy.broadcast(
             trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir)
         )
         trainer.save_checkpoint(path)
+        self._keep_decided(trainer)
         self._watch.close()
         stopped = TrainerStopped(
             self._watch.signal_name,
@@ -261,6 +379,7 @@ class TurboLightningCallback(pl.Callback):
         raise stopped  # a SystemExit, as Lightning's own SIGTERMException
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._keep_decided(trainer)
         if self._watch is not None:
             self._watch.close()
 
@@ -274,10 +393,34 @@ class TurboLightningCallback(pl.Callback):
         """Saved in each of Lightning's checkpoints: the process's random state at the save
         (Lightning keeps none), put back as the first step after a resume begins, so that its
         dropout masks are the uninterrupted run's."""
-        return {"random": capture_random_state()}
+        tuned = None if self.in_run is None else self.in_run.state_dict()
+        return {"random": capture_random_state(), "in_run": tuned}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._resumed_random = state_dict.get("random")
+        if self.in_run is not None and state_dict.get("in_run") is not None:
+            self.in_run.load_state_dict(state_dict["in_run"])
+            self.config = self.in_run.config
+
+
+def _precision_plugin(precision: str, device: torch.device) -> Any:
+    """The plugin Lightning builds for ``Trainer(precision=precision)`` on ``device``."""
+    from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+
+    if precision in ("bf16-mixed", "16-mixed"):
+        return MixedPrecision(precision, device=device.type)  # type: ignore[arg-type]
+    return Precision()
+
+
+@contextlib.contextmanager
+def _detached(pl_module: pl.LightningModule) -> Iterator[None]:
+    """``pl_module`` without its Trainer for the block: ``self.log`` logs nothing."""
+    trainer = pl_module._trainer
+    pl_module._trainer = None
+    try:
+        yield
+    finally:
+        pl_module._trainer = trainer
 
 
 def recipe_from_lightning(

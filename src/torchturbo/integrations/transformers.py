@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import functools
 import inspect
 import itertools
@@ -30,6 +31,7 @@ import re
 import warnings
 import weakref
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -50,6 +52,8 @@ from torchturbo.config import DistributedConfig, TurboConfig
 from torchturbo.data.batch_plan import BatchSource
 from torchturbo.data.collate import IGNORE_INDEX
 from torchturbo.data.length import length_or_none
+from torchturbo.engine import in_run
+from torchturbo.engine.in_run import InRunTuner
 from torchturbo.integrations.lengths import sample_lengths
 from torchturbo.integrations.optimizers import clone_optimizer, parameter_owner
 from torchturbo.integrations.stopping import StopWatch, TrainerStopped, announce
@@ -374,11 +378,22 @@ class TurboTrainer(Trainer):
     unused; either way holding the real tokens of ``per_device_train_batch_size`` rows per step
     on average, so ``max_steps`` trains on the same data), and registers ``[distributed]``'s DDP
     comm hook and bucket view through accelerate.
+
+    With ``[tune] in_run`` the facts measured before the Trainer is built choose where the run
+    starts (``in_run.start``: bf16 where its matrix products are fast here, length buckets where
+    the train dataset's lengths pad heavily): ``args`` are rebuilt with what the started config
+    translates to, and ``in_run`` holds what was decided, written with every reason to
+    ``<output_dir>/tuned`` (results.json, turbo.toml) when training begins. The Trainer's
+    autocast is accelerate's wrapper of the model's forward, fixed for the run, so the start is
+    not measured against the job's steps here as the engine and the Lightning callback do.
     """
 
     def __init__(
         self, *args: Any, turbo_config: TurboConfig, stop_on_signals: bool = True, **kwargs: Any
     ) -> None:
+        self.in_run: InRunTuner | None = None
+        if turbo_config.tune.in_run:
+            turbo_config, args, kwargs = self._start_in_run(turbo_config, args, kwargs)
         # Set before Trainer.__init__, which creates the accelerator (see below).
         self.turbo_config = turbo_config
         self.turbo_callback = TurboCallback(turbo_config)
@@ -387,6 +402,43 @@ class TurboTrainer(Trainer):
             callbacks.append(PreemptionCallback(turbo_config.reliability.stop_grace_s))
         kwargs["callbacks"] = callbacks
         super().__init__(*args, **kwargs)
+
+    def _start_in_run(
+        self, config: TurboConfig, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[TurboConfig, tuple[Any, ...], dict[str, Any]]:
+        """The started config, and the Trainer's arguments with its ``args`` rebuilt to say
+        what the started config adds (``bf16=True``, length grouping)."""
+        bound = inspect.signature(Trainer.__init__).bind_partial(self, *args, **kwargs)
+        given = bound.arguments
+        training_args, dataset = given.get("args"), given.get("train_dataset")
+        if training_args is None:
+            raise ValueError(
+                "[tune] in_run needs args=TrainingArguments(...): the precision it starts "
+                "from is set in them"
+            )
+        lengths = None
+        if dataset is not None:
+            lengths = sample_lengths(dataset, length_column=training_args.length_column_name)
+        seed = training_args.data_seed
+        self.in_run = in_run.start(
+            config,
+            given.get("model"),
+            training_args.device,
+            data=dataset,
+            lengths=lengths,
+            batch_size=training_args.per_device_train_batch_size,
+            seed=training_args.seed if seed is None else seed,
+            planned_steps=planned_trainer_steps(training_args, length_or_none(dataset))[0],
+            measured=False,
+        )
+        before = hf_arguments(config).kwargs
+        after = hf_arguments(self.in_run.config).kwargs
+        changes = {k: v for k, v in after.items() if before.get(k) != v}
+        if changes:
+            given["args"] = dataclasses.replace(training_args, **changes)
+        for event in self.in_run.events:
+            announce(event, training_args.process_index)
+        return self.in_run.config, bound.args[1:], bound.kwargs
 
     def train(
         self,
@@ -404,6 +456,8 @@ class TurboTrainer(Trainer):
                     f"resume_from_checkpoint=True: no complete checkpoint-* in "
                     f"{self.args.output_dir!r} (one with a trainer_state.json)"
                 )
+        if self.in_run is not None and self.is_world_process_zero():
+            self.in_run.write(Path(self.args.output_dir or ".") / "tuned")
         return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval)
 
     def create_accelerator_and_postprocess(self) -> None:

@@ -93,6 +93,12 @@ def hf_arguments(config: TurboConfig, fields: Collection[str] | None = None) -> 
     _clipping(config, kwargs, notes, "max_grad_norm", "Trainer clips at 1.0 unless told")
     _hf_data(config, kwargs, notes)
     _reliability(config, notes, "save_total_limit", f"{HF_TRAINER} (PreemptionCallback)")
+    _in_run(
+        config,
+        notes,
+        f"{HF_TRAINER}, which starts where the facts point; the Trainer's autocast is fixed for "
+        "the run, so the start is not measured on its steps",
+    )
     _hf_distributed(config, kwargs, notes)
     return Translation(kwargs, notes)
 
@@ -152,6 +158,15 @@ def _hf_data(config: TurboConfig, kwargs: dict[str, Any], notes: dict[str, str])
             f"{data.max_shapes}: applied by TurboTrainer, which pads its planned batches to a "
             "few shapes; a plain Trainer's batches take the shapes of the data"
         )
+
+
+def _in_run(config: TurboConfig, notes: dict[str, str], host: str) -> None:
+    """``[tune]``: tuning inside the run is the host's class's own doing."""
+    tune = config.tune
+    if tune.in_run:
+        notes[_key("tune", "in_run")] = f"applied by {host}"
+    if tune.measure_share != type(tune)().measure_share:
+        notes[_key("tune", "measure_share")] = f"applied by {host}"
 
 
 def _reliability(
@@ -250,6 +265,12 @@ def lightning_arguments(config: TurboConfig) -> Translation:
     _clipping(config, kwargs, notes, "gradient_clip_val", "Lightning does not clip unless told")
     _lightning_data(config, notes)
     _reliability(config, notes, "ModelCheckpoint(save_top_k=...)", LIGHTNING_CALLBACK)
+    _in_run(
+        config,
+        notes,
+        f"{LIGHTNING_CALLBACK}, which starts where the facts point and measures the precision "
+        "on the job's steps by swapping the precision plugin",
+    )
     _lightning_distributed(config, kwargs, notes)
     return Translation(kwargs, notes)
 
