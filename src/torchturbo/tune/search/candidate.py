@@ -319,6 +319,7 @@ def _measure(
 def _what_it_needs(comparison: Comparison, cut_short: bool) -> str:
     """Why an undecided comparison stopped, and the rounds and seconds it would need."""
     speed = comparison.speed
+    # Without a round cap (the default) only the budget stops a comparison undecided.
     stopped = "the budget stopped it" if cut_short else "the rounds ran out"
     needed = rounds_to_decide(speed, comparison.ratios)
     if needed is None:

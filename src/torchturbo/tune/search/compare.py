@@ -33,6 +33,9 @@ MAX_STEPS_PER_ROUND = 8
 #: A candidate this many times slower in its first two paired rounds is not measured further
 #: (fp16 on a CPU without fp16 units ran ~50x slower); paired, so a busy spell cannot fake it.
 HOPELESS_SLOWDOWN = 5.0
+#: Rounds of a comparison without a cap (``max_rounds=None``): the budget and the decision rule
+#: end it long before.
+UNCAPPED = 1_000_000
 
 
 def steps_per_round(step_s: float, cycle: int = 1) -> int:
@@ -78,7 +81,7 @@ def compare(
     *,
     against: str,
     device: torch.device,
-    max_rounds: int,
+    max_rounds: int | None,
     may_continue: Callable[[float], bool],
     min_rounds: int = 1,
     settle_rounds: int = 1,
@@ -88,9 +91,10 @@ def compare(
     clock: Callable[[], float] = time.perf_counter,
 ) -> Measured:
     """Time ``candidate`` against ``reference`` until the ratio is decided, ``max_rounds`` are
-    done, or ``may_continue(seconds of the next round)`` says no (asked only once ``min_rounds``
-    are done). A decided ratio is measured on up to ``settle_rounds`` while ``may_continue``
-    allows, to narrow the interval a report quotes (the decision only needs it to clear 1).
+    done (None: no cap), or ``may_continue(seconds of the next round)`` says no (asked only
+    once ``min_rounds`` are done). A decided ratio is measured on up to ``settle_rounds``
+    while ``may_continue`` allows, to narrow the interval a report quotes (the decision only
+    needs it to clear 1).
     ``decided(per-round ratios)`` replaces "the estimate's decision is not undecided" (see
     ``decide.head_to_head_decided``). Rounds are whole ``cycle``s of steps (default:
     :func:`batch_cycle` of the two trials), timed in alternating blocks of about
@@ -104,6 +108,7 @@ def compare(
     # or their DDP collectives stop pairing up (a busy machine made the ranks' counts differ).
     per_round, per_block = agree((steps_per_round(step_s, cycle), steps_per_round(step_s)))
     reference.align_with(candidate)
+    cap = UNCAPPED if max_rounds is None else max_rounds
     cut_short = False
 
     def stop(rounds: list[Round]) -> bool:
@@ -114,9 +119,7 @@ def compare(
         # The slowest of the last rounds, with a margin: a busy machine's rounds vary, and a
         # round that overruns cannot be stopped half-way.
         next_s = 1.5 * per_round * max(r.reference_s + r.candidate_s for r in rounds[-3:])
-        out_of_time = (
-            not done and min_rounds <= len(rounds) < max_rounds and not may_continue(next_s)
-        )
+        out_of_time = not done and min_rounds <= len(rounds) < cap and not may_continue(next_s)
         if done and not hopeless and len(rounds) < settle_rounds:
             done = not may_continue(next_s)
         done, out_of_time = agree((done, out_of_time))
@@ -128,7 +131,7 @@ def compare(
         _side(candidate),
         device=device,
         steps_per_round=per_round,
-        max_rounds=max_rounds,
+        max_rounds=cap,
         stop=stop,
         steps_per_block=per_block,
         clock=clock,
@@ -201,7 +204,7 @@ def compare_chain(
     names: Sequence[str],
     *,
     device: torch.device,
-    max_rounds: int,
+    max_rounds: int | None,
     may_continue: Callable[[float], bool],
     min_rounds: int = MIN_ROUNDS,
     settle_rounds: int = 1,
@@ -243,7 +246,7 @@ def compare_chain(
         if done and rounds < settle_rounds:
             done = not may_continue(next_s)
         done, out_of_time = agree((done, out_of_time))
-        if done or out_of_time or rounds >= max_rounds:
+        if done or out_of_time or (max_rounds is not None and rounds >= max_rounds):
             cut_short = out_of_time
             break
     seconds, counts = agree((seconds, counts))
