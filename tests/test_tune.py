@@ -852,3 +852,36 @@ def test_no_round_cap_ends_a_decision_the_budget_can_afford(monkeypatch):
     row = _rows(result)["clip"]
     assert row.verdict == "adopted", row.reason
     assert row.comparison.speed.rounds > 30
+
+
+def test_when_nothing_was_adopted_the_confirmations_time_goes_to_the_undecided(monkeypatch):
+    """A real 1.2x gain on a noisy machine: the budget less the confirmation's reserve leaves it
+    undecided; nothing was adopted, so no confirmation will run and its reserve measures the
+    candidate again, which adopts it on its own measurement against the baseline."""
+    import random
+
+    noise = random.Random(1)
+
+    def seconds(trial):
+        base = 0.25 / (1.2 if trial.config.clipping.max_norm is not None else 1.0)
+        return base * (0.85 + 0.3 * noise.random())
+
+    clock = _stepping_clock(monkeypatch, seconds)
+    options = dataclasses.replace(QUICK, time_budget_s=float(14), max_rounds=None)
+
+    def clip(ctx):
+        return [Candidate("clip", ctx.best.replace(clipping__max_norm=10.0), 1.5)]
+
+    said = []
+    _, result = tune(
+        tiny_recipe(),
+        options,
+        stages={"clip": clip},
+        clock=clock,
+        on_progress=lambda stage, what, left: said.append((stage, what)),
+    )
+    assert [what for stage, what in said if stage == "clip"] == ["clip", "clip"]
+    row = _rows(result)["clip"]
+    assert row.verdict == "adopted", row.reason
+    assert result.confirmation.state == "unconfirmed"
+    assert "went to measuring it" in result.confirmation.note

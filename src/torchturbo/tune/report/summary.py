@@ -38,7 +38,7 @@ def headline(results: dict) -> str:
         dropped = confirmation.get("dropped") or []
         if state == "dropped":  # re-measured alone: every adoption may have held
             line += f", after dropping {', '.join(dropped)}" if dropped else ", measured again"
-    elif state == "interrupted":
+    elif state in ("interrupted", "unconfirmed"):
         note = str(confirmation.get("note") or "stopped")
         line = note[0].upper() + note[1:]
     elif state == "reverted":
@@ -189,6 +189,12 @@ def incremental_note(results: dict) -> str:
             "the order it was adopted, each with the measurement that adopted it (against the "
             f"best of its time, in paired rounds, with its 99.9% interval). {search}"
         )
+    if state == "unconfirmed":
+        return (
+            "No confirmation ran: the baseline, then the one adoption with the measurement that "
+            "adopted it (against the baseline, in paired rounds, with its 99.9% interval). "
+            f"{search}"
+        )
     if state == "fits":
         return (
             "The kept plan's own measurement against what it was measured on, in paired rounds "
@@ -205,7 +211,7 @@ def confirmation_line(results: dict) -> str:
     c = results.get("confirmation")
     if isinstance(c, dict) and c.get("state") == "fits":
         return f"No confirmation against the baseline needed: {c.get('note')}."
-    if isinstance(c, dict) and c.get("state") == "interrupted":
+    if isinstance(c, dict) and c.get("state") in ("interrupted", "unconfirmed"):
         return f"No confirmation: {c.get('note')}."
     if not isinstance(c, dict) or c.get("state") in (None, "not needed"):
         return (

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +21,7 @@ import torch
 from torchturbo.base.compiler import compiled_graphs
 from torchturbo.config import TurboConfig
 from torchturbo.distributed.consensus import agree, any_rank
+from torchturbo.measure.paired import Round
 from torchturbo.measure.timing import time_once
 from torchturbo.techniques import registry
 from torchturbo.techniques.framework.decide import (
@@ -120,9 +122,12 @@ def _cannot_pay_back(run: Run, cost: Estimate, best: Incumbent) -> str:
     )
 
 
-def reserve(run: Run, best_step_s: float) -> float:
+def reserve(run: Run, best_step_s: float, *, confirming: bool = True) -> float:
     """Seconds held back for the confirmation (were the best to change) and the report: its
-    rounds are whole cycles of batches when the best may train other batches than fp32 eager."""
+    rounds are whole cycles of batches when the best may train other batches than fp32 eager.
+    ``confirming=False``: for the report alone (the confirmation's time given to the search)."""
+    if not confirming:
+        return REPORT_S
     cycle = 1 if run.recipe.lengths is None else run.batches.count
     return REPORT_S + confirm_seconds(
         run.baseline_step_s, best_step_s, lambda step_s: steps_per_round(step_s, cycle)
@@ -188,18 +193,22 @@ def try_candidate(
     fit_memory: bool,
     *,
     leader: bool = False,
+    confirming: bool = True,
+    earlier: Sequence[Round] = (),
 ) -> tuple[Outcome, Incumbent | None]:
     """Measure ``candidate`` on top of ``best``; the outcome, and the new best if adopted.
 
     ``fit_memory``: the best does not fit the memory budget, so fitting is this candidate's gain
     and it need not be faster. ``leader``: ``best`` is another alternative of the candidate's
-    lever, which it races (``decide.judge_against_leader``).
+    lever, which it races (``decide.judge_against_leader``). ``confirming=False``: the time
+    held back for the confirmation is the measurement's too (``reserve``). ``earlier``: rounds
+    of an earlier measurement of this candidate against ``best``, which this one goes on from.
 
     Under torchrun the ranks agree at the edges: on the cost and whether to measure, then on the
     figures measured (rank 0's), which are judged alike on every rank. Inside, only what keeps
     their collectives paired is agreed (the steps each takes, ``compare``'s rounds)."""
     cost = agree(estimate(run, candidate, best))  # a local clock and load: rank 0's figures
-    skipped = agree(_not_worth_measuring(run, candidate, best, cost, fit_memory))
+    skipped = agree(_not_worth_measuring(run, candidate, best, cost, fit_memory, confirming))
     if skipped:
         return not_measured(
             stage, candidate, skipped, verdict="not measured", estimate_s=cost.min_s
@@ -207,7 +216,7 @@ def try_candidate(
     label = candidate.name + (f": compiling, ~{cost.compile_s:.0f} s" if cost.compile_s else "")
     run.say(stage, label, run.budget.left())
     began = run.clock()
-    trial, figures, error = _measure(run, candidate, best, cost, leader)
+    trial, figures, error = _measure(run, candidate, best, cost, leader, confirming, earlier)
     if any_rank(error is not None, run.device):
         if trial is not None:
             trial.close()
@@ -243,7 +252,12 @@ def try_candidate(
 
 
 def _not_worth_measuring(
-    run: Run, candidate: Candidate, best: Incumbent, cost: Estimate, fit_memory: bool
+    run: Run,
+    candidate: Candidate,
+    best: Incumbent,
+    cost: Estimate,
+    fit_memory: bool,
+    confirming: bool,
 ) -> str:
     """Why ``candidate`` is not measured (its compile cannot pay back, or the budget cannot hold
     it); "" when it is. Fitting a memory budget is a gain of its own: only speed candidates must
@@ -251,14 +265,21 @@ def _not_worth_measuring(
     hopeless = "" if fit_memory else _cannot_pay_back(run, cost, best)
     if hopeless:
         return hopeless
-    free = run.budget.left() - reserve(run, _expected_step(run, candidate, best))
+    held_back = reserve(run, _expected_step(run, candidate, best), confirming=confirming)
+    free = run.budget.left() - held_back
     if free < cost.min_s:
         return f"budget: needs ~{cost.min_s:.0f} s, {max(free, 0.0):.0f} s left"
     return ""
 
 
 def _measure(
-    run: Run, candidate: Candidate, best: Incumbent, cost: Estimate, leader: bool
+    run: Run,
+    candidate: Candidate,
+    best: Incumbent,
+    cost: Estimate,
+    leader: bool,
+    confirming: bool,
+    earlier: Sequence[Round],
 ) -> tuple[Trial | None, Figures | None, Exception | None]:
     """The candidate's trial built, warmed up and timed against ``best``, with its loss curve,
     footprint and one-time cost: this rank's figures, or the error it failed with (a technique
@@ -279,7 +300,7 @@ def _measure(
         trial.step_seconds = min(
             time_once(trial.step, run.device, run.clock) for _ in range(WARM_STEPS)
         )
-        held_back = reserve(run, trial.step_seconds)
+        held_back = reserve(run, trial.step_seconds, confirming=confirming)
         measured = compare(
             best.trial,
             trial,
@@ -289,6 +310,7 @@ def _measure(
             may_continue=lambda seconds: run.budget.left() - held_back >= seconds,
             decided=head_to_head_decided if leader else None,
             clock=run.clock,
+            earlier=earlier,
         )
         while len(trial.losses) < PARITY_STEPS * candidate.config.accumulation.steps:
             trial.step()
@@ -402,6 +424,7 @@ def _judged(
         verdict=state,
         reason=reason,
         comparison=comparison,
+        rounds=figures.measured.rounds,
         memory_bytes=figures.memory_bytes,
         one_time_s=figures.one_time_s,
         break_even_steps=None if job.break_even == math.inf else job.break_even,

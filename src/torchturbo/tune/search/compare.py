@@ -73,6 +73,9 @@ class Measured:
     #: The same rounds read the other way: the reference against the candidate (named
     #: ``reversed_against``), for a head-to-head whose loser may be either side.
     reversed: Comparison | None = None
+    #: The rounds it was read from (``earlier`` ones included): a later measurement of the same
+    #: pair may go on from them.
+    rounds: tuple[Round, ...] = ()
 
 
 def compare(
@@ -89,6 +92,7 @@ def compare(
     decided: Callable[[Sequence[float]], bool] | None = None,
     reversed_against: str | None = None,
     clock: Callable[[], float] = time.perf_counter,
+    earlier: Sequence[Round] = (),
 ) -> Measured:
     """Time ``candidate`` against ``reference`` until the ratio is decided, ``max_rounds`` are
     done (None: no cap), or ``may_continue(seconds of the next round)`` says no (asked only
@@ -100,7 +104,9 @@ def compare(
     :func:`batch_cycle` of the two trials), timed in alternating blocks of about
     ``MIN_BLOCK_S`` each (``measure.paired``). Sets both trials' ``step_seconds`` to their
     median of this measurement. With ``reversed_against`` (the candidate's name), the result
-    also reads the same rounds as the reference against the candidate."""
+    also reads the same rounds as the reference against the candidate. ``earlier``: rounds of
+    an earlier measurement of the same pair on the same batches, which this one goes on from
+    (they count towards every rule and figure)."""
     step_s = min(s for s in (reference.step_seconds, candidate.step_seconds, math.inf) if s)
     if cycle is None:
         cycle = batch_cycle(reference.recipe, reference.batches, candidate.batches)
@@ -111,8 +117,9 @@ def compare(
     cap = UNCAPPED if max_rounds is None else max_rounds
     cut_short = False
 
-    def stop(rounds: list[Round]) -> bool:
+    def stop(new: list[Round]) -> bool:
         nonlocal cut_short
+        rounds = [*earlier, *new]
         ratios = [r.ratio for r in rounds]
         hopeless = _hopeless(ratios)
         done = hopeless or (decided or _undecided_no_more)(ratios)
@@ -136,7 +143,7 @@ def compare(
         steps_per_block=per_block,
         clock=clock,
     )
-    rounds = agree(rounds)
+    rounds = [*earlier, *agree(rounds)]
     # Geometric means of the same rounds the ratio is the geometric mean of: the throughputs
     # shown divide to the ratio shown, exactly (medians of each side need not).
     reference.step_seconds = geometric_mean(r.reference_s for r in rounds)
@@ -145,7 +152,7 @@ def compare(
     flipped = None
     if reversed_against is not None:
         flipped = _rounds_comparison([_flip(r) for r in rounds], reversed_against, per_round)
-    return Measured(comparison, cut_short, flipped)
+    return Measured(comparison, cut_short, flipped, tuple(rounds))
 
 
 def _hopeless(ratios: Sequence[float]) -> bool:

@@ -29,7 +29,7 @@ from torchturbo.techniques.framework.decide import (
 from torchturbo.trials.trial import Trial, start_trial
 from torchturbo.tune.search.budget import CONFIRM_ROUNDS
 from torchturbo.tune.search.compare import Measured, compare, compare_chain
-from torchturbo.tune.search.outcome import Comparison, Confirmation
+from torchturbo.tune.search.outcome import Comparison, Confirmation, ConfirmationState
 from torchturbo.tune.search.stages import memory_stages
 from torchturbo.tune.search.state import REPORT_S, WARM_STEPS, Incumbent, Run
 
@@ -44,6 +44,11 @@ def confirm(run: Run, baseline: Incumbent, best: Incumbent) -> tuple[Confirmatio
     is its ratio, and its last row over its first is the confirmed ratio."""
     if best is baseline or not run.adoptions:
         return Confirmation(state="not needed", comparison=None), baseline
+    if len(run.adoptions) == 1 and run.budget.left() - REPORT_S < _least_confirmation(run):
+        # The time held back for this was given to the search (``run._undecided_again``): the
+        # lone adoption's own paired measurement against the baseline is its figure.
+        why = "the budget held back for the confirmation went to measuring it"
+        return unconfirmed(run, why, state="unconfirmed"), best
     floor = _fitting_floor(run, baseline)
     if floor is best:
         return _fits(floor, ()), floor
@@ -97,8 +102,16 @@ def _searched(run: Run) -> float:
     )
 
 
-def unconfirmed(run: Run, why: str) -> Confirmation:
-    """The run stopped (``why``) before its confirmation: the incremental table is each
+def _least_confirmation(run: Run) -> float:
+    """Seconds of the shortest confirmation: ``MIN_ROUNDS`` paired rounds of the baseline and
+    the best, each of the steps ``compare`` would time (one per step at these step times)."""
+    best = run.adoptions[-1].trial.step_seconds or run.baseline_step_s
+    return MIN_ROUNDS * (run.baseline_step_s + best)
+
+
+def unconfirmed(run: Run, why: str, *, state: ConfirmationState = "interrupted") -> Confirmation:
+    """No confirmation ran (``why``: the run was stopped, ``state`` "interrupted", or the
+    budget went to measuring the lone adoption, "unconfirmed"): the incremental table is each
     adoption's own measurement, the one that adopted it, against the best of its time."""
     measured = [
         (a.name, a.outcome.stage, a.outcome.comparison)
@@ -106,7 +119,7 @@ def unconfirmed(run: Run, why: str) -> Confirmation:
         if a.outcome is not None and a.outcome.comparison is not None
     ]
     if not measured:
-        return Confirmation(state="interrupted", comparison=None, note=f"{why}: nothing adopted")
+        return Confirmation(state=state, comparison=None, note=f"{why}: nothing adopted")
     first = measured[0][2]
     head = {
         "name": f"baseline ({BASELINE})",
@@ -115,11 +128,18 @@ def unconfirmed(run: Run, why: str) -> Confirmation:
         "throughput": first.reference_throughput,
     }
     rows = [{"name": f"+ {name}", "stage": stage, **c.to_dict()} for name, stage, c in measured]
-    note = (
-        f"{why} before the confirmation: the search's adoptions measured {_searched(run):.2f}x "
-        "together, unconfirmed; the same command measures the rest and confirms"
-    )
-    return Confirmation(state="interrupted", comparison=None, note=note, rows=(head, *rows))
+    if state == "unconfirmed":
+        note = (
+            f"{why}: it measured {_searched(run):.2f}x against the baseline in its own paired "
+            "rounds, unconfirmed; a larger --time-budget confirms it"
+        )
+    else:
+        note = (
+            f"{why} before the confirmation: the search's adoptions measured "
+            f"{_searched(run):.2f}x together, unconfirmed; the same command measures the rest "
+            "and confirms"
+        )
+    return Confirmation(state=state, comparison=None, note=note, rows=(head, *rows))
 
 
 def _fitting_floor(run: Run, baseline: Incumbent) -> Incumbent | None:

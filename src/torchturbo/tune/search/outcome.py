@@ -17,6 +17,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from torchturbo.measure.paired import Round
 from torchturbo.techniques.framework.decide import Parity, RatioEstimate, job_times
 
 #: "reference" is the baseline's row: what every other config is measured against.
@@ -118,6 +119,9 @@ class Outcome:
     over_best: float | None = None
     #: Taken from a previous run's results.json in the same --out instead of measured again.
     reused: bool = False
+    #: The paired rounds its comparison was read from (kept in memory, not written): the time
+    #: held back for a confirmation that will not run goes on from them (``run``).
+    rounds: tuple[Round, ...] = dataclasses.field(default=(), repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.verdict not in STATES:
@@ -228,7 +232,14 @@ def _times(steps: int, per_step: float | None) -> float | None:
 
 
 ConfirmationState = Literal[
-    "not needed", "confirmed", "consistent", "dropped", "reverted", "fits", "interrupted"
+    "not needed",
+    "confirmed",
+    "consistent",
+    "dropped",
+    "reverted",
+    "fits",
+    "interrupted",
+    "unconfirmed",
 ]
 
 
@@ -246,7 +257,9 @@ class Confirmation:
     is kept whatever its speed (``comparison`` is its own measurement against the baseline);
     adoptions after it that the confirmation contradicted are in ``dropped``. ``interrupted``:
     a stop signal or Ctrl-C ended the run before the confirmation; the search's pick is kept,
-    unconfirmed, and the rows are each adoption's own measurement.
+    unconfirmed, and the rows are each adoption's own measurement. ``unconfirmed``: nothing was
+    adopted until the time held back for the confirmation went to an undecided candidate, which
+    its own paired measurement against the baseline adopted; kept, its rows that measurement.
     """
 
     state: ConfirmationState

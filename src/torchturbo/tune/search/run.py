@@ -491,7 +491,35 @@ def _search(
             # in the same rounds, which is what the incremental table shows.
             run.adoptions.append(incumbent)
             best = incumbent
+    if not run.adoptions:
+        best = _undecided_again(run, stages, best)
     run.on_decided()
+    return best
+
+
+def _undecided_again(run: Run, stages: Mapping[str, Stage], best: Incumbent) -> Incumbent:
+    """Nothing was adopted, so no confirmation will run: the time held back for it goes to the
+    candidates the budget left undecided, the largest expected gain first, each measured
+    against the baseline again, going on from its earlier rounds, until one is adopted (its own
+    measurement against the baseline is then its figure, ``confirm``) or the time is spent. Each
+    one's new row replaces its undecided one."""
+    undecided = {o.name: o for o in run.outcomes if o.verdict == "undecided"}
+    if not undecided:
+        return best
+    tried = {o.name for o in run.outcomes} - set(undecided)
+    again = [p for p in _proposals(run, stages, best, tried) if p[1].name in undecided]
+    again.sort(key=lambda proposal: -(proposal[1].expected_gain or 1.0))
+    for stage, candidate in again:
+        earlier = undecided[candidate.name].rounds
+        outcome, incumbent = try_candidate(
+            run, stage, candidate, best, False, confirming=False, earlier=earlier
+        )
+        if outcome.verdict == "not measured":  # the time is spent: the first row stands
+            break
+        run.outcomes = [o for o in run.outcomes if o.name != candidate.name] + [outcome]
+        if incumbent is not None:
+            run.adoptions.append(incumbent)
+            return incumbent
     return best
 
 
