@@ -107,3 +107,39 @@ def test_an_accumulation_window_longer_than_the_run_is_named_not_hidden():
     baseline, long_window, short_window = rows
     assert "no optimizer step in" in long_window.notes["accumulation"]
     assert "accumulation" not in short_window.notes and "accumulation" not in baseline.notes
+
+
+def test_trial_batches_span_the_epochs_padded_lengths():
+    """A long-tailed text dataset: steps cost about the square of their padded length, and the
+    first four batches of a shuffle put the trial's step anywhere from 0.4x to 2x the job's.
+    The representative batches are full rows of the user's batch size whose costs average
+    near the epoch's, whatever the seed."""
+    from torchturbo.trials.trial import representative_batches
+
+    generator = torch.Generator().manual_seed(0)
+    lengths = [int(n) for n in (torch.randn(2048, generator=generator) * 0.7).exp().mul(40)]
+    lengths = [min(max(n, 2), 512) for n in lengths]
+    dataset = [{"input_ids": torch.ones(n, dtype=torch.long)} for n in lengths]
+
+    def cost(length: int) -> float:
+        return length * length
+
+    for seed in range(4):
+        recipe = Recipe(
+            name="long-tailed",
+            model=lambda: torch.nn.Linear(1, 1),
+            optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+            loss_fn=lambda model, batch: batch["input_ids"].float().mean(),
+            dataset=dataset,
+            batch_size=16,
+            lengths=lengths,
+            seed=seed,
+        )
+        order = torch.randperm(len(lengths), generator=torch.Generator().manual_seed(seed))
+        rows = order[: len(order) // 16 * 16].view(-1, 16).tolist()
+        epoch = sum(cost(max(lengths[i] for i in row)) for row in rows) / len(rows)
+        picked = representative_batches(recipe, 8)
+        assert [b["input_ids"].shape[0] for b in picked] == [16] * 8
+        widths = [b["input_ids"].shape[1] for b in picked]
+        assert widths == sorted(widths) and len(set(widths)) > 4
+        assert 0.75 < sum(cost(w) for w in widths) / len(widths) / epoch < 1.1
