@@ -1,0 +1,226 @@
+"""Tuning inside the run, measured as users run it: whole Trainer jobs from fresh processes.
+
+For each setup (the 45M decoder and 36M encoder of ``tuner_scale.py``, and a BERT masked LM
+from transformers' own classes, which none of torchturbo's tests or tunes were written on) and
+each ``--steps`` (100, 300, 1,000), three jobs of the same documents and batch size:
+
+* **in-run**: ``TurboTrainer`` with ``[tune] in_run = true`` and nothing else, on the Trainer's
+  default arguments: the facts choose its start, its own steps are all it trains;
+* **trainer's best**: the Trainer's obvious setting, ``bf16=True`` with ``group_by_length``
+  (where this CPU runs bf16 natively; else ``group_by_length``);
+* **tune, then train**: ``torchturbo tune`` at its default budget in a fresh process, then the
+  job on the turbo.toml it wrote, the tune's seconds counted in the job's.
+
+Each job is timed from the start of ``train()`` to its last step, plus the process's start-up
+where said, and counts the real tokens it trained (not padding; for the masked LM every
+non-pad input token). Printed: seconds, tokens, tokens/s, and in-run over each peer.
+
+    python benchmarks/in_run_jobs.py --json benchmarks/results/in_run_jobs.json
+    python benchmarks/in_run_jobs.py --setups mlm --steps 30 --skip-tune   # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from transformers import (
+    BertConfig,
+    BertForMaskedLM,
+    DataCollatorForLanguageModeling,
+    PreTrainedTokenizerFast,
+    Trainer,
+    TrainerCallback,
+)
+from transformers.utils import logging as hf_logging
+
+sys.path.insert(0, str(Path(__file__).parent))
+import tuner_scale
+
+from torchturbo.config import TurboConfig
+from torchturbo.integrations.transformers import TurboTrainer, training_arguments
+from torchturbo.measure.machine import summary
+from torchturbo.measure.native import emulated
+from torchturbo.measure.timing import sync
+from torchturbo.output.results_file import write_results
+
+SETUPS = ("decoder", "encoder", "mlm")
+WAYS = ("in-run", "trainer-best", "tune-then-train")
+
+
+def mlm_tokenizer() -> PreTrainedTokenizerFast:
+    """The word-level tokenizer of the documents, with a mask token for the masked LM."""
+    vocab = {"[PAD]": 0, "[MASK]": 1, **{f"t{i}": i for i in range(2, tuner_scale.VOCAB)}}
+    return PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="t2")),
+        pad_token="[PAD]",
+        mask_token="[MASK]",
+        unk_token="t2",
+    )
+
+
+def mlm_model() -> BertForMaskedLM:
+    """BERT for masked LM from its config (6 layers, hidden 512: 36M parameters with the head)."""
+    torch.manual_seed(0)
+    hidden, layers = tuner_scale.MODEL_SIZES[tuner_scale.scale()[1]]
+    return BertForMaskedLM(
+        BertConfig(
+            vocab_size=tuner_scale.VOCAB,
+            hidden_size=hidden,
+            num_hidden_layers=layers + 2,
+            num_attention_heads=hidden // 64,
+            intermediate_size=4 * hidden,
+            max_position_embeddings=512,
+        )
+    )
+
+
+class Clock(TrainerCallback):
+    """Train begin, every step's end (the device synchronized) and the real tokens of every
+    batch: its non-pad input tokens (``attention_mask``), or its labels that count."""
+
+    def __init__(self, net: torch.nn.Module, causal: bool) -> None:
+        self.begin, self.ends, self.tokens, self.causal = 0.0, [], 0, causal
+        net.register_forward_pre_hook(self._count, with_kwargs=True)
+
+    def _count(self, module: Any, args: Any, kwargs: Any) -> None:
+        if not torch.is_grad_enabled():
+            return
+        mask = kwargs.get("attention_mask")
+        if isinstance(mask, torch.Tensor):
+            self.tokens += int(mask.sum())
+            return
+        labels = kwargs.get("labels")
+        if isinstance(labels, torch.Tensor):
+            labels = labels[..., 1:] if self.causal else labels
+            self.tokens += int((labels != -100).sum())
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.begin = time.perf_counter()
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        sync(args.device)
+        self.ends.append(time.perf_counter())
+
+
+def parts(setup: str) -> tuple[torch.nn.Module, list[dict[str, Any]], Any]:
+    """The setup's model, documents and collator."""
+    if setup == "mlm":
+        collate = DataCollatorForLanguageModeling(mlm_tokenizer(), mlm=True)
+        return mlm_model(), tuner_scale.documents("decoder"), collate
+    return tuner_scale.model(setup), tuner_scale.documents(setup), tuner_scale.collator(setup)
+
+
+def child(way: str, setup: str, steps: int, out: Path, config: Path | None) -> dict[str, Any]:
+    """One job in this process: ``in-run``, ``trainer-best`` or a turbo.toml's."""
+    net, data, collate = parts(setup)
+    clock = Clock(net, causal=setup == "decoder")
+    common = {"model": net, "train_dataset": data, "data_collator": collate, "callbacks": [clock]}
+    if way == "in-run" or config is not None:
+        turbo = (
+            TurboConfig.load(config)
+            if config is not None
+            else TurboConfig(device=tuner_scale.scale()[0]).replace(tune__in_run=True)
+        )
+        args = tuner_scale.arguments(out, steps, **training_arguments(turbo).kwargs)
+        made: Trainer = TurboTrainer(args=args, turbo_config=turbo, **common)
+    else:
+        extra: dict[str, Any] = {"train_sampling_strategy": "group_by_length"}
+        if emulated(tuner_scale.scale()[0], "bf16") is None:
+            extra["bf16"] = True
+        made = Trainer(args=tuner_scale.arguments(out, steps, **extra), **common)
+    made.train()
+    train_s = clock.ends[-1] - clock.begin
+    return {"train_s": train_s, "steps": len(clock.ends), "tokens": clock.tokens}
+
+
+def run_child(way: str, setup: str, steps: int, out: Path, config: Path | None = None) -> dict:
+    """``way``'s job in a fresh process; its figures and the process's own seconds."""
+    folder = out / f"{setup}-{steps}-{way}"
+    command = [sys.executable, __file__, "--child", way, "--setup", setup]
+    command += ["--steps", str(steps), "--out", str(folder)]
+    if config is not None:
+        command += ["--config", str(config)]
+    env = os.environ | {"TORCHINDUCTOR_CACHE_DIR": str(folder / "inductor-cache")}
+    begin = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True, check=False, env=env)
+    line = next((x for x in done.stdout.splitlines() if x.startswith("JOB ")), None)
+    if done.returncode or line is None:
+        return {"error": (done.stderr.strip().splitlines() or ["no output"])[-1]}
+    job = json.loads(line.removeprefix("JOB "))
+    said = [x for x in done.stderr.splitlines() if x.startswith("in-run:")]
+    return job | {"process_s": time.perf_counter() - begin, "said": said}
+
+
+def tune_then_train(setup: str, steps: int, out: Path, budget: str) -> dict[str, Any]:
+    """``torchturbo tune`` (fresh process, default budget) then its job; both counted."""
+    if setup == "mlm":
+        return {"error": "not run: tuner_scale.py's tune targets are the decoder and encoder"}
+    toml, results = tuner_scale.tune_setup(setup, steps, budget, out / f"{setup}-{steps}")
+    job = run_child("tuned", setup, steps, out, toml)
+    if "error" in job:
+        return job
+    return job | {
+        "tune_s": results["tune_process_s"],
+        "adopted": results["adopted"],
+        "train_s": job["train_s"] + results["tune_process_s"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--setups", nargs="+", choices=SETUPS, default=list(SETUPS))
+    parser.add_argument("--steps", nargs="+", type=int, default=[100, 300, 1000])
+    parser.add_argument("--tune-budget", default="5m", help="tune's --time-budget (its default)")
+    parser.add_argument("--skip-tune", action="store_true", help="only in-run and the trainer")
+    parser.add_argument("--out", type=Path, default=Path("in-run-jobs-out"))
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--setup", default="decoder", help=argparse.SUPPRESS)
+    parser.add_argument("--config", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    hf_logging.set_verbosity_error()
+    if args.child:
+        job = child(args.child, args.setup, args.steps[0], args.out, args.config)
+        print("JOB " + json.dumps(job))
+        return
+    payload: dict[str, Any] = {"machine": summary(), "torch": torch.__version__, "jobs": {}}
+    print(f"{'setup':<8} {'steps':>5} {'way':<16} {'seconds':>8} {'tokens':>9} {'tokens/s':>9}")
+    for steps in args.steps:
+        for setup in args.setups:
+            jobs: dict[str, Any] = {}
+            jobs["in-run"] = run_child("in-run", setup, steps, args.out)
+            jobs["trainer-best"] = run_child("trainer-best", setup, steps, args.out)
+            if not args.skip_tune:
+                jobs["tune-then-train"] = tune_then_train(setup, steps, args.out, args.tune_budget)
+            for way, job in jobs.items():
+                if "error" in job:
+                    print(f"{setup:<8} {steps:>5} {way:<16} {job['error']}")
+                    continue
+                job["tokens_per_s"] = job["tokens"] / job["train_s"]
+                print(
+                    f"{setup:<8} {steps:>5} {way:<16} {job['train_s']:8.1f} {job['tokens']:9,} "
+                    f"{job['tokens_per_s']:9.1f}"
+                )
+            ours = jobs["in-run"].get("tokens_per_s")
+            for way in ("trainer-best", "tune-then-train"):
+                theirs = (jobs.get(way) or {}).get("tokens_per_s")
+                if ours and theirs:
+                    jobs[f"in-run over {way}"] = ours / theirs
+                    print(f"{'':<15} in-run over {way}: {ours / theirs:.2f}x")
+            payload["jobs"][f"{setup} {steps}"] = jobs
+            if args.json:
+                write_results(args.json, payload)
+
+
+if __name__ == "__main__":
+    main()
