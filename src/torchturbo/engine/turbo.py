@@ -142,7 +142,7 @@ class Turbo:
         self.in_run: InRunTuner | None = None
         #: Step hooks by config, for the sides the in-run tuner switches between (each keeps
         #: its own state: a loss scale).
-        self._sides: dict[str, Steps] = {}
+        self._sides: dict[str, Steps] = {self.config.to_toml(): self.steps}
         #: The open window's side, its start (perf_counter) and its work so far.
         self._measured: tuple[Side, float, int] | None = None
 
