@@ -125,9 +125,9 @@ def test_only_choices_a_step_can_switch_are_measured_in_the_run():
     comparisons = comparisons_for(started, IN_RUN, starts)
     assert [c.name for c in comparisons] == ["bf16"]
     (bf16,) = comparisons
-    assert bf16.with_config == started
-    assert bf16.without_config == started.replace(precision__dtype="fp32")
-    assert bf16.without_config.data.batches == "buckets"  # the batch plan is not switched
+    assert bf16.started and started.replace(**bf16.on) == started
+    assert bf16.off == {"precision__dtype": "fp32", "precision__grad_scaler": None}
+    assert started.replace(**bf16.off).data.batches == "buckets"  # the plan is not switched
 
 
 # -- the judging ------------------------------------------------------------------------------
@@ -142,7 +142,7 @@ def test_the_cost_model_recovers_a_line_and_falls_back_to_work():
 
 def _tuner(planned_steps: int = 1000) -> InRunTuner:
     config = IN_RUN.replace(precision__dtype="bf16")
-    comparison = Comparison("bf16", config, config.replace(precision__dtype="fp32"))
+    comparison = Comparison("bf16", {"precision__dtype": "bf16"}, {"precision__dtype": "fp32"})
     return InRunTuner(config, [], [comparison], planned_steps=planned_steps, device=CPU)
 
 
@@ -279,3 +279,58 @@ def test_train_keeps_the_verdicts_and_a_resume_continues_the_measuring(fast_bf16
 def test_the_assumed_horizon_bounds_a_run_that_does_not_say_its_steps():
     tuner = InRunTuner(IN_RUN, [], [], planned_steps=None, device=CPU)
     assert tuner.budget_windows == int(IN_RUN.tune.measure_share * in_run.ASSUMED_STEPS)
+
+
+def test_a_switchable_transform_the_facts_expect_little_of_is_tried_on_the_jobs_steps(
+    monkeypatch,
+):
+    """A causal LM whose logits hold most of the forward's activations: the chunked loss is
+    expected to gain, under what a start needs. Composed but switched off, it is measured
+    against the run's own steps (here made twice as fast with it), parity first, and adopted."""
+    pytest.importorskip("transformers")
+    from recipes import hf_causal_lm
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from torchturbo.techniques.framework import facts
+
+    monkeypatch.setattr(facts, "gemm_speedups", lambda device: {"bf16": 0.5, "fp16": 0.5})
+    real = InRunTuner.window_done
+
+    def timed(self, side, seconds, work):
+        chunked = self.config_of(side).chunked_loss.enabled
+        return real(self, side, (0.5 if chunked else 1.0) * work / 100, work)
+
+    monkeypatch.setattr(InRunTuner, "window_done", timed)
+
+    def model():
+        torch.manual_seed(0)
+        config = LlamaConfig(
+            vocab_size=4096,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+        )
+        return LlamaForCausalLM(config)
+
+    dataset = hf_causal_lm.documents()
+    turbo = Turbo(IN_RUN)
+    net = model()
+    _, _, loader = turbo.setup(
+        net,
+        torch.optim.SGD(net.parameters(), lr=0.01),
+        dataset,
+        batch_size=4,
+        collate_fn=hf_causal_lm.collator(),
+        planned_steps=200,
+        loss_fn=lambda m, batch: m(**batch).loss,
+    )
+    (chunked,) = turbo.in_run.comparisons
+    assert chunked.name == "chunked_loss" and not chunked.started
+    assert not turbo.config.chunked_loss.enabled and "chunked_loss" not in turbo.applied
+    for _ in range(4):
+        for batch in loader:
+            turbo.step(lambda m, batch: m(**batch).loss, batch)
+    assert chunked.verdict == "adopted" and chunked.windows["without"] >= 3
+    assert turbo.config.chunked_loss.enabled and turbo.applied["chunked_loss"] is None

@@ -61,6 +61,8 @@ from torchturbo.techniques.framework.facts import Facts, before_training
 from torchturbo.techniques.framework.proposal import StageContext
 from torchturbo.techniques.framework.spec import Technique
 
+#: Samples in the batch whose forward measures the logits' share (it is a share: a few do).
+CENSUS_SAMPLES = 2
 #: A start is taken only where the facts expect at least this gain: below it the noise of a
 #: prior is larger than the gain, and the measurement would only undo it.
 START_GAIN = 1.10
@@ -90,8 +92,13 @@ class Start:
     taken: bool
     #: Why it was not taken ("" when taken).
     why_not: str = ""
-    #: The techniques it changes.
+    #: Not taken, but its lever's leader and expected to gain, under ``START_GAIN``: measured on
+    #: the job's steps where a step can switch it.
+    trial: bool = False
+    #: The techniques it changes, and their fields as it sets them (``TurboConfig.replace``
+    #: keywords).
     techniques: tuple[str, ...] = ()
+    settings: dict[str, Any] = field(default_factory=dict)
 
 
 def start(
@@ -104,11 +111,16 @@ def start(
     batch_size: int,
     seed: int,
     planned_steps: int | None,
-    measured: bool = True,
+    switchable: Callable[[TurboConfig, TurboConfig], bool] = registry.switchable_per_step,
+    forward: Callable[[], Any] | None = None,
 ) -> InRunTuner:
     """The in-run tuner of a run of ``model`` on ``data`` (``lengths`` per sample, None where
     not known), its start chosen by the facts measured here now; every host calls this.
-    ``measured=False``: the host cannot switch a choice per step, so none is measured."""
+    ``switchable(with, without)``: whether this host can switch between them per window (the
+    engine: ``registry.switchable_per_step``; a trainer with its own autocast: transforms
+    only, ``registry.switchable_by_toggle``).
+    ``forward()``: one forward of the model on a small batch, which measures the LM head's
+    logits' share of the activations (``facts.before_training``)."""
     known = Recipe(
         name="this run",
         model=(lambda: model) if model is not None else _unknown,
@@ -120,13 +132,15 @@ def start(
         lengths=lengths,
         seed=seed,
     )
-    found = before_training(model, device, lengths, batch_size, seed)
+    found = before_training(model, device, lengths, batch_size, seed, forward)
     started, starts = start_from_facts(config, found, known, device)
-    comparisons = comparisons_for(started, config, starts) if measured else []
+    comparisons = comparisons_for(started, config, starts, switchable)
+    trials = {c.name for c in comparisons if not c.started}
     tuner = InRunTuner(started, starts, comparisons, planned_steps=planned_steps, device=device)
     for entry in starts:
         said = "started with" if entry.taken else f"not started ({entry.why_not})"
-        tuner.events.append(f"in-run: {entry.name} {said}: {entry.evidence}")
+        then = "; it is measured on the job's steps" if entry.name in trials else ""
+        tuner.events.append(f"in-run: {entry.name} {said}: {entry.evidence}{then}")
     return tuner
 
 
@@ -153,6 +167,9 @@ def start_from_facts(
         for candidate in proposed:
             changed = registry.changed_techniques(best, candidate.config)
             why_not = _why_not(candidate.name, leader, gains, config, changed)
+            trial = why_not == _under_start(gains.get(candidate.name, 0.0)) and (
+                gains[candidate.name] > 1.0
+            )
             starts.append(
                 Start(
                     candidate.name,
@@ -161,12 +178,23 @@ def start_from_facts(
                     candidate.not_applicable or candidate.evidence,
                     taken=not why_not,
                     why_not=why_not,
+                    trial=trial,
                     techniques=tuple(t.name for t in changed),
+                    settings=_fields_of(candidate.config, changed),
                 )
             )
             if not why_not:
                 best = candidate.config
     return best, starts
+
+
+def _fields_of(config: TurboConfig, owners: Sequence[Technique]) -> dict[str, Any]:
+    """The fields of ``owners`` as ``config`` sets them, as ``TurboConfig.replace`` keywords."""
+    return {
+        f"{entry.section}__{name}": getattr(config.section(entry.section), name)
+        for entry in owners
+        for name in entry.owned_fields(config)
+    }
 
 
 def _why_not(
@@ -186,8 +214,12 @@ def _why_not(
     if name != leader:
         return f"{leader} is expected to gain more"
     if gains[name] < START_GAIN:
-        return f"expected {gains[name]:.2f}x, under the {START_GAIN:.2f}x a start needs"
+        return _under_start(gains[name])
     return ""
+
+
+def _under_start(gain: float) -> str:
+    return f"expected {gain:.2f}x, under the {START_GAIN:.2f}x a start needs"
 
 
 def work_of(batch: Any) -> int:
@@ -197,11 +229,17 @@ def work_of(batch: Any) -> int:
 
 @dataclass
 class Comparison:
-    """One started choice measured on the job's steps: its config against the config without."""
+    """One choice measured on the job's steps: the run's config with it against without it.
+
+    ``on`` and ``off`` are its fields with and without it (``TurboConfig.replace`` keywords),
+    applied to the config the run has then, so that an earlier verdict carries over. A started
+    choice is the run's until measured otherwise; a trial (one the facts expected too little of
+    to start with) is not until measured faster."""
 
     name: str
-    with_config: TurboConfig
-    without_config: TurboConfig
+    on: dict[str, Any]
+    off: dict[str, Any]
+    started: bool = True
     verdict: Verdict = "waiting"
     #: Per pair: (work, seconds) of the window with the choice, then of the one without it.
     pairs: list[tuple[int, float, int, float]] = field(default_factory=list)
@@ -228,6 +266,7 @@ class Comparison:
         speed = self.speed()
         return {
             "name": self.name,
+            "started": self.started,
             "verdict": self.verdict,
             "evidence": self.evidence,
             "ratio": None if speed is None else speed.ratio,
@@ -286,7 +325,9 @@ class InRunTuner:
             return "with"
         if not comparison.parity_checked:
             comparison.parity_checked = True
-            with_loss, without_loss = parity(comparison.with_config, comparison.without_config)
+            with_loss, without_loss = parity(
+                self.config.replace(**comparison.on), self.config.replace(**comparison.off)
+            )
             check = loss_parity([without_loss], [with_loss], LOSS_TOLERANCE)
             if not check.ok:
                 why = (
@@ -338,15 +379,29 @@ class InRunTuner:
         comparison.verdict = verdict
         comparison.evidence = evidence
         self._round = {}
-        if verdict in ("dropped", "loss differs"):
-            self.config = comparison.without_config
+        if verdict == "adopted":
+            self.config = self.config.replace(**comparison.on)
+        elif verdict in ("dropped", "loss differs"):
+            self.config = self.config.replace(**comparison.off)
         self.events.append(f"in-run: {comparison.name} {verdict}: {evidence}")
 
     def config_of(self, side: Side) -> TurboConfig:
+        """The config a window of ``side`` runs: the run's, with or without the choice being
+        measured."""
         comparison = self.current
-        if comparison is None or side == "with":
+        if comparison is None:
             return self.config
-        return comparison.without_config
+        return self.config.replace(**(comparison.on if side == "with" else comparison.off))
+
+    def composed_config(self) -> TurboConfig:
+        """The config the model is composed with: the run's, with every choice still to be
+        measured on (a transform to switch must be there; ``registry.set_toggles`` then
+        switches it per window)."""
+        config = self.config
+        for comparison in self.comparisons:
+            if comparison.verdict in ("waiting", "measuring"):
+                config = config.replace(**comparison.on)
+        return config
 
     def results(self) -> dict[str, Any]:
         """What results.json records: the start and every verdict."""
@@ -404,30 +459,23 @@ class InRunTuner:
 
 
 def comparisons_for(
-    config: TurboConfig, user: TurboConfig, starts: list[Start]
+    config: TurboConfig,
+    user: TurboConfig,
+    starts: list[Start],
+    switchable: Callable[[TurboConfig, TurboConfig], bool] = registry.switchable_per_step,
 ) -> list[Comparison]:
-    """A comparison for each taken start that a step can switch off: ``config`` (the start)
-    against ``config`` with that technique's fields as the ``user`` set them."""
+    """A comparison for each choice the host can switch per window (``switchable``): each
+    taken start (``config`` is the start) and each trial, against its fields as the ``user``
+    set them."""
     out = []
     for start in starts:
-        if not start.taken:
+        if not (start.taken or start.trial):
             continue
-        without = _without(config, user, start)
-        if registry.switchable_per_step(config, without):
-            out.append(Comparison(start.name, config, without))
+        owners = [t for t in registry.techniques() if t.name in start.techniques]
+        on, off = start.settings, _fields_of(user, owners)
+        if switchable(config.replace(**on), config.replace(**off)):
+            out.append(Comparison(start.name, on, off, started=start.taken))
     return out
-
-
-def _without(config: TurboConfig, user: TurboConfig, start: Start) -> TurboConfig:
-    """``config`` with the fields of the techniques ``start`` changed put back as ``user``
-    had them."""
-    values = {
-        f"{entry.section}__{name}": getattr(user.section(entry.section), name)
-        for entry in registry.techniques()
-        if entry.name in start.techniques
-        for name in entry.owned_fields(user)
-    }
-    return config.replace(**values)
 
 
 def cost_model(points: list[tuple[int, float]]) -> Callable[[int], float]:

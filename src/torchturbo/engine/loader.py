@@ -107,3 +107,23 @@ def training_loader(
         batch_sampler=batch_sampler,
         seed=seed,
     )
+
+
+def first_samples_batch(
+    data: Any,
+    count: int,
+    *,
+    collate_fn: Callable[[list[Any]], Any] | None,
+    pad_values: Mapping[str, int] | None,
+) -> Any:
+    """The first ``count`` samples of a map-style dataset (a DataLoader's own), collated as the
+    loader collates them; None for a stream or an empty dataset."""
+    if isinstance(data, DataLoader):
+        collate_fn, data = collate_fn or data.collate_fn, data.dataset
+    if data is None or isinstance(data, IterableDataset) or not hasattr(data, "__len__"):
+        return None
+    samples = [data[i] for i in range(min(count, len(data)))]
+    if not samples:
+        return None
+    collate = collate_fn or functools.partial(pad_collate, pad_values=pad_values)
+    return collate(samples)

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from torchturbo.base.device import to_device
+from torchturbo.base.device import model_device, to_device
 from torchturbo.config import TurboConfig
 from torchturbo.distributed.comm import CommStats
 from torchturbo.distributed.launch import init_distributed
@@ -39,7 +39,7 @@ from torchturbo.distributed.strategy import Strategy
 from torchturbo.engine import in_run
 from torchturbo.engine.compose import compose
 from torchturbo.engine.in_run import InRunTuner, Side, work_of
-from torchturbo.engine.loader import training_loader
+from torchturbo.engine.loader import first_samples_batch, training_loader
 from torchturbo.engine.state import load_training_state, save_training_state
 from torchturbo.measure.breakdown import NullRecorder, Recorder
 from torchturbo.measure.timing import sync
@@ -164,6 +164,7 @@ class Turbo:
         comm_stats: CommStats | None = None,
         strategy: Strategy | None = None,
         planned_steps: int | None = None,
+        loss_fn: LossFn | None = None,
     ) -> tuple[nn.Module, torch.optim.Optimizer, EpochLoader | None]:
         """Compose the model, keep the optimizer, and build or wrap the loader.
 
@@ -185,20 +186,31 @@ class Turbo:
         (``distributed/comm.py``). ``strategy`` overrides the one the config and the launch
         choose: ``Strategy(config, device, DistEnv())`` trains this model in this process alone
         inside a torchrun job (a rank-0 reference, an evaluation). With ``[tune] in_run``, the
-        facts measured here choose the config the run starts from (``engine/in_run.py``), and
-        ``planned_steps``, the optimizer steps the job will train, bounds its measuring.
+        facts measured here choose the config the run starts from (``engine/in_run.py``),
+        ``planned_steps``, the optimizer steps the job will train, bounds its measuring, and
+        ``loss_fn``, run once on two samples, measures the LM head's share of the activations.
         """
         if self.model is not None:
             raise RuntimeError("Turbo.setup was already called: build one Turbo per model")
         if self.config.tune.in_run:
             known_lengths = None if isinstance(data, DataLoader) else lengths
-            self._start_in_run(model, data, known_lengths, batch_size, seed, planned_steps)
+            census = None
+            if loss_fn is not None:
+                batch = first_samples_batch(
+                    data, in_run.CENSUS_SAMPLES, collate_fn=collate_fn, pad_values=pad_values
+                )
+                if batch is not None:
+                    batch = to_device(batch, model_device(model))
+                    census = functools.partial(call_loss_fn, loss_fn, model, batch)
+            self._start_in_run(model, data, known_lengths, batch_size, seed, planned_steps, census)
         env = init_distributed(self.config.device)
         self.strategy = strategy or select_strategy(self.config, self.device, env)
+        # In-run tuning composes every transform it may switch on (``in_run.composed_config``).
+        composing = self.config if self.in_run is None else self.in_run.composed_config()
         self.model, results = compose(
             model,
             optimizer,
-            config=self.config,
+            config=composing,
             device=self.device,
             strategy=self.strategy,
             reference=self._window_reference,
@@ -207,6 +219,8 @@ class Turbo:
         # A rebuilt optimizer is a new object: callers use the one setup returns.
         optimizer, rebuilt = registry.rebuild_optimizer(optimizer, self.config)
         self._results = {**self.steps.results, **results, **rebuilt}
+        if self.in_run is not None:
+            registry.set_toggles(self.model, self.config)
         self.optimizer = optimizer
         self._channels_last_inputs = registry.channels_last_inputs(self._results)
         self.microbatcher = self._microbatcher(self.model)
@@ -238,6 +252,7 @@ class Turbo:
         batch_size: int | None,
         seed: int | None,
         planned_steps: int | None,
+        census: Callable[[], Any] | None,
     ) -> None:
         """Start where the facts point (``in_run.start``) and set up the measuring."""
         self.in_run = in_run.start(
@@ -249,6 +264,7 @@ class Turbo:
             batch_size=batch_size or getattr(data, "batch_size", None) or 1,
             seed=seed or 0,
             planned_steps=planned_steps,
+            forward=census,
         )
         self.config = self.in_run.config
         self.steps = self._side_steps(self.config)
@@ -262,7 +278,9 @@ class Turbo:
         return self._sides[key]
 
     def _use(self, config: TurboConfig) -> None:
-        """Run the next steps with ``config``'s step hooks and switches."""
+        """Run the next steps with ``config``'s step hooks, switches and switched transforms."""
+        assert self.model is not None
+        registry.set_toggles(self.model, config)
         steps = self._side_steps(config)
         if steps is self.steps:
             return
@@ -321,12 +339,13 @@ class Turbo:
     @property
     def applied(self) -> dict[str, str | None]:
         """Requested technique -> None when it took effect, else why not (for reports)."""
-        return {**reasons(self._results), **self._notes}
+        return {**reasons(self.results), **self._notes}
 
     @property
     def results(self) -> dict[str, TechniqueResult]:
-        """What each technique requested by the config did, as ``setup`` composed them."""
-        return dict(self._results)
+        """What each technique requested by the config did, as ``setup`` composed them (less a
+        transform the in-run tuner composed to measure and then left switched off)."""
+        return {k: v for k, v in self._results.items() if registry.requested(k, self.config)}
 
     # -- training -----------------------------------------------------------------------------
 

@@ -47,6 +47,7 @@ except ImportError as err:  # pragma: no cover - exercised only without the extr
         "torchturbo.integrations.lightning needs Lightning: pip install 'torchturbo[lightning]'"
     ) from err
 
+from torchturbo.base.device import model_device, to_device
 from torchturbo.config import DistributedConfig, TurboConfig
 from torchturbo.data.batch_plan import BatchSource
 from torchturbo.data.collate import IGNORE_INDEX
@@ -54,6 +55,7 @@ from torchturbo.data.length import length_or_none
 from torchturbo.distributed.ddp import COMM_HOOKS, check_comm_hook
 from torchturbo.engine import in_run
 from torchturbo.engine.in_run import InRunTuner, Side, work_of
+from torchturbo.engine.loader import first_samples_batch
 from torchturbo.integrations.lengths import sample_lengths
 from torchturbo.integrations.optimizers import clone_optimizer, parameter_owner
 from torchturbo.integrations.stopping import StopWatch, TrainerStopped, announce
@@ -155,8 +157,10 @@ class TurboLightningCallback(pl.Callback):
 
     @property
     def applied(self) -> dict[str, str | None]:
-        """Technique -> None when it took effect, else why not (``Turbo.applied``'s shape)."""
-        return reasons(self.results)
+        """Technique -> None when it took effect, else why not (``Turbo.applied``'s shape),
+        less a transform tuning inside the run composed to measure and left switched off."""
+        kept = {k: v for k, v in self.results.items() if registry.requested(k, self.config)}
+        return reasons(kept)
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
@@ -164,7 +168,11 @@ class TurboLightningCallback(pl.Callback):
         device = trainer.strategy.root_device
         if self.config.tune.in_run and self.in_run is None:
             self._start_in_run(trainer, pl_module, device)
-        self.results |= registry.compose_model(pl_module, self.config, device, "lightning")
+        # In-run tuning composes every transform it may switch on (``in_run.composed_config``).
+        composing = self.config if self.in_run is None else self.in_run.composed_config()
+        self.results |= registry.compose_model(pl_module, composing, device, "lightning")
+        if self.in_run is not None:
+            registry.set_toggles(pl_module, self.config)
         self._switches.enter_context(
             registry.held_switches(self.config, device, "lightning", self.results)
         )
@@ -182,6 +190,11 @@ class TurboLightningCallback(pl.Callback):
         dataset = getattr(loader, "dataset", None)
         lengths = None if dataset is None else sample_lengths(dataset)
         steps, _ = planned_lightning_steps(trainer, length_or_none(loader))
+        census = None
+        batch = first_samples_batch(loader, in_run.CENSUS_SAMPLES, collate_fn=None, pad_values=None)
+        if batch is not None:
+            batch = to_device(batch, model_device(pl_module))
+            census = functools.partial(_detached_loss, pl_module, batch)
         self.in_run = in_run.start(
             self.config,
             pl_module,
@@ -191,14 +204,17 @@ class TurboLightningCallback(pl.Callback):
             batch_size=getattr(loader, "batch_size", None) or 1,
             seed=self.seed,
             planned_steps=steps,
+            forward=census,
         )
         self.config = self.in_run.config
-        self._use_precision(trainer, self.config)
+        self._use_side(trainer, self.config)
         self._tell(trainer)
 
-    def _use_precision(self, trainer: pl.Trainer, config: TurboConfig) -> None:
+    def _use_side(self, trainer: pl.Trainer, config: TurboConfig) -> None:
         """Train the next steps with the precision plugin Lightning builds for ``config``'s
-        ``Trainer(precision=...)``; one plugin per precision, so a scaler keeps its state."""
+        ``Trainer(precision=...)`` (one plugin per precision, so a scaler keeps its state) and
+        its switchable transforms on or off (``registry.set_toggles``)."""
+        registry.set_toggles(trainer.lightning_module, config)
         precision = trainer_kwargs(config).kwargs.get("precision", "32-true")
         if trainer.strategy.precision_plugin.precision == precision:
             return
@@ -210,7 +226,7 @@ class TurboLightningCallback(pl.Callback):
         assert self.in_run is not None
         measuring = self.in_run.current is not None
         side = self.in_run.side(functools.partial(self._parity_losses, trainer, pl_module, batch))
-        self._use_precision(trainer, self.in_run.config_of(side))
+        self._use_side(trainer, self.in_run.config_of(side))
         self._measured = None
         if measuring and self.in_run.current is not None:
             sync(trainer.strategy.root_device)
@@ -239,7 +255,7 @@ class TurboLightningCallback(pl.Callback):
         it logs then is not logged."""
 
         def loss_under(config: TurboConfig) -> float:
-            self._use_precision(trainer, config)
+            self._use_side(trainer, config)
             with trainer.strategy.precision_plugin.train_step_context():
                 return float(training_step_loss(pl_module, batch))
 
@@ -421,6 +437,11 @@ def _detached(pl_module: pl.LightningModule) -> Iterator[None]:
         yield
     finally:
         pl_module._trainer = trainer
+
+
+def _detached_loss(pl_module: pl.LightningModule, batch: Any) -> torch.Tensor:
+    with _detached(pl_module):
+        return training_step_loss(pl_module, batch)
 
 
 def recipe_from_lightning(

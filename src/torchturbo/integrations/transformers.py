@@ -28,6 +28,7 @@ import itertools
 import math
 import os
 import re
+import time
 import warnings
 import weakref
 from collections.abc import Callable, Mapping
@@ -39,7 +40,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 try:
-    from transformers import Trainer, TrainerCallback
+    from transformers import Trainer, TrainerCallback, default_data_collator
     from transformers.trainer_utils import TrainOutput
 except ImportError as err:  # pragma: no cover - exercised only without the extra
     raise ImportError(
@@ -47,17 +48,18 @@ except ImportError as err:  # pragma: no cover - exercised only without the extr
         "pip install 'torchturbo[transformers]'"
     ) from err
 
-from torchturbo.base.device import model_device
+from torchturbo.base.device import model_device, to_device
 from torchturbo.config import DistributedConfig, TurboConfig
 from torchturbo.data.batch_plan import BatchSource
 from torchturbo.data.collate import IGNORE_INDEX
 from torchturbo.data.length import length_or_none
 from torchturbo.engine import in_run
-from torchturbo.engine.in_run import InRunTuner
+from torchturbo.engine.in_run import InRunTuner, Side, work_of
 from torchturbo.integrations.lengths import sample_lengths
 from torchturbo.integrations.optimizers import clone_optimizer, parameter_owner
 from torchturbo.integrations.stopping import StopWatch, TrainerStopped, announce
 from torchturbo.integrations.translate import Translation, hf_arguments
+from torchturbo.measure.timing import sync
 from torchturbo.recipe import Recipe, RecipeError
 from torchturbo.techniques import registry
 from torchturbo.techniques.framework.result import TechniqueResult, reasons
@@ -325,6 +327,18 @@ class TurboCallback(TrainerCallback):
         )
 
 
+class _WindowEnd(TrainerCallback):
+    """Tells a :class:`TurboTrainer` tuning inside its run that an optimizer step ended."""
+
+    def __init__(self, trainer: TurboTrainer) -> None:
+        self.trainer = weakref.ref(trainer)
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        trainer = self.trainer()
+        if trainer is not None:
+            trainer.close_window()
+
+
 class PreemptionCallback(TrainerCallback):
     """Stop on SIGTERM, SIGUSR1, SIGUSR2 or Ctrl-C after the optimizer step under way (every
     rank the same one under torchrun), saved as the Trainer's own ``checkpoint-N``, which
@@ -383,21 +397,30 @@ class TurboTrainer(Trainer):
     starts (``in_run.start``: bf16 where its matrix products are fast here, length buckets where
     the train dataset's lengths pad heavily): ``args`` are rebuilt with what the started config
     translates to, and ``in_run`` holds what was decided, written with every reason to
-    ``<output_dir>/tuned`` (results.json, turbo.toml) when training begins. The Trainer's
-    autocast is accelerate's wrapper of the model's forward, fixed for the run, so the start is
-    not measured against the job's steps here as the engine and the Lightning callback do.
+    ``<output_dir>/tuned`` (results.json, turbo.toml) when training begins and ends. A
+    transform that can be switched off between steps (the chunked loss) is measured on the
+    job's own steps, each optimizer step's window on the side the in-run tuner names; the
+    precision is not, since the Trainer's autocast is accelerate's wrapper of the model's
+    forward, fixed for the run.
     """
 
     def __init__(
         self, *args: Any, turbo_config: TurboConfig, stop_on_signals: bool = True, **kwargs: Any
     ) -> None:
         self.in_run: InRunTuner | None = None
+        #: The open window's side, its start (perf_counter) and its work so far.
+        self._window: tuple[Side, float, int] | None = None
+        composing = turbo_config
         if turbo_config.tune.in_run:
             turbo_config, args, kwargs = self._start_in_run(turbo_config, args, kwargs)
+            assert self.in_run is not None
+            composing = self.in_run.composed_config()
         # Set before Trainer.__init__, which creates the accelerator (see below).
         self.turbo_config = turbo_config
-        self.turbo_callback = TurboCallback(turbo_config)
+        self.turbo_callback = TurboCallback(composing)
         callbacks = [*(kwargs.get("callbacks") or []), self.turbo_callback]
+        if self.in_run is not None:
+            callbacks.append(_WindowEnd(self))
         if stop_on_signals:
             callbacks.append(PreemptionCallback(turbo_config.reliability.stop_grace_s))
         kwargs["callbacks"] = callbacks
@@ -420,16 +443,19 @@ class TurboTrainer(Trainer):
         if dataset is not None:
             lengths = sample_lengths(dataset, length_column=training_args.length_column_name)
         seed = training_args.data_seed
+        model = given.get("model")
         self.in_run = in_run.start(
             config,
-            given.get("model"),
+            model,
             training_args.device,
             data=dataset,
             lengths=lengths,
             batch_size=training_args.per_device_train_batch_size,
             seed=training_args.seed if seed is None else seed,
             planned_steps=planned_trainer_steps(training_args, length_or_none(dataset))[0],
-            measured=False,
+            # The Trainer's autocast is accelerate's: only transforms switch per step here.
+            switchable=registry.switchable_by_toggle,
+            forward=_census(model, dataset, given.get("data_collator"), training_args),
         )
         before = hf_arguments(config).kwargs
         after = hf_arguments(self.in_run.config).kwargs
@@ -438,6 +464,7 @@ class TurboTrainer(Trainer):
             given["args"] = dataclasses.replace(training_args, **changes)
         for event in self.in_run.events:
             announce(event, training_args.process_index)
+        self._told = len(self.in_run.events)
         return self.in_run.config, bound.args[1:], bound.kwargs
 
     def train(
@@ -456,9 +483,71 @@ class TurboTrainer(Trainer):
                     f"resume_from_checkpoint=True: no complete checkpoint-* in "
                     f"{self.args.output_dir!r} (one with a trainer_state.json)"
                 )
+        self._keep_decided()
+        try:
+            return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval)
+        finally:
+            self._keep_decided()
+
+    def _keep_decided(self) -> None:
         if self.in_run is not None and self.is_world_process_zero():
             self.in_run.write(Path(self.args.output_dir or ".") / "tuned")
-        return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval)
+
+    def training_step(
+        self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None
+    ) -> torch.Tensor:
+        """The Trainer's step; with ``[tune] in_run`` the first micro-batch of each optimizer
+        step opens its window on the side the in-run tuner names."""
+        if self.in_run is not None:
+            if self._window is None:
+                self._open_window(model, inputs)
+            if self._window is not None and self._window[1] >= 0:
+                side, started, work = self._window
+                self._window = (side, started, work + work_of(inputs))
+        return super().training_step(model, inputs, num_items_in_batch)
+
+    def _open_window(self, model: nn.Module, inputs: dict[str, Any]) -> None:
+        assert self.in_run is not None
+        measuring = self.in_run.current is not None
+        side = self.in_run.side(functools.partial(self._parity_losses, model, inputs))
+        registry.set_toggles(model, self.in_run.config_of(side))
+        started = -1.0  # not timed
+        if measuring and self.in_run.current is not None:
+            sync(self.args.device)
+            started = time.perf_counter()
+        self._window = (side, started, 0)
+
+    def close_window(self) -> None:
+        """The optimizer step ended: its window is timed, if it was measured, and judged."""
+        if self.in_run is None or self._window is None:
+            return
+        side, started, work = self._window
+        self._window = None
+        if started >= 0:
+            sync(self.args.device)
+            self.in_run.window_done(side, time.perf_counter() - started, work)
+        self.turbo_config = self.in_run.config
+        for event in self.in_run.events[self._told :]:
+            announce(event, self.args.process_index)
+        self._told = len(self.in_run.events)
+
+    def _parity_losses(
+        self,
+        model: nn.Module,
+        inputs: dict[str, Any],
+        with_config: TurboConfig,
+        without: TurboConfig,
+    ) -> tuple[float, float]:
+        """The Trainer's loss on ``inputs`` with each side's transforms
+        (``in_run.same_batch_losses``)."""
+
+        def loss_under(config: TurboConfig) -> float:
+            registry.set_toggles(model, config)
+            with self.compute_loss_context_manager():
+                loss = self.compute_loss(model, dict(inputs))
+            return float(loss[0] if isinstance(loss, tuple) else loss)
+
+        return in_run.same_batch_losses(model, self.args.device, loss_under, with_config, without)
 
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
@@ -503,6 +592,22 @@ class TurboTrainer(Trainer):
             persistent_workers=args.dataloader_persistent_workers,
             prefetch_factor=args.dataloader_prefetch_factor,
         )
+
+
+def _census(
+    model: nn.Module | None, dataset: Any, collator: Any, args: Any
+) -> Callable[[], Any] | None:
+    """One forward of ``model`` on the first samples of ``dataset`` as the Trainer collates
+    them, for the start's logits census; None without a model or a map-style dataset."""
+    if model is None or dataset is None or isinstance(dataset, IterableDataset):
+        return None
+    size = length_or_none(dataset) or 0
+    if not size:
+        return None
+    collate = model_input_collate(collator or default_data_collator, model, args)
+    samples = [dataset[i] for i in range(min(in_run.CENSUS_SAMPLES, size))]
+    batch = to_device(collate(samples), model_device(model))
+    return functools.partial(model, **batch)
 
 
 def last_complete_checkpoint(output_dir: str) -> str | None:

@@ -171,7 +171,12 @@ def _train(
     turbo = Turbo(config)
     model, optimizer = recipe.build()
     model, _, loader = turbo.setup(
-        model, optimizer, recipe.dataset, **recipe_data(recipe), planned_steps=steps
+        model,
+        optimizer,
+        recipe.dataset,
+        **recipe_data(recipe),
+        planned_steps=steps,
+        loss_fn=recipe.loss_fn,
     )
     tuning = _InRunNews(turbo, on_event, tuned_dir)
     # Given a dataset, setup builds the loader; it always builds the micro-batcher.

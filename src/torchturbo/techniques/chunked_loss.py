@@ -48,7 +48,7 @@ from torchturbo.techniques.tools.linear_cross_entropy import (
     linear_cross_entropy,
 )
 
-#: Set on a model whose forward computes its loss in chunks.
+#: Set on a model whose forward computes its loss in chunks: its (own, chunked) forwards.
 CHUNKED_MARK = "_torchturbo_chunked_loss"
 #: Arguments of a causal LM's forward that its body does not take.
 _HEAD_ARGUMENTS = ("labels", "logits_to_keep", "num_items_in_batch", "shift_labels")
@@ -94,8 +94,21 @@ def _patch(model: nn.Module, chunk_tokens: int) -> str:
     if mismatch:
         return mismatch
     model.forward = patched
-    setattr(model, CHUNKED_MARK, True)
+    setattr(model, CHUNKED_MARK, (original, patched))
     return ""
+
+
+def _toggle(model: nn.Module, on: bool) -> bool:
+    """The chunked forward of every language model in ``model`` that has one, or (``on``
+    False) its own forward again; whether any had one. The patch stays: switching is a pointer
+    swap between steps, so tuning inside the run can measure it on the job's steps."""
+    forwards = [getattr(lm, CHUNKED_MARK, None) for _, lm in language_models(model)]
+    switched = False
+    for (_, lm), pair in zip(language_models(model), forwards, strict=True):
+        if pair:
+            lm.forward = pair[1] if on else pair[0]
+            switched = True
+    return switched
 
 
 def _head_and_body(model: nn.Module) -> tuple[nn.Linear | None, nn.Module | None, str]:
@@ -306,11 +319,12 @@ TECHNIQUE = Technique(
     doc="docs/techniques/chunked_loss.md",
     requested=lambda config: config.chunked_loss.enabled,
     transform=_transform,
+    toggle=_toggle,
     order=35,
     order_reason=(
         "chunked loss before compile: compile must trace the patched forward, and after "
         "checkpointing, which wraps the body's blocks, not the model's forward"
     ),
-    stage=Stage("chunked_loss", 62, chunked_loss_stage, fits_memory=True),
+    stage=Stage("chunked_loss", 62, chunked_loss_stage, fits_memory=True, from_facts=True),
     levers=(Lever("chunked loss", expectation),),
 )

@@ -247,14 +247,43 @@ def changed_techniques(before: Any, after: Any) -> list[Technique]:
 
 def switchable_per_step(before: Any, after: Any) -> bool:
     """Whether a step can switch between ``before`` and ``after``: they differ in at least one
-    technique and only in techniques that act inside a step (step hooks, process-wide switches),
-    none that transforms the model, rebuilds the optimizer or plans the batches."""
+    technique and only in techniques that act inside a step (step hooks, process-wide switches)
+    or whose transform can be switched off and on (``toggle``), none that rebuilds the
+    optimizer or plans the batches."""
     changed = changed_techniques(before, after)
     if not changed or _dict_without_techniques(before) != _dict_without_techniques(after):
         return False
     return all(
-        t.transform is None and t.rebuild_optimizer is None and t.batches is None for t in changed
+        (t.transform is None or t.toggle is not None)
+        and t.rebuild_optimizer is None
+        and t.batches is None
+        for t in changed
     )
+
+
+def switchable_by_toggle(before: Any, after: Any) -> bool:
+    """Whether a step can switch between ``before`` and ``after`` by switching transforms
+    alone (``toggle``): what a host whose steps are not the engine's can switch (a trainer whose
+    autocast is its own)."""
+    changed = changed_techniques(before, after)
+    return switchable_per_step(before, after) and all(
+        t.toggle is not None and t.step is None and t.switch is None for t in changed
+    )
+
+
+def requested(name: str, config: Any) -> bool:
+    """Whether ``config`` asks for the technique called ``name`` (True for a name no technique
+    has: the strategy's results, such as the comm hook)."""
+    entry = next((t for t in techniques() if t.name == name), None)
+    return entry is None or entry.requested(config)
+
+
+def set_toggles(model: nn.Module, config: Any) -> None:
+    """Switch every switchable transform ``model`` has on or off as ``config`` asks
+    (``Technique.toggle``)."""
+    for entry in techniques():
+        if entry.toggle is not None:
+            entry.toggle(model, entry.requested(config))
 
 
 def _dict_without_techniques(config: Any) -> dict[str, Any]:

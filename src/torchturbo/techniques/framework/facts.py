@@ -202,13 +202,17 @@ def before_training(
     lengths: Sequence[int] | None,
     batch_size: int,
     seed: int,
+    forward: Callable[[], Any] | None = None,
 ) -> Facts:
-    """The facts measured before any step runs, in seconds and without the loss: each
-    precision's matrix-product rate here and the padding ``lengths`` imply in batches of
-    ``batch_size``. Those that need a forward (FLOP shares, the LM head's logits) are left
-    unknown, and those of the model too when it is not built yet (None); tuning inside a run
-    starts from these (``engine/in_run.py``)."""
+    """The facts measured before any step runs, in seconds: each precision's matrix-product
+    rate here, the padding ``lengths`` imply in batches of ``batch_size`` and, given
+    ``forward()`` (one forward of the model on a small batch), the LM head's logits against what
+    the forward holds for backward. FLOP shares are left unknown, and the model's facts too when
+    it is not built yet (None); tuning inside a run starts from these (``engine/in_run.py``)."""
     padding = None if lengths is None else padding_fractions(lengths, batch_size, seed)
+    logits, held = (None, None)
+    if model is not None and forward is not None:
+        logits, held = lm_head_census(model, forward)
     return Facts(
         device=str(device),
         gemm_speedup=gemm_speedups(device),
@@ -218,4 +222,6 @@ def before_training(
         conv_share=0.0,
         leaf_modules=0 if model is None else leaf_module_count(model),
         shapes_vary=lengths is not None and len(set(lengths)) > 1,
+        logits_bytes=logits,
+        activation_bytes=held,
     )

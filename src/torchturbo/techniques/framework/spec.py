@@ -140,6 +140,10 @@ class Technique:
     order_reason: str
     #: Model transform ``(model, config, device) -> result``, applied in place.
     transform: Callable[[nn.Module, TurboConfig, torch.device], TechniqueResult] | None = None
+    #: ``(model, on) -> whether the model has it``: the transform switched off, or on again, in
+    #: place between steps (the parameters untouched), so that tuning inside the run can
+    #: measure it on the job's own steps (``engine/in_run.py``).
+    toggle: Callable[[nn.Module, bool], bool] | None = None
     #: A process-wide setting ``(config, device) -> context`` held while training runs (for
     #: each step in the engine, from train begin to end in a trainer) and restored afterwards;
     #: a string instead of the context says why it does not take effect here.
