@@ -282,3 +282,39 @@ def test_the_facts_see_the_logits_of_a_language_model_inside_a_wrapper() -> None
     logits, held = lm_head_census(wrapper, lambda: wrapper.lm(**batch).loss)
     assert logits == bare[0] == 2 * 12 * 96 * 4
     assert held is not None and held > logits
+
+
+def test_it_switches_off_and_on_between_steps_for_tuning_inside_the_run() -> None:
+    """``Technique.toggle``: off, the model computes its own logits and loss again (exactly the
+    unpatched model's); on, the chunked loss again; a model without the patch has nothing to
+    switch. The registry switches it by what a config asks, and only a switchable transform
+    counts as switchable without the engine's step hooks."""
+    from torchturbo.techniques import registry
+    from torchturbo.techniques.chunked_loss import TECHNIQUE
+
+    torch.manual_seed(0)
+    plain = tiny_llama()
+    model = copy.deepcopy(plain)
+    assert not TECHNIQUE.toggle(model, False)
+    apply_chunked_loss(model)
+    batch = token_batches(1)[0]
+    wrapped_calls = []
+    chunked_forward = model.forward
+
+    def wrapper(*args, **kwargs):  # as accelerate wraps the forward in autocast
+        wrapped_calls.append(1)
+        return chunked_forward(*args, **kwargs)
+
+    model.forward = wrapper
+    registry.set_toggles(model, TurboConfig())
+    off = model(**batch)
+    assert wrapped_calls == [1]  # switching off keeps what wraps the forward
+    assert off.logits is not None
+    assert torch.equal(off.loss, plain(**batch).loss)
+    registry.set_toggles(model, TurboConfig().replace(chunked_loss__enabled=True))
+    assert model(**batch).logits is None
+    base = TurboConfig()
+    assert registry.switchable_by_toggle(base, base.replace(chunked_loss__enabled=True))
+    assert not registry.switchable_by_toggle(base, base.replace(precision__dtype="bf16"))
+    assert registry.switchable_per_step(base, base.replace(precision__dtype="bf16"))
+    assert not registry.switchable_per_step(base, base.replace(memory_format__channels_last=True))

@@ -48,8 +48,11 @@ from torchturbo.techniques.tools.linear_cross_entropy import (
     linear_cross_entropy,
 )
 
-#: Set on a model whose forward computes its loss in chunks: its (own, chunked) forwards.
+#: Set on a model whose forward computes its loss in chunks.
 CHUNKED_MARK = "_torchturbo_chunked_loss"
+#: Set False on such a model to have its forward compute the loss as its own again
+#: (``Technique.toggle``); the patch stays, so a wrapper around it (accelerate's autocast) too.
+CHUNKED_ON = "_torchturbo_chunked_loss_on"
 #: Arguments of a causal LM's forward that its body does not take.
 _HEAD_ARGUMENTS = ("labels", "logits_to_keep", "num_items_in_batch", "shift_labels")
 #: Relative difference allowed between the chunked and the model's own loss when checking the
@@ -94,21 +97,20 @@ def _patch(model: nn.Module, chunk_tokens: int) -> str:
     if mismatch:
         return mismatch
     model.forward = patched
-    setattr(model, CHUNKED_MARK, (original, patched))
+    setattr(model, CHUNKED_MARK, True)
     return ""
 
 
 def _toggle(model: nn.Module, on: bool) -> bool:
-    """The chunked forward of every language model in ``model`` that has one, or (``on``
-    False) its own forward again; whether any had one. The patch stays: switching is a pointer
-    swap between steps, so tuning inside the run can measure it on the job's steps."""
-    forwards = [getattr(lm, CHUNKED_MARK, None) for _, lm in language_models(model)]
-    switched = False
-    for (_, lm), pair in zip(language_models(model), forwards, strict=True):
-        if pair:
-            lm.forward = pair[1] if on else pair[0]
-            switched = True
-    return switched
+    """The chunked loss of every language model in ``model`` that has the patch, on or (``on``
+    False) off: its forward computes the loss as its own does; whether any had it. The patch
+    and whatever wraps it stay (accelerate wraps the forward in autocast): a flag the chunked
+    forward reads, flipped between steps, so tuning inside the run can measure it on the job's
+    steps."""
+    patched = [lm for _, lm in language_models(model) if getattr(lm, CHUNKED_MARK, False)]
+    for lm in patched:
+        setattr(lm, CHUNKED_ON, on)
+    return bool(patched)
 
 
 def _head_and_body(model: nn.Module) -> tuple[nn.Linear | None, nn.Module | None, str]:
@@ -144,7 +146,8 @@ def _chunked_forward(
 ) -> Any:
     arguments = _named_arguments(original, args, kwargs)
     if (
-        arguments is None
+        not getattr(model, CHUNKED_ON, True)
+        or arguments is None
         or arguments.get("labels") is None
         or not torch.is_grad_enabled()
         or arguments.get("logits_to_keep", 0)
