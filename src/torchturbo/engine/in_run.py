@@ -3,26 +3,29 @@
 **Where the run starts.** Before the first step, :func:`start_from_facts` lets facts measured in
 seconds choose the starting configuration: each tuner stage whose prior is such a fact
 (``Stage.from_facts``: a precision's matrix-product rate here, the padding the data's lengths
-imply) proposes its candidates, and the one expected to gain most, by at least ``START_GAIN``,
-is taken, unless the user's config already sets that technique. So the job starts where the
-trainer's obvious setting would (bf16 where bf16 is measured fast, length buckets where lengths
-pad heavily), and no slower.
+imply, the LM head's logits against what a two-sample forward holds) proposes its candidates,
+and the one expected to gain most, by at least ``START_GAIN``, is taken, unless the user's
+config already sets that technique. So the job starts where the trainer's obvious setting would
+(bf16 where bf16 is measured fast, length buckets where lengths pad heavily), or further.
 
 **Measured on real steps.** :class:`InRunTuner` then measures, on the job's own steps, each
-started choice that a step can switch (``registry.switchable_per_step``: step hooks and
-process-wide switches only): accumulation windows alternate between the config with the choice
-and the one without it, in the order ABBA, and each pair gives the ratio of their seconds for
-the work each did, the elements of the batch's largest tensor (padded tokens, pixels), since
-consecutive batches differ. Every measured window trains the model. Before the side without it
-first trains, both sides' losses on the same batch must agree within ``LOSS_TOLERANCE``. A
-step's seconds are not proportional to its work (each step has fixed costs too), so each window
-is scaled by a cost model fitted to every timed window of the comparison, seconds = a + b x
-work (:func:`cost_model`), before the two sides are compared. The
+choice the host can switch per window (``registry.switchable_per_step``: step hooks, process-wide
+switches, transforms with a ``toggle``): those started, and the trials, choices the facts
+expected a gain of under ``START_GAIN``. Accumulation windows alternate between the run's config
+with the choice and without it, in the order ABBA, and each pair gives a ratio. Every measured
+window trains the model. Before the side that has not trained yet first does, both sides'
+losses on the same batch must agree within ``LOSS_TOLERANCE``. Consecutive batches differ, and
+a step's seconds are not proportional to its work (the elements of the batch's largest tensor:
+padded tokens, pixels), so each window is scaled by a cost model fitted to every timed window of
+the comparison, seconds = a + b x work (:func:`cost_model`), before the sides are compared. The
 ratios are judged by the tuner's rules (``framework.decide.estimate``): faster keeps the choice,
 not faster drops it, and undecided (the slower side may use at most ``[tune] measure_share`` of
-the job's steps) keeps the start. A choice that cannot switch mid-run (the batch plan) stays as
-the facts chose it. Under torchrun every rank runs the same sides and the windows' costs are
-the slowest rank's (one all-reduce per measured window), so every rank decides alike.
+the job's steps) keeps what the facts chose. A choice that cannot switch mid-run (the batch
+plan) stays as the facts chose it. Under torchrun every rank runs the same sides and the
+windows' costs are the slowest rank's (one all-reduce per measured window), so every rank
+decides alike. The hosts (``Turbo``, ``TurboLightningCallback``, ``TurboTrainer``) call
+:func:`start`, compose ``composed_config()`` and run each window on the config ``config_of``
+names.
 
 Written here rather than taken from a library: no tuner we know of measures on the job's own
 steps (DeepSpeed's autotuner runs separate trials; Lightning's and Accelerate's finders only
