@@ -39,7 +39,6 @@ from transformers import (
     DataCollatorForLanguageModeling,
     PreTrainedTokenizerFast,
     Trainer,
-    TrainerCallback,
 )
 from transformers.utils import logging as hf_logging
 
@@ -50,7 +49,6 @@ from torchturbo.config import TurboConfig
 from torchturbo.integrations.transformers import TurboTrainer, training_arguments
 from torchturbo.measure.machine import summary
 from torchturbo.measure.native import emulated
-from torchturbo.measure.timing import sync
 from torchturbo.output.results_file import write_results
 
 SETUPS = ("decoder", "encoder", "mlm")
@@ -84,32 +82,17 @@ def mlm_model() -> BertForMaskedLM:
     )
 
 
-class Clock(TrainerCallback):
-    """Train begin, every step's end (the device synchronized) and the real tokens of every
-    batch: its non-pad input tokens (``attention_mask``), or its labels that count."""
-
-    def __init__(self, net: torch.nn.Module, causal: bool) -> None:
-        self.begin, self.ends, self.tokens, self.causal = 0.0, [], 0, causal
-        net.register_forward_pre_hook(self._count, with_kwargs=True)
+class Clock(tuner_scale.Meter):
+    """``tuner_scale.Meter`` (train begin, every step's end), counting every batch's non-pad
+    input tokens (``attention_mask``), else its labels that count: a masked LM's labels are
+    only its masked tokens."""
 
     def _count(self, module: Any, args: Any, kwargs: Any) -> None:
-        if not torch.is_grad_enabled():
-            return
         mask = kwargs.get("attention_mask")
-        if isinstance(mask, torch.Tensor):
+        if isinstance(mask, torch.Tensor) and torch.is_grad_enabled():
             self.tokens += int(mask.sum())
             return
-        labels = kwargs.get("labels")
-        if isinstance(labels, torch.Tensor):
-            labels = labels[..., 1:] if self.causal else labels
-            self.tokens += int((labels != -100).sum())
-
-    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.begin = time.perf_counter()
-
-    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        sync(args.device)
-        self.ends.append(time.perf_counter())
+        super()._count(module, args, kwargs)
 
 
 def parts(setup: str) -> tuple[torch.nn.Module, list[dict[str, Any]], Any]:

@@ -170,24 +170,40 @@ def edit_checkpoint_json(checkpoint: Path, name: str, edit) -> None:
         (checkpoint / "manifest.json").write_text(json.dumps(manifest))
 
 
-@pytest.fixture
-def fast_bf16(monkeypatch):
-    """Tuning inside a run made deterministic: this machine's bf16 matrix products measured
-    4x fp32's (so the facts start runs on bf16), and every measured window's seconds made
-    proportional to its work, bf16 windows taking half (so the job's steps adopt it)."""
+def _windows_faster_with(monkeypatch, faster) -> None:
+    """Every measured in-run window's seconds made proportional to its work, windows whose
+    config ``faster(config)`` says taking half: the job's steps then decide at once."""
     from torchturbo.engine.in_run import InRunTuner
-    from torchturbo.techniques.framework import facts
 
-    monkeypatch.setattr(
-        facts, "gemm_speedups", lambda device: {"bf16": 4.0, "fp16": 4.0, "tf32": 1.0}
-    )
-    monkeypatch.setattr(
-        facts, "emulated_precisions", lambda device: {"fp16": "no fp16 units", "tf32": "no TF32"}
-    )
     real = InRunTuner.window_done
 
     def timed(self, side, seconds, work):
-        dtype = self.config_of(side).precision.dtype
-        return real(self, side, (0.5 if dtype == "bf16" else 1.0) * work / 100, work)
+        scale = 0.5 if faster(self.config_of(side)) else 1.0
+        return real(self, side, scale * work / 100, work)
 
     monkeypatch.setattr(InRunTuner, "window_done", timed)
+
+
+def _gemm_rates(monkeypatch, bf16: float) -> None:
+    """This machine's matrix products measured at ``bf16`` times fp32's in bf16 and fp16."""
+    from torchturbo.techniques.framework import facts
+
+    monkeypatch.setattr(facts, "gemm_speedups", lambda device: {"bf16": bf16, "fp16": bf16})
+    monkeypatch.setattr(
+        facts, "emulated_precisions", lambda device: {"fp16": "no fp16 units", "tf32": "no TF32"}
+    )
+
+
+@pytest.fixture
+def fast_bf16(monkeypatch):
+    """Tuning inside a run made deterministic: bf16 matrix products measured 4x fp32's (so the
+    facts start runs on bf16), and bf16 windows taking half (so the job's steps adopt it)."""
+    _gemm_rates(monkeypatch, 4.0)
+    _windows_faster_with(monkeypatch, lambda config: config.precision.dtype == "bf16")
+
+
+@pytest.fixture
+def fast_chunked_loss(monkeypatch):
+    """bf16 measured slow (nothing starts on it), windows with the chunked loss taking half."""
+    _gemm_rates(monkeypatch, 0.5)
+    _windows_faster_with(monkeypatch, lambda config: config.chunked_loss.enabled)

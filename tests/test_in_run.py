@@ -282,41 +282,17 @@ def test_the_assumed_horizon_bounds_a_run_that_does_not_say_its_steps():
 
 
 def test_a_switchable_transform_the_facts_expect_little_of_is_tried_on_the_jobs_steps(
-    monkeypatch,
+    fast_chunked_loss,
 ):
     """A causal LM whose logits hold most of the forward's activations: the chunked loss is
     expected to gain, under what a start needs. Composed but switched off, it is measured
     against the run's own steps (here made twice as fast with it), parity first, and adopted."""
     pytest.importorskip("transformers")
     from recipes import hf_causal_lm
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from torchturbo.techniques.framework import facts
-
-    monkeypatch.setattr(facts, "gemm_speedups", lambda device: {"bf16": 0.5, "fp16": 0.5})
-    real = InRunTuner.window_done
-
-    def timed(self, side, seconds, work):
-        chunked = self.config_of(side).chunked_loss.enabled
-        return real(self, side, (0.5 if chunked else 1.0) * work / 100, work)
-
-    monkeypatch.setattr(InRunTuner, "window_done", timed)
-
-    def model():
-        torch.manual_seed(0)
-        config = LlamaConfig(
-            vocab_size=4096,
-            hidden_size=16,
-            intermediate_size=32,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-        )
-        return LlamaForCausalLM(config)
 
     dataset = hf_causal_lm.documents()
     turbo = Turbo(IN_RUN)
-    net = model()
+    net = hf_causal_lm.logits_heavy_model()
     _, _, loader = turbo.setup(
         net,
         torch.optim.SGD(net.parameters(), lr=0.01),

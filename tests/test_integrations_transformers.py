@@ -663,36 +663,17 @@ def test_in_run_turbo_trainer_starts_where_the_facts_point(fast_bf16, tmp_path):
     assert saved["measured"] == []  # accelerate's autocast is fixed for the run
 
 
-def test_in_run_turbo_trainer_measures_a_switchable_transform_on_its_steps(monkeypatch, tmp_path):
+def test_in_run_turbo_trainer_measures_a_switchable_transform_on_its_steps(
+    fast_chunked_loss, tmp_path
+):
     """A causal LM whose logits dominate: the chunked loss, expected to gain under what a start
     needs, is tried on the Trainer's own optimizer steps (made twice as fast with it here) by
     switching it per step, and adopted; the precision, accelerate's, is not measured."""
     from recipes import hf_causal_lm
-    from transformers import LlamaConfig, LlamaForCausalLM
 
-    from torchturbo.engine.in_run import InRunTuner
     from torchturbo.integrations.transformers import TurboTrainer
-    from torchturbo.techniques.framework import facts
 
-    monkeypatch.setattr(facts, "gemm_speedups", lambda device: {"bf16": 0.5, "fp16": 0.5})
-    real = InRunTuner.window_done
-
-    def timed(self, side, seconds, work):
-        chunked = self.config_of(side).chunked_loss.enabled
-        return real(self, side, (0.5 if chunked else 1.0) * work / 100, work)
-
-    monkeypatch.setattr(InRunTuner, "window_done", timed)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=4096,
-            hidden_size=16,
-            intermediate_size=32,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-        )
-    )
+    model = hf_causal_lm.logits_heavy_model()
     args = TrainingArguments(
         output_dir=str(tmp_path),
         per_device_train_batch_size=4,

@@ -63,6 +63,23 @@ def model() -> Any:
     return LlamaForCausalLM(config)
 
 
+def logits_heavy_model() -> Any:
+    """A Llama whose 4,096-word head's logits hold most of a forward's activations: the
+    chunked loss is expected to gain on it."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=4096,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
+    return LlamaForCausalLM(config)
+
+
 def trainer(**arguments: Any) -> Any:
     """The Trainer, not yet trained; ``arguments`` go to its ``TrainingArguments``."""
     from transformers import Trainer, TrainingArguments
