@@ -145,6 +145,8 @@ class Turbo:
         self._sides: dict[str, Steps] = {self.config.to_toml(): self.steps}
         #: The open window's side, its start (perf_counter) and its work so far.
         self._measured: tuple[Side, float, int] | None = None
+        #: The config the steps run with now (``_use``).
+        self._side_config: TurboConfig | None = None
 
     # -- setup ------------------------------------------------------------------------------
 
@@ -278,8 +280,12 @@ class Turbo:
         return self._sides[key]
 
     def _use(self, config: TurboConfig) -> None:
-        """Run the next steps with ``config``'s step hooks, switches and switched transforms."""
+        """Run the next steps with ``config``'s step hooks, switches and switched transforms
+        (nothing to do for the config already in use: every window once decided)."""
         assert self.model is not None
+        if config is self._side_config:
+            return
+        self._side_config = config
         registry.set_toggles(self.model, config)
         steps = self._side_steps(config)
         if steps is self.steps:
@@ -316,7 +322,8 @@ class Turbo:
         assert self.model is not None
 
         def loss_under(config: TurboConfig) -> float:
-            return float(self._forward_with(self._side_steps(config), loss_fn, batch)[0])
+            self._use(config)  # its step hooks and its switched transforms
+            return float(self.forward(loss_fn, batch)[0])
 
         return in_run.same_batch_losses(self.model, self.device, loss_under, with_config, without)
 
@@ -452,19 +459,13 @@ class Turbo:
         """The forward half of a step: batch to the device, autocast, (mean loss, count)."""
         if self.model is None:
             raise RuntimeError("call Turbo.setup(model, optimizer, ...) before Turbo.forward")
-        return self._forward_with(self.steps, loss_fn, batch)
-
-    def _forward_with(
-        self, steps: Steps, loss_fn: LossFn, batch: Any
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        assert self.model is not None
         batch = to_device(
             batch,
             self.device,
             non_blocking=self.config.data.non_blocking,
             channels_last=self._channels_last_inputs,
         )
-        with steps.step_context(), steps.forward_context():
+        with self.steps.step_context(), self.steps.forward_context():
             return _split_loss(call_loss_fn(loss_fn, self.model, batch), batch, self.device)
 
     def flush(self) -> bool:

@@ -151,6 +151,7 @@ class TurboLightningCallback(pl.Callback):
         #: Tuning inside the run (``[tune] in_run``), started in ``setup``; None when off.
         self.in_run: InRunTuner | None = None
         self._plugins: dict[str, Any] = {}
+        self._side_config: TurboConfig | None = None
         #: The open window's side, its start (perf_counter) and its work so far.
         self._measured: tuple[Side, float, int] | None = None
         self._told = 0
@@ -213,7 +214,11 @@ class TurboLightningCallback(pl.Callback):
     def _use_side(self, trainer: pl.Trainer, config: TurboConfig) -> None:
         """Train the next steps with the precision plugin Lightning builds for ``config``'s
         ``Trainer(precision=...)`` (one plugin per precision, so a scaler keeps its state) and
-        its switchable transforms on or off (``registry.set_toggles``)."""
+        its switchable transforms on or off (``registry.set_toggles``); nothing to do for the
+        config already in use."""
+        if config is self._side_config:
+            return
+        self._side_config = config
         registry.set_toggles(trainer.lightning_module, config)
         precision = trainer_kwargs(config).kwargs.get("precision", "32-true")
         if trainer.strategy.precision_plugin.precision == precision:

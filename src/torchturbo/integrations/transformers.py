@@ -410,6 +410,7 @@ class TurboTrainer(Trainer):
         self.in_run: InRunTuner | None = None
         #: The open window's side, its start (perf_counter) and its work so far.
         self._window: tuple[Side, float, int] | None = None
+        self._side_config: TurboConfig | None = None
         composing = turbo_config
         if turbo_config.tune.in_run:
             turbo_config, args, kwargs = self._start_in_run(turbo_config, args, kwargs)
@@ -510,7 +511,10 @@ class TurboTrainer(Trainer):
         assert self.in_run is not None
         measuring = self.in_run.current is not None
         side = self.in_run.side(functools.partial(self._parity_losses, model, inputs))
-        registry.set_toggles(model, self.in_run.config_of(side))
+        config = self.in_run.config_of(side)
+        if config is not self._side_config:  # every window once decided: nothing to switch
+            self._side_config = config
+            registry.set_toggles(model, config)
         started = -1.0  # not timed
         if measuring and self.in_run.current is not None:
             sync(self.args.device)
