@@ -24,8 +24,8 @@ the job's steps) keeps what the facts chose. A choice that cannot switch mid-run
 plan) stays as the facts chose it. Under torchrun every rank runs the same sides and the
 windows' costs are the slowest rank's (one all-reduce per measured window), so every rank
 decides alike. The hosts (``Turbo``, ``TurboLightningCallback``, ``TurboTrainer``) call
-:func:`start`, compose ``composed_config()`` and run each window on the config ``config_of``
-names.
+:func:`start`, compose ``composed_config()`` and run each window on the config their
+:class:`WindowClock` opens it with.
 
 Written here rather than taken from a library: no tuner we know of measures on the job's own
 steps (DeepSpeed's autotuner runs separate trials; Lightning's and Accelerate's finders only
@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -49,6 +50,7 @@ from torch.utils.data import Dataset
 
 from torchturbo.base.nested import iter_tensors
 from torchturbo.config import TurboConfig
+from torchturbo.measure.timing import sync
 from torchturbo.output.results_file import write_atomic, write_results
 from torchturbo.recipe import Recipe
 from torchturbo.techniques import registry
@@ -459,6 +461,49 @@ class InRunTuner:
             comparison.windows = dict(entry["windows"])
             comparison.parity_checked = entry["parity_checked"]
         self._round = {}
+
+
+class WindowClock:
+    """A host's windows for its in-run tuner: :meth:`open` as a window's first batch arrives
+    names the config it runs (the host applies it), :meth:`add` counts each batch's work, and
+    :meth:`close` at its optimizer step times a measured window (the device synchronized at
+    both ends) and hands it to the tuner. One clock for the engine and both trainers."""
+
+    def __init__(self, tuner: InRunTuner, device: torch.device) -> None:
+        self.tuner, self.device = tuner, device
+        #: The open window's side, its start (perf_counter; None: not timed) and its work.
+        self._open: tuple[Side, float | None, int] | None = None
+
+    @property
+    def is_open(self) -> bool:
+        return self._open is not None
+
+    def open(
+        self, parity: Callable[[TurboConfig, TurboConfig], tuple[float, float]]
+    ) -> TurboConfig:
+        """Open a window (``parity`` as :meth:`InRunTuner.side` takes it); the config it runs."""
+        measuring = self.tuner.current is not None
+        side = self.tuner.side(parity)
+        started = None
+        if measuring and self.tuner.current is not None:
+            sync(self.device)
+            started = time.perf_counter()
+        self._open = (side, started, 0)
+        return self.tuner.config_of(side)
+
+    def add(self, batch: Any) -> None:
+        if self._open is not None and self._open[1] is not None:
+            side, started, work = self._open
+            self._open = (side, started, work + work_of(batch))
+
+    def close(self) -> None:
+        if self._open is None:
+            return
+        side, started, work = self._open
+        self._open = None
+        if started is not None:
+            sync(self.device)
+            self.tuner.window_done(side, time.perf_counter() - started, work)
 
 
 def comparisons_for(

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,11 +37,10 @@ from torchturbo.distributed.select import select_strategy
 from torchturbo.distributed.strategy import Strategy
 from torchturbo.engine import in_run
 from torchturbo.engine.compose import compose
-from torchturbo.engine.in_run import InRunTuner, Side, work_of
+from torchturbo.engine.in_run import InRunTuner, WindowClock
 from torchturbo.engine.loader import first_samples_batch, training_loader
 from torchturbo.engine.state import load_training_state, save_training_state
 from torchturbo.measure.breakdown import NullRecorder, Recorder
-from torchturbo.measure.timing import sync
 from torchturbo.reliability.epochs import EpochLoader, data_identity
 from torchturbo.reliability.guard import (
     BACKWARD_INSIDE,
@@ -143,8 +141,8 @@ class Turbo:
         #: Step hooks by config, for the sides the in-run tuner switches between (each keeps
         #: its own state: a loss scale).
         self._sides: dict[str, Steps] = {self.config.to_toml(): self.steps}
-        #: The open window's side, its start (perf_counter) and its work so far.
-        self._measured: tuple[Side, float, int] | None = None
+        #: The in-run tuner's windows (``in_run.WindowClock``), set with it.
+        self._windows: WindowClock | None = None
         #: The config the steps run with now (``_use``).
         self._side_config: TurboConfig | None = None
 
@@ -268,6 +266,7 @@ class Turbo:
             planned_steps=planned_steps,
             forward=census,
         )
+        self._windows = WindowClock(self.in_run, self.device)
         self.config = self.in_run.config
         self.steps = self._side_steps(self.config)
         self._step_switches = registry.step_switches(self.config, "engine")
@@ -294,26 +293,6 @@ class Turbo:
         self.steps = steps
         self._step_switches = registry.step_switches(config, "engine")
         self._results = {**composed, **steps.results}
-
-    def _open_window(self, loss_fn: LossFn, batch: Any) -> None:
-        """The in-run tuner names this window's side; a measured window is timed."""
-        assert self.in_run is not None
-        measuring = self.in_run.current is not None
-        side = self.in_run.side(functools.partial(self._parity_losses, loss_fn, batch))
-        self._use(self.in_run.config_of(side))
-        self._measured = None
-        if measuring and self.in_run.current is not None:
-            sync(self.device)
-            self._measured = (side, time.perf_counter(), 0)
-
-    def _close_window(self) -> None:
-        assert self.in_run is not None
-        if self._measured is not None:
-            side, started, work = self._measured
-            sync(self.device)
-            self.in_run.window_done(side, time.perf_counter() - started, work)
-            self._measured = None
-        self.config = self.in_run.config
 
     def _parity_losses(
         self, loss_fn: LossFn, batch: Any, with_config: TurboConfig, without: TurboConfig
@@ -393,11 +372,12 @@ class Turbo:
             raise RuntimeError("call Turbo.setup(model, optimizer, ...) before Turbo.step")
         last_batch = self.loader is not None and self.loader.at_last_batch
         closing = self.batches_in_window + 1 >= self._window.micro_steps or last_batch
-        if self.in_run is not None and self.batches_in_window == 0:
-            self._open_window(loss_fn, batch)
-        if self._measured is not None:
-            side, started, work = self._measured
-            self._measured = (side, started, work + work_of(batch))
+        if self._windows is not None:
+            if self.batches_in_window == 0:  # the in-run tuner names the window's config
+                self._use(
+                    self._windows.open(functools.partial(self._parity_losses, loss_fn, batch))
+                )
+            self._windows.add(batch)
         micro_step = functools.partial(self._micro_step, loss_fn)
         with self.steps.step_context(), self.switches():
             try:
@@ -415,8 +395,9 @@ class Turbo:
             if closing:
                 skipped, grad_norm = self._optimizer_step()
                 stepped = True
-        if closing and self.in_run is not None:
-            self._close_window()
+        if closing and self._windows is not None and self.in_run is not None:
+            self._windows.close()
+            self.config = self.in_run.config
         return StepMetrics(loss, count, stepped, skipped, grad_norm, pieces)
 
     def switches(self) -> contextlib.AbstractContextManager[Any]:

@@ -29,7 +29,6 @@ import contextlib
 import copy
 import functools
 import math
-import time
 import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -54,13 +53,12 @@ from torchturbo.data.collate import IGNORE_INDEX
 from torchturbo.data.length import length_or_none
 from torchturbo.distributed.ddp import COMM_HOOKS, check_comm_hook
 from torchturbo.engine import in_run
-from torchturbo.engine.in_run import InRunTuner, Side, work_of
+from torchturbo.engine.in_run import InRunTuner, WindowClock
 from torchturbo.engine.loader import first_samples_batch
 from torchturbo.integrations.lengths import sample_lengths
 from torchturbo.integrations.optimizers import clone_optimizer, parameter_owner
 from torchturbo.integrations.stopping import StopWatch, TrainerStopped, announce
 from torchturbo.integrations.translate import DDPSpec, Translation, lightning_arguments
-from torchturbo.measure.timing import sync
 from torchturbo.recipe import Recipe, RecipeError
 from torchturbo.reliability.random_state import capture_random_state, restore_random_state
 from torchturbo.techniques import registry
@@ -152,8 +150,7 @@ class TurboLightningCallback(pl.Callback):
         self.in_run: InRunTuner | None = None
         self._plugins: dict[str, Any] = {}
         self._side_config: TurboConfig | None = None
-        #: The open window's side, its start (perf_counter) and its work so far.
-        self._measured: tuple[Side, float, int] | None = None
+        self._windows: WindowClock | None = None
         self._told = 0
 
     @property
@@ -207,6 +204,7 @@ class TurboLightningCallback(pl.Callback):
             planned_steps=steps,
             forward=census,
         )
+        self._windows = WindowClock(self.in_run, device)
         self.config = self.in_run.config
         self._use_side(trainer, self.config)
         self._tell(trainer)
@@ -227,23 +225,9 @@ class TurboLightningCallback(pl.Callback):
             self._plugins[precision] = _precision_plugin(precision, trainer.strategy.root_device)
         trainer.strategy.precision_plugin = self._plugins[precision]
 
-    def _open_window(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
-        assert self.in_run is not None
-        measuring = self.in_run.current is not None
-        side = self.in_run.side(functools.partial(self._parity_losses, trainer, pl_module, batch))
-        self._use_side(trainer, self.in_run.config_of(side))
-        self._measured = None
-        if measuring and self.in_run.current is not None:
-            sync(trainer.strategy.root_device)
-            self._measured = (side, time.perf_counter(), 0)
-
     def _close_window(self, trainer: pl.Trainer) -> None:
-        assert self.in_run is not None
-        if self._measured is not None:
-            side, started, work = self._measured
-            sync(trainer.strategy.root_device)
-            self.in_run.window_done(side, time.perf_counter() - started, work)
-            self._measured = None
+        assert self.in_run is not None and self._windows is not None
+        self._windows.close()
         self.config = self.in_run.config
         self._tell(trainer)
 
@@ -362,11 +346,12 @@ class TurboLightningCallback(pl.Callback):
         if self._resumed_random is not None:  # the first step after a resume
             restore_random_state(self._resumed_random)
             self._resumed_random = None
-        if self.in_run is not None and batch_idx % max(1, trainer.accumulate_grad_batches) == 0:
-            self._open_window(trainer, pl_module, batch)
-        if self._measured is not None:
-            side, started, work = self._measured
-            self._measured = (side, started, work + work_of(batch))
+        if self._windows is None:
+            return
+        if batch_idx % max(1, trainer.accumulate_grad_batches) == 0:
+            parity = functools.partial(self._parity_losses, trainer, pl_module, batch)
+            self._use_side(trainer, self._windows.open(parity))
+        self._windows.add(batch)
 
     def on_train_batch_end(
         self,

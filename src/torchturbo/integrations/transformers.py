@@ -28,7 +28,6 @@ import itertools
 import math
 import os
 import re
-import time
 import warnings
 import weakref
 from collections.abc import Callable, Mapping
@@ -54,12 +53,11 @@ from torchturbo.data.batch_plan import BatchSource
 from torchturbo.data.collate import IGNORE_INDEX
 from torchturbo.data.length import length_or_none
 from torchturbo.engine import in_run
-from torchturbo.engine.in_run import InRunTuner, Side, work_of
+from torchturbo.engine.in_run import InRunTuner, WindowClock
 from torchturbo.integrations.lengths import sample_lengths
 from torchturbo.integrations.optimizers import clone_optimizer, parameter_owner
 from torchturbo.integrations.stopping import StopWatch, TrainerStopped, announce
 from torchturbo.integrations.translate import Translation, hf_arguments
-from torchturbo.measure.timing import sync
 from torchturbo.recipe import Recipe, RecipeError
 from torchturbo.techniques import registry
 from torchturbo.techniques.framework.result import TechniqueResult, reasons
@@ -408,8 +406,7 @@ class TurboTrainer(Trainer):
         self, *args: Any, turbo_config: TurboConfig, stop_on_signals: bool = True, **kwargs: Any
     ) -> None:
         self.in_run: InRunTuner | None = None
-        #: The open window's side, its start (perf_counter) and its work so far.
-        self._window: tuple[Side, float, int] | None = None
+        self._windows: WindowClock | None = None
         self._side_config: TurboConfig | None = None
         composing = turbo_config
         if turbo_config.tune.in_run:
@@ -466,6 +463,7 @@ class TurboTrainer(Trainer):
         for event in self.in_run.events:
             announce(event, training_args.process_index)
         self._told = len(self.in_run.events)
+        self._windows = WindowClock(self.in_run, training_args.device)
         return self.in_run.config, bound.args[1:], bound.kwargs
 
     def train(
@@ -499,37 +497,25 @@ class TurboTrainer(Trainer):
     ) -> torch.Tensor:
         """The Trainer's step; with ``[tune] in_run`` the first micro-batch of each optimizer
         step opens its window on the side the in-run tuner names."""
-        if self.in_run is not None:
-            if self._window is None:
-                self._open_window(model, inputs)
-            if self._window is not None and self._window[1] >= 0:
-                side, started, work = self._window
-                self._window = (side, started, work + work_of(inputs))
+        if self._windows is not None:
+            if not self._windows.is_open:
+                parity = functools.partial(self._parity_losses, model, inputs)
+                self._switch(model, self._windows.open(parity))
+            self._windows.add(inputs)
         return super().training_step(model, inputs, num_items_in_batch)
 
-    def _open_window(self, model: nn.Module, inputs: dict[str, Any]) -> None:
-        assert self.in_run is not None
-        measuring = self.in_run.current is not None
-        side = self.in_run.side(functools.partial(self._parity_losses, model, inputs))
-        config = self.in_run.config_of(side)
-        if config is not self._side_config:  # every window once decided: nothing to switch
+    def _switch(self, model: nn.Module, config: TurboConfig) -> None:
+        """Switch ``model``'s transforms as ``config`` asks (nothing for the config already in
+        use: every window once decided)."""
+        if config is not self._side_config:
             self._side_config = config
             registry.set_toggles(model, config)
-        started = -1.0  # not timed
-        if measuring and self.in_run.current is not None:
-            sync(self.args.device)
-            started = time.perf_counter()
-        self._window = (side, started, 0)
 
     def close_window(self) -> None:
         """The optimizer step ended: its window is timed, if it was measured, and judged."""
-        if self.in_run is None or self._window is None:
+        if self.in_run is None or self._windows is None:
             return
-        side, started, work = self._window
-        self._window = None
-        if started >= 0:
-            sync(self.args.device)
-            self.in_run.window_done(side, time.perf_counter() - started, work)
+        self._windows.close()
         self.turbo_config = self.in_run.config
         for event in self.in_run.events[self._told :]:
             announce(event, self.args.process_index)
