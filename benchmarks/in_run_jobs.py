@@ -23,10 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -127,21 +124,11 @@ def child(way: str, setup: str, steps: int, out: Path, config: Path | None) -> d
 
 
 def run_child(way: str, setup: str, steps: int, out: Path, config: Path | None = None) -> dict:
-    """``way``'s job in a fresh process; its figures and the process's own seconds."""
+    """``way``'s job in a fresh process: its figures, the process's seconds, what in-run said."""
     folder = out / f"{setup}-{steps}-{way}"
-    command = [sys.executable, __file__, "--child", way, "--setup", setup]
-    command += ["--steps", str(steps), "--out", str(folder)]
-    if config is not None:
-        command += ["--config", str(config)]
-    env = os.environ | {"TORCHINDUCTOR_CACHE_DIR": str(folder / "inductor-cache")}
-    begin = time.perf_counter()
-    done = subprocess.run(command, capture_output=True, text=True, check=False, env=env)
-    line = next((x for x in done.stdout.splitlines() if x.startswith("JOB ")), None)
-    if done.returncode or line is None:
-        return {"error": (done.stderr.strip().splitlines() or ["no output"])[-1]}
-    job = json.loads(line.removeprefix("JOB "))
-    said = [x for x in done.stderr.splitlines() if x.startswith("in-run:")]
-    return job | {"process_s": time.perf_counter() - begin, "said": said}
+    job, stderr = tuner_scale.child_job(__file__, way, setup, steps, folder, config)
+    said = [x for x in stderr.splitlines() if x.startswith("in-run:")]
+    return job if "error" in job else job | {"said": said}
 
 
 def tune_then_train(setup: str, steps: int, out: Path, budget: str) -> dict[str, Any]:

@@ -418,8 +418,23 @@ def run_job(
 ) -> dict[str, Any]:
     """``way``'s job in a fresh process (its own compile cache folder, cold), stopped after
     ``timeout`` seconds."""
-    folder = out / f"{setup}-{way}"
-    command = [sys.executable, __file__, "--child", way, "--setup", setup]
+    job, _ = child_job(__file__, way, setup, steps, out / f"{setup}-{way}", config, timeout)
+    return job
+
+
+def child_job(
+    script: str,
+    way: str,
+    setup: str,
+    steps: int,
+    folder: Path,
+    config: Path | None,
+    timeout: float | None = None,
+) -> tuple[dict[str, Any], str]:
+    """``script --child way`` in a fresh process with a cold compile cache of its own in
+    ``folder``: the JOB line it printed (or the error) with the process's seconds, and its
+    stderr."""
+    command = [sys.executable, script, "--child", way, "--setup", setup]
     command += ["--steps", str(steps), "--out", str(folder)]
     if config is not None:
         command += ["--config", str(config)]
@@ -430,12 +445,14 @@ def run_job(
             command, capture_output=True, text=True, check=False, env=env, timeout=timeout
         )
     except subprocess.TimeoutExpired:
-        return {"error": f"stopped after {timeout:.0f} s (the limit sized from the first job)"}
+        error = f"stopped after {timeout:.0f} s (the limit sized from the first job)"
+        return {"error": error}, ""
     line = next((x for x in done.stdout.splitlines() if x.startswith("JOB ")), None)
     if done.returncode or line is None:
         error = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "no output"
-        return {"error": error}
-    return json.loads(line.removeprefix("JOB ")) | {"process_s": time.perf_counter() - begin}
+        return {"error": error}, done.stderr
+    job = json.loads(line.removeprefix("JOB "))
+    return job | {"process_s": time.perf_counter() - begin}, done.stderr
 
 
 def grid_configs(setup: str, precisions: list[str]) -> dict[str, TurboConfig]:
