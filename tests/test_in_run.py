@@ -227,8 +227,10 @@ def test_the_engine_trains_every_step_and_every_sample_once_per_epoch_while_tuni
             dtypes.append(turbo.steps.hooks.get("precision") is not None)
     assert turbo.optimizer_steps == len(dtypes)
     assert sorted(seen) == sorted(list(range(len(dataset))) * 2)
-    assert {"bf16"} == {c.name for c in turbo.in_run.comparisons}
-    assert turbo.in_run.comparisons[0].verdict == "adopted"
+    bf16, compile_ = turbo.in_run.comparisons
+    assert (bf16.name, compile_.name) == ("bf16", "compile")
+    assert bf16.verdict == "adopted"
+    assert compile_.verdict == "undecided" and compile_.build is None  # not worth a build
     assert False in dtypes and dtypes[-1]  # fp32 windows were measured, bf16 stays
     assert turbo.applied["precision"] is None
     assert torch.isfinite(metrics.loss)
@@ -269,10 +271,12 @@ def test_train_keeps_the_verdicts_and_a_resume_continues_the_measuring(fast_bf16
     )
     assert result.optimizer_steps == 40
     final = json.loads((tuned / "results.json").read_text())
-    (bf16,) = final["measured"]
+    bf16, compile_ = final["measured"]
     assert bf16["verdict"] == "adopted" and bf16["pairs"] >= max(pairs_before, MIN_ROUNDS)
+    assert compile_["verdict"] == "undecided" and "too few" in compile_["evidence"]
     decided = TurboConfig.from_toml((tuned / "turbo.toml").read_text())
     assert decided.precision.dtype == "bf16" and decided.data.batches == "buckets"
+    assert decided.compile.mode == "off"
     assert not decided.tune.in_run  # the next run trains it as decided
 
 
@@ -302,8 +306,9 @@ def test_a_switchable_transform_the_facts_expect_little_of_is_tried_on_the_jobs_
         planned_steps=200,
         loss_fn=lambda m, batch: m(**batch).loss,
     )
-    (chunked,) = turbo.in_run.comparisons
+    chunked, compile_ = turbo.in_run.comparisons
     assert chunked.name == "chunked_loss" and not chunked.started
+    assert compile_.name == "compile" and not compile_.started
     assert not turbo.config.chunked_loss.enabled and "chunked_loss" not in turbo.applied
     for _ in range(4):
         for batch in loader:

@@ -34,8 +34,10 @@ shrink the batch on out-of-memory).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
+import statistics
 import time
 import typing
 from collections.abc import Callable, Sequence
@@ -50,10 +52,12 @@ from torch.utils.data import Dataset
 
 from torchturbo.base.nested import iter_tensors
 from torchturbo.config import TurboConfig
+from torchturbo.engine.compile_aside import Build, expected_build_seconds
 from torchturbo.measure.timing import sync
 from torchturbo.output.results_file import write_atomic, write_results
 from torchturbo.recipe import Recipe
 from torchturbo.techniques import registry
+from torchturbo.techniques.compile import compile_gain
 from torchturbo.techniques.framework.decide import (
     MIN_ROUNDS,
     RatioEstimate,
@@ -78,6 +82,11 @@ LOSS_TOLERANCE = 0.05
 WARM_WINDOWS = 1
 #: The job's steps assumed when the host does not say how many it will train.
 ASSUMED_STEPS = 300
+#: Timed windows of the run whose median is its step time, for the gate of a build aside.
+RECENT_WINDOWS = 8
+#: Optimizer steps a choice built aside needs left when its build starts: the build's own
+#: (a compile takes tens of the job's steps on a CPU), then its paired windows.
+BUILD_WINDOWS = 20 * (MIN_ROUNDS + WARM_WINDOWS)
 #: What a run that tuned inside itself keeps, as ``tune`` does: every verdict, the decided config.
 RESULTS = "results.json"
 CONFIG = "turbo.toml"
@@ -104,6 +113,10 @@ class Start:
     #: keywords).
     techniques: tuple[str, ...] = ()
     settings: dict[str, Any] = field(default_factory=dict)
+    #: Built off the critical path before it is measured (a compile: ``engine/compile_aside.py``),
+    #: and the seconds its build is expected to take from the job.
+    built_aside: bool = False
+    build_cost_s: float = 0.0
 
 
 def start(
@@ -118,6 +131,7 @@ def start(
     planned_steps: int | None,
     switchable: Callable[[TurboConfig, TurboConfig], bool] = registry.switchable_per_step,
     forward: Callable[[], Any] | None = None,
+    compile_aside: bool = False,
 ) -> InRunTuner:
     """The in-run tuner of a run of ``model`` on ``data`` (``lengths`` per sample, None where
     not known), its start chosen by the facts measured here now; every host calls this.
@@ -125,7 +139,9 @@ def start(
     engine: ``registry.switchable_per_step``; a trainer with its own autocast: transforms
     only, ``registry.switchable_by_toggle``).
     ``forward()``: one forward of the model on a small batch, which measures the LM head's
-    logits' share of the activations (``facts.before_training``)."""
+    logits' share of the activations (``facts.before_training``). ``compile_aside``: the host
+    can build a compile off the critical path (``engine/compile_aside.py``), so that compile is
+    a trial too."""
     known = Recipe(
         name="this run",
         model=(lambda: model) if model is not None else _unknown,
@@ -139,6 +155,8 @@ def start(
     )
     found = before_training(model, device, lengths, batch_size, seed, forward)
     started, starts = start_from_facts(config, found, known, device)
+    if compile_aside:
+        starts.append(compile_start(config, started, found))
     comparisons = comparisons_for(started, config, starts, switchable)
     trials = {c.name for c in comparisons if not c.started}
     tuner = InRunTuner(started, starts, comparisons, planned_steps=planned_steps, device=device)
@@ -191,6 +209,32 @@ def start_from_facts(
             if not why_not:
                 best = candidate.config
     return best, starts
+
+
+def compile_start(user: TurboConfig, started: TurboConfig, facts: Facts) -> Start:
+    """torch.compile as a trial: built aside while the job trains, then measured on its steps,
+    unless the user's config compiles (in any scope) itself. Not a start: its cold cost is
+    paid before its first step, so it must pay back, which only the job's steps can tell."""
+    expected = compile_gain(facts)
+    dynamic = True if facts.shapes_vary else None
+    config = started.replace(
+        compile__mode="default", compile__dynamic=dynamic, compile__scope="model"
+    )
+    changed = registry.changed_techniques(started, config)
+    compiles = user.compile.mode != "off"
+    return Start(
+        "compile",
+        "compile",
+        expected.gain,
+        expected.evidence,
+        taken=False,
+        why_not="the config sets compile itself" if compiles else "built aside, then measured",
+        trial=not compiles,
+        techniques=tuple(t.name for t in changed),
+        settings=_fields_of(config, changed),
+        built_aside=True,
+        build_cost_s=expected_build_seconds(facts.leaf_modules),
+    )
 
 
 def _fields_of(config: TurboConfig, owners: Sequence[Technique]) -> dict[str, Any]:
@@ -252,6 +296,14 @@ class Comparison:
     #: Windows each side ran so far (the first ``WARM_WINDOWS`` of each are not timed).
     windows: dict[str, int] = field(default_factory=lambda: {"with": 0, "without": 0})
     parity_checked: bool = False
+    #: Built aside before it is measured (``Start.built_aside``): its build, once started, and
+    #: the seconds the build took, once done.
+    built_aside: bool = False
+    build: Build | None = field(default=None, repr=False, compare=False)
+    built_seconds: float | None = None
+    #: The gain the facts expected, and the seconds a build aside is expected to take.
+    expected_gain: float | None = None
+    build_cost_s: float = 0.0
 
     @property
     def ratios(self) -> list[float]:
@@ -279,6 +331,7 @@ class Comparison:
             "high": None if speed is None else speed.high,
             "pairs": len(self.pairs),
             "windows": dict(self.windows),
+            "built_aside_s": self.built_seconds,
         }
 
 
@@ -306,13 +359,91 @@ class InRunTuner:
         self.events: list[str] = []
         #: Windows run on the slower side of a comparison so far, all comparisons together.
         self.spent_windows = 0
+        #: Windows the run trained so far, measured or not.
+        self.windows_run = 0
+        #: Comparisons built aside whose build is done, as ``side`` last saw them: the others
+        #: wait, so that no window changes comparison while it runs.
+        self._built: set[str] = set()
+        #: Seconds of the last timed windows of the run's config (with the choice measured).
+        self._recent_s: collections.deque[float] = collections.deque(maxlen=RECENT_WINDOWS)
         self._pending: tuple[Side, float] | None = None
         self._round: dict[Side, tuple[int, float]] = {}
 
     @property
     def current(self) -> Comparison | None:
-        """The comparison being measured, or None once all are decided."""
-        return next((c for c in self.comparisons if c.verdict in ("waiting", "measuring")), None)
+        """The comparison being measured, or None once all are decided (or wait for a build)."""
+        return next(
+            (
+                c
+                for c in self.comparisons
+                if c.verdict in ("waiting", "measuring")
+                and (not c.built_aside or c.name in self._built)
+            ),
+            None,
+        )
+
+    @property
+    def timing(self) -> bool:
+        """Whether the window now opening is timed: a comparison is measured, or one to build
+        aside waits for the job's step time (``to_build``)."""
+        return self.current is not None or self._awaiting_build() is not None
+
+    def _awaiting_build(self) -> Comparison | None:
+        return next(
+            (
+                c
+                for c in self.comparisons
+                if c.built_aside and c.build is None and c.verdict in ("waiting", "measuring")
+            ),
+            None,
+        )
+
+    def to_build(self) -> Comparison | None:
+        """A comparison to build aside now (the host starts its build and sets ``build``), or
+        None. Its build waits for the other comparisons to be decided (it would take the CPU
+        their windows are timed on) and for a timed window of the run; it is not built, and is
+        undecided, where the job's steps left would not pay for it: too few to measure it after
+        the build (``BUILD_WINDOWS``), or saving, at the gain the facts expect, less than the
+        seconds the build is expected to take from the job."""
+        comparison = self._awaiting_build()
+        others = any(
+            c.verdict in ("waiting", "measuring") and not c.built_aside for c in self.comparisons
+        )
+        if comparison is None or others or not self._recent_s:
+            return None
+        left = (self.planned_steps or ASSUMED_STEPS) - self.windows_run
+        window_s = statistics.median(self._recent_s)
+        gain = comparison.expected_gain or 1.0
+        saving = left * window_s * (1 - 1 / gain) if gain > 1 else 0.0
+        why_not = ""
+        if left < BUILD_WINDOWS:
+            why_not = f"too few to build it aside and measure it ({BUILD_WINDOWS} needed)"
+        elif saving < comparison.build_cost_s:
+            why_not = (
+                f"at {window_s:.3g} s a step and the {gain:.2f}x the facts expect they would "
+                f"save ~{saving:.0f} s, less than the ~{comparison.build_cost_s:.0f} s its "
+                "build is expected to take"
+            )
+        if why_not:
+            self._decide(comparison, "undecided", f"{left} of the job's steps left: {why_not}")
+            return None
+        self.events.append(f"in-run: building {comparison.name} aside while the job trains")
+        return comparison
+
+    def _settle_builds(self) -> None:
+        """Take up the builds done since the last window: a failed one is dropped."""
+        for comparison in self.comparisons:
+            build = comparison.build
+            if build is None or comparison.name in self._built or not build.done.is_set():
+                continue
+            self._built.add(comparison.name)
+            comparison.built_seconds = build.seconds
+            if build.error:
+                self._decide(comparison, "dropped", build.error)
+            else:
+                self.events.append(
+                    f"in-run: {comparison.name} built aside in {build.seconds:.1f} s"
+                )
 
     @property
     def budget_windows(self) -> int:
@@ -325,6 +456,7 @@ class InRunTuner:
         """The side the window now opening runs. ``parity(with, without)`` returns both sides'
         losses on this window's first batch; it is called once per comparison, before the side
         without the choice first trains."""
+        self._settle_builds()
         comparison = self.current
         if comparison is None:
             return "with"
@@ -354,6 +486,8 @@ class InRunTuner:
         """Record a closed window of ``side`` that took ``seconds`` for ``work`` (module
         docstring: the slowest rank's cost under torchrun)."""
         comparison = self.current
+        if side == "with":
+            self._recent_s.append(seconds)
         if comparison is None or comparison.verdict != "measuring":
             return
         seconds = _slowest_rank(seconds, self.device)
@@ -440,6 +574,7 @@ class InRunTuner:
                     "evidence": c.evidence,
                     "windows": dict(c.windows),
                     "parity_checked": c.parity_checked,
+                    "built_seconds": c.built_seconds,
                 }
                 for c in self.comparisons
             ],
@@ -460,6 +595,7 @@ class InRunTuner:
             comparison.evidence = entry["evidence"]
             comparison.windows = dict(entry["windows"])
             comparison.parity_checked = entry["parity_checked"]
+            comparison.built_seconds = entry.get("built_seconds")
         self._round = {}
 
 
@@ -482,10 +618,10 @@ class WindowClock:
         self, parity: Callable[[TurboConfig, TurboConfig], tuple[float, float]]
     ) -> TurboConfig:
         """Open a window (``parity`` as :meth:`InRunTuner.side` takes it); the config it runs."""
-        measuring = self.tuner.current is not None
+        timing = self.tuner.timing
         side = self.tuner.side(parity)
         started = None
-        if measuring and self.tuner.current is not None:
+        if timing and self.tuner.timing:
             sync(self.device)
             started = time.perf_counter()
         self._open = (side, started, 0)
@@ -501,6 +637,7 @@ class WindowClock:
             return
         side, started, work = self._open
         self._open = None
+        self.tuner.windows_run += 1
         if started is not None:
             sync(self.device)
             self.tuner.window_done(side, time.perf_counter() - started, work)
@@ -522,7 +659,11 @@ def comparisons_for(
         owners = [t for t in registry.techniques() if t.name in start.techniques]
         on, off = start.settings, _fields_of(user, owners)
         if switchable(config.replace(**on), config.replace(**off)):
-            out.append(Comparison(start.name, on, off, started=start.taken))
+            comparison = Comparison(start.name, on, off, started=start.taken)
+            comparison.built_aside = start.built_aside
+            comparison.expected_gain = start.expected_gain
+            comparison.build_cost_s = start.build_cost_s
+            out.append(comparison)
     return out
 
 

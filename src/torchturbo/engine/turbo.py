@@ -32,10 +32,11 @@ from torch.utils.data import DataLoader, Dataset
 from torchturbo.base.device import model_device, to_device
 from torchturbo.config import TurboConfig
 from torchturbo.distributed.comm import CommStats
-from torchturbo.distributed.launch import init_distributed
+from torchturbo.distributed.launch import init_distributed, read_launch_env
 from torchturbo.distributed.select import select_strategy
 from torchturbo.distributed.strategy import Strategy
 from torchturbo.engine import in_run
+from torchturbo.engine.compile_aside import build_aside
 from torchturbo.engine.compose import compose
 from torchturbo.engine.in_run import InRunTuner, WindowClock
 from torchturbo.engine.loader import first_samples_batch, training_loader
@@ -265,6 +266,9 @@ class Turbo:
             seed=seed or 0,
             planned_steps=planned_steps,
             forward=census,
+            # One process: a copy compiled aside traces as the model does (under torchrun,
+            # DDP's graph breaks at its buckets would not).
+            compile_aside=read_launch_env() is None,
         )
         self._windows = WindowClock(self.in_run, self.device)
         self.config = self.in_run.config
@@ -305,6 +309,28 @@ class Turbo:
             return float(self.forward(loss_fn, batch)[0])
 
         return in_run.same_batch_losses(self.model, self.device, loss_under, with_config, without)
+
+    def _build_aside(self, loss_fn: LossFn, batch: Any) -> None:
+        """Start building the compile the in-run tuner asks for, aside (``compile_aside``):
+        a copy of the model runs a gradient-free forward and a training step of ``batch``
+        under the step hooks of the config that compiles, in a background thread."""
+        assert self.in_run is not None and self.model is not None
+        comparison = self.in_run.to_build()
+        if comparison is None:
+            return
+        config = self.in_run.config.replace(**comparison.on)
+        steps = self._side_steps(config)
+        batch = to_device(batch, self.device, channels_last=self._channels_last_inputs)
+        device = self.device
+
+        def warm(model: nn.Module) -> None:
+            with steps.step_context(), steps.forward_context():
+                with torch.no_grad():
+                    call_loss_fn(loss_fn, model, batch)
+                loss, _ = _split_loss(call_loss_fn(loss_fn, model, batch), batch, device)
+            loss.float().backward()
+
+        comparison.build = build_aside(self.model, config.compile, warm)
 
     def _microbatcher(self, model: nn.Module) -> MicroBatcher:
         reliability = self.config.reliability
@@ -374,6 +400,7 @@ class Turbo:
         closing = self.batches_in_window + 1 >= self._window.micro_steps or last_batch
         if self._windows is not None:
             if self.batches_in_window == 0:  # the in-run tuner names the window's config
+                self._build_aside(loss_fn, batch)
                 self._use(
                     self._windows.open(functools.partial(self._parity_losses, loss_fn, batch))
                 )

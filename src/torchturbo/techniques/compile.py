@@ -50,17 +50,40 @@ def apply_compile(model: nn.Module, config: CompileConfig) -> TechniqueResult:
             # nothing compiles and nothing says so (pytorch/pytorch#150915). A frame of ours
             # is traced and inlines the rest. TODO: drop once torch >= the release with
             # pytorch/pytorch#185722 is the minimum.
+            eager = model.__dict__.get("forward")
             compiled = torch.compile(functools.partial(_run, model.forward), **options)
             model.forward = _replayable(compiled) if config.mode == "reduce-overhead" else compiled
+            setattr(model, COMPILED_MARK, ("forward", model.forward, eager))
         else:
             model.compile(**options)
             compiled_call = model._compiled_call_impl  # Module.compile's (no public name)
             if config.mode == "reduce-overhead" and compiled_call is not None:
                 model._compiled_call_impl = _replayable(compiled_call)
+            setattr(model, COMPILED_MARK, ("_compiled_call_impl", model._compiled_call_impl, None))
     except RuntimeError as err:
-        return not_applied("compile", f"torch.compile refused the model: {_first_line(err)}")
+        return not_applied("compile", f"torch.compile refused the model: {first_line(err)}")
     details = () if budget is None else (f"activation memory budget {budget:g}",)
     return applied("compile", details + (() if cache is None else (f"cache {cache}",)))
+
+
+#: On a model ``apply_compile`` compiled: (the attribute it set, its compiled value, its eager
+#: value: None for ``Module._compiled_call_impl``, and for a ``forward`` the instance did not
+#: have): what ``_toggle`` swaps.
+COMPILED_MARK = "_torchturbo_compiled"
+
+
+def _toggle(model: nn.Module, on: bool) -> bool:
+    """Every module of ``model`` that ``apply_compile`` compiled, run compiled or (``on``
+    False) eager from the next call on, the compiled code kept for when it is switched on
+    again; whether any was. Tuning inside the run measures compile on the job's steps so."""
+    compiled_modules = [m for m in model.modules() if hasattr(m, COMPILED_MARK)]
+    for module in compiled_modules:
+        attribute, compiled, eager = getattr(module, COMPILED_MARK)
+        if not on and eager is None and attribute == "forward":
+            module.__dict__.pop("forward", None)  # the class's forward again
+        else:
+            setattr(module, attribute, compiled if on else eager)
+    return bool(compiled_modules)
 
 
 def _replayable(call: Callable[..., Any]) -> Callable[..., Any]:
@@ -212,11 +235,11 @@ def compile_failure(error: BaseException, technique: str = "compile") -> Techniq
     if exceptions is None or not isinstance(error, exceptions.TorchDynamoException):
         return None
     return not_applied(
-        technique, f"failed while compiling: {type(error).__name__}: {_first_line(error)}"
+        technique, f"failed while compiling: {type(error).__name__}: {first_line(error)}"
     )
 
 
-def _first_line(error: BaseException) -> str:
+def first_line(error: BaseException) -> str:
     text = str(error).strip()
     return text.splitlines()[0] if text else "(no message)"
 
@@ -418,6 +441,7 @@ TECHNIQUES = (
         doc="docs/techniques/compile.md",
         requested=lambda config: config.compile.mode != "off" and config.compile.scope == "model",
         transform=_transform,
+        toggle=_toggle,
         order=40,
         order_reason=(
             "compile last among single-device transforms: it traces the model as the earlier "
