@@ -174,10 +174,10 @@ def _windows_faster_with(monkeypatch, faster) -> None:
     """Every measured in-run window's seconds made proportional to its work, windows whose
     config ``faster(config)`` says taking half: the job's steps then decide at once. No
     compile is built aside (at these seconds a build would look worth it, and take the test's)."""
-    from torchturbo.engine import compile_aside
     from torchturbo.engine.in_run import InRunTuner
+    from torchturbo.techniques import compile as compile_technique
 
-    monkeypatch.setattr(compile_aside, "SECONDS_PER_LEAF", float("inf"))
+    monkeypatch.setattr(compile_technique, "SECONDS_PER_LEAF", float("inf"))
 
     real = InRunTuner.window_done
 

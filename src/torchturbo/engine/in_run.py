@@ -21,11 +21,20 @@ the comparison, seconds = a + b x work (:func:`cost_model`), before the sides ar
 ratios are judged by the tuner's rules (``framework.decide.estimate``): faster keeps the choice,
 not faster drops it, and undecided (the slower side may use at most ``[tune] measure_share`` of
 the job's steps) keeps what the facts chose. A choice that cannot switch mid-run (the batch
-plan) stays as the facts chose it. Under torchrun every rank runs the same sides and the
-windows' costs are the slowest rank's (one all-reduce per measured window), so every rank
-decides alike. The hosts (``Turbo``, ``TurboLightningCallback``, ``TurboTrainer``) call
-:func:`start`, compose ``composed_config()`` and run each window on the config their
-:class:`WindowClock` opens it with.
+plan) stays as the facts chose it.
+
+**torch.compile, built aside.** A host that can (the engine, in one process) passes
+``build_aside``: the choices whose cold cost must stay off the critical path
+(``Technique.built_aside``: a compile) are then trials too. Once
+the other comparisons are decided, and where the job's steps left would save more than the build
+is expected to take (:meth:`InRunTuner.to_build`), the host compiles a copy of the model in a
+background thread (``engine/build_aside.py``); the comparison waits until the build is done and
+is then measured like any other, its transform switched by its toggle.
+
+Under torchrun every rank runs the same sides and the windows' costs are the slowest rank's
+(one all-reduce per measured window), so every rank decides alike. The hosts (``Turbo``,
+``TurboLightningCallback``, ``TurboTrainer``) call :func:`start`, compose ``composed_config()``
+and run each window on the config their :class:`WindowClock` opens it with.
 
 Written here rather than taken from a library: no tuner we know of measures on the job's own
 steps (DeepSpeed's autotuner runs separate trials; Lightning's and Accelerate's finders only
@@ -52,12 +61,11 @@ from torch.utils.data import Dataset
 
 from torchturbo.base.nested import iter_tensors
 from torchturbo.config import TurboConfig
-from torchturbo.engine.compile_aside import Build, expected_build_seconds
+from torchturbo.engine.build_aside import Build
 from torchturbo.measure.timing import sync
 from torchturbo.output.results_file import write_atomic, write_results
 from torchturbo.recipe import Recipe
 from torchturbo.techniques import registry
-from torchturbo.techniques.compile import compile_gain
 from torchturbo.techniques.framework.decide import (
     MIN_ROUNDS,
     RatioEstimate,
@@ -113,7 +121,7 @@ class Start:
     #: keywords).
     techniques: tuple[str, ...] = ()
     settings: dict[str, Any] = field(default_factory=dict)
-    #: Built off the critical path before it is measured (a compile: ``engine/compile_aside.py``),
+    #: Built off the critical path before it is measured (a compile: ``engine/build_aside.py``),
     #: and the seconds its build is expected to take from the job.
     built_aside: bool = False
     build_cost_s: float = 0.0
@@ -131,7 +139,7 @@ def start(
     planned_steps: int | None,
     switchable: Callable[[TurboConfig, TurboConfig], bool] = registry.switchable_per_step,
     forward: Callable[[], Any] | None = None,
-    compile_aside: bool = False,
+    build_aside: bool = False,
 ) -> InRunTuner:
     """The in-run tuner of a run of ``model`` on ``data`` (``lengths`` per sample, None where
     not known), its start chosen by the facts measured here now; every host calls this.
@@ -139,9 +147,9 @@ def start(
     engine: ``registry.switchable_per_step``; a trainer with its own autocast: transforms
     only, ``registry.switchable_by_toggle``).
     ``forward()``: one forward of the model on a small batch, which measures the LM head's
-    logits' share of the activations (``facts.before_training``). ``compile_aside``: the host
-    can build a compile off the critical path (``engine/compile_aside.py``), so that compile is
-    a trial too."""
+    logits' share of the activations (``facts.before_training``). ``build_aside``: the host
+    can build a choice off the critical path (``engine/build_aside.py``), so that the choices
+    whose cold cost must stay off it (a compile: ``Technique.built_aside``) are trials too."""
     known = Recipe(
         name="this run",
         model=(lambda: model) if model is not None else _unknown,
@@ -155,8 +163,8 @@ def start(
     )
     found = before_training(model, device, lengths, batch_size, seed, forward)
     started, starts = start_from_facts(config, found, known, device)
-    if compile_aside:
-        starts.append(compile_start(config, started, found))
+    if build_aside:
+        starts += aside_starts(config, started, found)
     comparisons = comparisons_for(started, config, starts, switchable)
     trials = {c.name for c in comparisons if not c.started}
     tuner = InRunTuner(started, starts, comparisons, planned_steps=planned_steps, device=device)
@@ -211,30 +219,36 @@ def start_from_facts(
     return best, starts
 
 
-def compile_start(user: TurboConfig, started: TurboConfig, facts: Facts) -> Start:
-    """torch.compile as a trial: built aside while the job trains, then measured on its steps,
-    unless the user's config compiles (in any scope) itself. Not a start: its cold cost is
-    paid before its first step, so it must pay back, which only the job's steps can tell."""
-    expected = compile_gain(facts)
-    dynamic = True if facts.shapes_vary else None
-    config = started.replace(
-        compile__mode="default", compile__dynamic=dynamic, compile__scope="model"
-    )
-    changed = registry.changed_techniques(started, config)
-    compiles = user.compile.mode != "off"
-    return Start(
-        "compile",
-        "compile",
-        expected.gain,
-        expected.evidence,
-        taken=False,
-        why_not="the config sets compile itself" if compiles else "built aside, then measured",
-        trial=not compiles,
-        techniques=tuple(t.name for t in changed),
-        settings=_fields_of(config, changed),
-        built_aside=True,
-        build_cost_s=expected_build_seconds(facts.leaf_modules),
-    )
+def aside_starts(user: TurboConfig, started: TurboConfig, facts: Facts) -> list[Start]:
+    """The trials built aside (``Technique.built_aside``: a compile) from the ``started``
+    config, unless the ``user``'s config sets their techniques itself. Never a start: their
+    cold cost comes before their first step, so they must pay back, which only the job's steps
+    can tell."""
+    starts = []
+    for _, aside in registry.aside_candidates(started, facts):
+        candidate = aside.candidate
+        changed = registry.changed_techniques(started, candidate.config)
+        set_by_user = [t.name for t in changed if t.changed_fields(user)]
+        starts.append(
+            Start(
+                candidate.name,
+                candidate.name,
+                candidate.expected_gain,
+                candidate.not_applicable or candidate.evidence,
+                taken=False,
+                why_not=(
+                    f"the config sets {', '.join(set_by_user)} itself"
+                    if set_by_user
+                    else "built aside, then measured"
+                ),
+                trial=not set_by_user and candidate.not_applicable is None,
+                techniques=tuple(t.name for t in changed),
+                settings=_fields_of(candidate.config, changed),
+                built_aside=True,
+                build_cost_s=aside.build_s,
+            )
+        )
+    return starts
 
 
 def _fields_of(config: TurboConfig, owners: Sequence[Technique]) -> dict[str, Any]:
@@ -366,7 +380,6 @@ class InRunTuner:
         self._built: set[str] = set()
         #: Seconds of the last timed windows of the run's config (with the choice measured).
         self._recent_s: collections.deque[float] = collections.deque(maxlen=RECENT_WINDOWS)
-        self._pending: tuple[Side, float] | None = None
         self._round: dict[Side, tuple[int, float]] = {}
 
     @property
@@ -566,6 +579,7 @@ class InRunTuner:
         return {
             "config": self.config.to_dict(),
             "spent_windows": self.spent_windows,
+            "windows_run": self.windows_run,
             "comparisons": [
                 {
                     "name": c.name,
@@ -585,6 +599,7 @@ class InRunTuner:
         A comparison this run does not have (the facts chose another start) is dropped."""
         self.config = TurboConfig.from_dict(state["config"])
         self.spent_windows = state["spent_windows"]
+        self.windows_run = state.get("windows_run", 0)
         saved = {entry["name"]: entry for entry in state["comparisons"]}
         for comparison in self.comparisons:
             entry = saved.get(comparison.name)

@@ -36,7 +36,7 @@ from torchturbo.distributed.launch import init_distributed, read_launch_env
 from torchturbo.distributed.select import select_strategy
 from torchturbo.distributed.strategy import Strategy
 from torchturbo.engine import in_run
-from torchturbo.engine.compile_aside import build_aside
+from torchturbo.engine.build_aside import build_aside
 from torchturbo.engine.compose import compose
 from torchturbo.engine.in_run import InRunTuner, WindowClock
 from torchturbo.engine.loader import first_samples_batch, training_loader
@@ -268,7 +268,7 @@ class Turbo:
             forward=census,
             # One process: a copy compiled aside traces as the model does (under torchrun,
             # DDP's graph breaks at its buckets would not).
-            compile_aside=read_launch_env() is None,
+            build_aside=read_launch_env() is None,
         )
         self._windows = WindowClock(self.in_run, self.device)
         self.config = self.in_run.config
@@ -311,9 +311,10 @@ class Turbo:
         return in_run.same_batch_losses(self.model, self.device, loss_under, with_config, without)
 
     def _build_aside(self, loss_fn: LossFn, batch: Any) -> None:
-        """Start building the compile the in-run tuner asks for, aside (``compile_aside``):
-        a copy of the model runs a gradient-free forward and a training step of ``batch``
-        under the step hooks of the config that compiles, in a background thread."""
+        """Start building the choice the in-run tuner asks for aside (``build_aside``): a copy
+        of the model, given the choice's transforms, runs a gradient-free forward and a training
+        step of ``batch`` under the step hooks of the config with the choice, in a background
+        thread."""
         assert self.in_run is not None and self.model is not None
         comparison = self.in_run.to_build()
         if comparison is None:
@@ -330,7 +331,13 @@ class Turbo:
                 loss, _ = _split_loss(call_loss_fn(loss_fn, model, batch), batch, device)
             loss.float().backward()
 
-        comparison.build = build_aside(self.model, config.compile, warm)
+        names = [t.name for t in registry.changed_techniques(self.in_run.config, config)]
+
+        def prepare(model: nn.Module) -> str:
+            results = registry.transform_named(model, config, device, names)
+            return "; ".join(r.reason for r in results.values() if r.reason)
+
+        comparison.build = build_aside(self.model, prepare, warm)
 
     def _microbatcher(self, model: nn.Module) -> MicroBatcher:
         reliability = self.config.reliability

@@ -16,7 +16,7 @@ import contextlib
 import functools
 import importlib
 import pkgutil
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -26,7 +26,7 @@ import torchturbo.techniques
 from torchturbo.data.batch_plan import BatchPlan, BatchSource
 from torchturbo.techniques.framework.facts import Facts
 from torchturbo.techniques.framework.levers import RankedLever
-from torchturbo.techniques.framework.proposal import PlannedState
+from torchturbo.techniques.framework.proposal import AsideCandidate, PlannedState
 from torchturbo.techniques.framework.result import TechniqueResult, applied, not_applied
 from torchturbo.techniques.framework.spec import Host, Lever, Stage, Technique, TrainerArguments
 from torchturbo.techniques.framework.steps import Steps
@@ -82,6 +82,24 @@ def compose_model(
         if entry.carried(host, config) is None:
             results[entry.name] = entry.transform(model, config, device)
     return results
+
+
+def transform_named(
+    model: nn.Module, config: Any, device: torch.device, names: Sequence[str]
+) -> dict[str, TechniqueResult]:
+    """Apply, in order, the transforms of the techniques called ``names`` that ``config`` asks
+    for: a copy of a composed model built aside gets only what is being tried on it."""
+    return {
+        entry.name: entry.transform(model, config, device)
+        for entry in techniques()
+        if entry.name in names and entry.transform is not None and entry.requested(config)
+    }
+
+
+def aside_candidates(config: Any, facts: Facts) -> list[tuple[Technique, AsideCandidate]]:
+    """Each technique tuning inside the run may build aside from ``config``
+    (``Technique.built_aside``), with its candidate."""
+    return [(t, t.built_aside(config, facts)) for t in techniques() if t.built_aside is not None]
 
 
 @contextlib.contextmanager

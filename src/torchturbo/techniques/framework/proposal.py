@@ -51,6 +51,16 @@ class Candidate:
     one_time_s: float = 0.0
 
 
+@dataclass(frozen=True)
+class AsideCandidate:
+    """A choice tuning inside the run builds off the critical path before measuring it on the
+    job's steps (``Technique.built_aside``): the candidate, and the seconds its build is
+    expected to take from the job (what the steps left must save before it is built)."""
+
+    candidate: Candidate
+    build_s: float
+
+
 @dataclass
 class StageContext:
     """What stages may read: the recipe, the current best, and facts measured so far."""

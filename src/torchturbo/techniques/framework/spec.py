@@ -38,7 +38,12 @@ from torchturbo.config import TurboConfig
 from torchturbo.data.batch_plan import BatchPlan, BatchSource
 from torchturbo.techniques.framework.facts import Facts
 from torchturbo.techniques.framework.levers import Expectation
-from torchturbo.techniques.framework.proposal import Candidate, PlannedState, StageContext
+from torchturbo.techniques.framework.proposal import (
+    AsideCandidate,
+    Candidate,
+    PlannedState,
+    StageContext,
+)
 from torchturbo.techniques.framework.result import TechniqueResult
 from torchturbo.techniques.framework.steps import StepHooks
 
@@ -144,6 +149,10 @@ class Technique:
     #: place between steps (the parameters untouched), so that tuning inside the run can
     #: measure it on the job's own steps (``engine/in_run.py``).
     toggle: Callable[[nn.Module, bool], bool] | None = None
+    #: ``(config, facts) -> candidate``: how tuning inside the run tries it where its cold
+    #: cost must stay off the critical path (a compile): its transform applied to a copy of the
+    #: model and run once aside (``engine/build_aside.py``), then measured like a toggle.
+    built_aside: Callable[[TurboConfig, Facts], AsideCandidate] | None = None
     #: A process-wide setting ``(config, device) -> context`` held while training runs (for
     #: each step in the engine, from train begin to end in a trainer) and restored afterwards;
     #: a string instead of the context says why it does not take effect here.

@@ -1,4 +1,4 @@
-"""torch.compile inside the run (``engine/compile_aside.py``, ``engine/in_run.py``): built aside
+"""torch.compile inside the run (``engine/build_aside.py``, ``engine/in_run.py``): built aside
 while the job trains, found by the model's own compile, switched per window and measured, and
 not built at all where the job's steps left cannot pay for it."""
 
@@ -10,9 +10,9 @@ from conftest import _windows_faster_with
 from torch import nn
 
 from torchturbo import Turbo, TurboConfig
-from torchturbo.engine import compile_aside
-from torchturbo.engine.compile_aside import Build, build_aside
+from torchturbo.engine.build_aside import Build, build_aside, copy_shortage
 from torchturbo.engine.in_run import BUILD_WINDOWS, Comparison, InRunTuner
+from torchturbo.techniques import compile as compile_technique
 from torchturbo.techniques import registry
 from torchturbo.techniques.compile import apply_compile
 from torchturbo.techniques.framework.decide import MIN_ROUNDS
@@ -76,12 +76,24 @@ def test_a_failed_build_drops_the_choice_with_the_compile_error():
     def warm(model: nn.Module) -> None:
         raise RuntimeError("inductor: no C++ compiler\nmore lines")
 
-    compile_.build = build_aside(nn.Linear(4, 4), COMPILED.compile, warm)
+    def prepare(model: nn.Module) -> str:
+        return apply_compile(model, COMPILED.compile).reason or ""
+
+    compile_.build = build_aside(nn.Linear(4, 4), prepare, warm)
     assert compile_.build.done.wait(timeout=60)
     _run_windows(tuner, 1)
     assert compile_.verdict == "dropped"
-    assert compile_.evidence == "compiling aside failed: RuntimeError: inductor: no C++ compiler"
+    assert compile_.evidence == "building aside failed: RuntimeError: inductor: no C++ compiler"
     assert tuner.config.compile.mode == "off"
+
+
+def test_a_copy_is_built_on_an_accelerator_only_where_its_memory_holds_one():
+    gib = 2**30
+    assert copy_shortage(gib, 4 * gib, "cuda:0") == ""
+    assert copy_shortage(gib, 3 * gib, "cuda:0") == (
+        "not built aside: cuda:0 has 3.0 GiB free, a copy of the model needs about 4.0 GiB "
+        "beside the job"
+    )
 
 
 def test_the_compile_toggle_switches_a_model_between_compiled_and_eager_calls():
@@ -125,7 +137,7 @@ def test_a_compile_built_aside_is_found_by_the_model_measured_and_computes_its_l
     window then traces no new graph, its loss on the same batch matches eager's, and the
     job's steps (compiled windows timed at half here) adopt it."""
     _windows_faster_with(monkeypatch, lambda config: config.compile.mode != "off")
-    monkeypatch.setattr(compile_aside, "SECONDS_PER_LEAF", 0.0)
+    monkeypatch.setattr(compile_technique, "SECONDS_PER_LEAF", 0.0)
     from torch._dynamo.utils import counters
 
     torch.manual_seed(0)
