@@ -13,7 +13,10 @@ each ``--steps`` (100, 300, 1,000), three jobs of the same documents and batch s
 
 Each job is timed from the start of ``train()`` to its last step, plus the process's start-up
 where said, and counts the real tokens it trained (not padding; for the masked LM every
-non-pad input token). Printed: seconds, tokens, tokens/s, and in-run over each peer.
+non-pad input token). After training, each job's model is evaluated on the same held-out
+documents (another seed's, fp32, no dropout; the masked LM's masks drawn from one seed): the
+mean loss over the held-out batches and its standard error. Printed: seconds, tokens,
+tokens/s, held-out loss, and in-run over each peer.
 
     python benchmarks/in_run_jobs.py --json benchmarks/results/in_run_jobs.json
     python benchmarks/in_run_jobs.py --setups mlm --steps 30 --skip-tune   # a smoke run
@@ -49,6 +52,8 @@ from torchturbo.measure.native import emulated
 from torchturbo.output.results_file import write_results
 
 SETUPS = ("decoder", "encoder", "mlm")
+#: Held-out documents (drawn from another seed than the training ones) and their batch.
+HELD_OUT, HELD_OUT_SEED, HELD_OUT_BATCH = 128, 1, 8
 WAYS = ("in-run", "trainer-best", "tune-then-train")
 
 
@@ -120,7 +125,36 @@ def child(way: str, setup: str, steps: int, out: Path, config: Path | None) -> d
         made = Trainer(args=tuner_scale.arguments(out, steps, **extra), **common)
     made.train()
     train_s = clock.ends[-1] - clock.begin
-    return {"train_s": train_s, "steps": len(clock.ends), "tokens": clock.tokens}
+    # Without accelerate's autocast wrapper of the forward: the held-out loss is fp32's.
+    loss, error = held_out_loss(
+        made.accelerator.unwrap_model(made.model, keep_fp32_wrapper=False), setup, collate
+    )
+    return {
+        "train_s": train_s,
+        "steps": len(clock.ends),
+        "tokens": clock.tokens,
+        "held_out_loss": loss,
+        "held_out_se": error,
+    }
+
+
+def held_out_loss(net: torch.nn.Module, setup: str, collate: Any) -> tuple[float, float]:
+    """The trained model's mean loss over the held-out batches (fp32, eval mode, masks of the
+    masked LM drawn from one seed) and the standard error of that mean."""
+    documents = tuner_scale.documents(
+        "decoder" if setup == "mlm" else setup, HELD_OUT, seed=HELD_OUT_SEED
+    )
+    device = next(net.parameters()).device
+    net.eval()
+    torch.manual_seed(HELD_OUT_SEED)
+    losses = []
+    with torch.no_grad():
+        for start in range(0, HELD_OUT, HELD_OUT_BATCH):
+            batch = collate(documents[start : start + HELD_OUT_BATCH])
+            inputs = {k: v.to(device) for k, v in batch.items()}
+            losses.append(float(net(**inputs).loss))
+    spread = torch.tensor(losses, dtype=torch.float64)
+    return float(spread.mean()), float(spread.std() / len(losses) ** 0.5)
 
 
 def run_child(way: str, setup: str, steps: int, out: Path, config: Path | None = None) -> dict:
@@ -164,7 +198,10 @@ def main() -> None:
         print("JOB " + json.dumps(job))
         return
     payload: dict[str, Any] = {"machine": summary(), "torch": torch.__version__, "jobs": {}}
-    print(f"{'setup':<8} {'steps':>5} {'way':<16} {'seconds':>8} {'tokens':>9} {'tokens/s':>9}")
+    print(
+        f"{'setup':<8} {'steps':>5} {'way':<16} {'seconds':>8} {'tokens':>9} {'tokens/s':>9} "
+        f"{'held-out loss':>16}"
+    )
     for steps in args.steps:
         for setup in args.setups:
             jobs: dict[str, Any] = {}
@@ -179,7 +216,8 @@ def main() -> None:
                 job["tokens_per_s"] = job["tokens"] / job["train_s"]
                 print(
                     f"{setup:<8} {steps:>5} {way:<16} {job['train_s']:8.1f} {job['tokens']:9,} "
-                    f"{job['tokens_per_s']:9.1f}"
+                    f"{job['tokens_per_s']:9.1f} {job['held_out_loss']:9.4f} ± "
+                    f"{job['held_out_se']:.4f}"
                 )
             ours = jobs["in-run"].get("tokens_per_s")
             for way in ("trainer-best", "tune-then-train"):
