@@ -63,13 +63,13 @@ def build_aside(
         started = time.perf_counter()
         try:
             warm(aside)
-        except Exception as err:  # the compile's own error, reported as the verdict's evidence
+        except Exception as err:  # the build's own (a compile's): the verdict's evidence
             build.error = f"building aside failed: {type(err).__name__}: {_first_line(err)}"
         finally:
             build.seconds = time.perf_counter() - started
             build.done.set()
 
-    threading.Thread(target=run, name="torchturbo-compile-aside", daemon=True).start()
+    threading.Thread(target=run, name="torchturbo-build-aside", daemon=True).start()
     return build
 
 

@@ -66,7 +66,7 @@ def apply_compile(model: nn.Module, config: CompileConfig) -> TechniqueResult:
                 model._compiled_call_impl = _replayable(compiled_call)
             setattr(model, COMPILED_MARK, ("_compiled_call_impl", model._compiled_call_impl, None))
     except RuntimeError as err:
-        return not_applied("compile", f"torch.compile refused the model: {first_line(err)}")
+        return not_applied("compile", f"torch.compile refused the model: {_first_line(err)}")
     details = () if budget is None else (f"activation memory budget {budget:g}",)
     return applied("compile", details + (() if cache is None else (f"cache {cache}",)))
 
@@ -240,11 +240,11 @@ def compile_failure(error: BaseException, technique: str = "compile") -> Techniq
     if exceptions is None or not isinstance(error, exceptions.TorchDynamoException):
         return None
     return not_applied(
-        technique, f"failed while compiling: {type(error).__name__}: {first_line(error)}"
+        technique, f"failed while compiling: {type(error).__name__}: {_first_line(error)}"
     )
 
 
-def first_line(error: BaseException) -> str:
+def _first_line(error: BaseException) -> str:
     text = str(error).strip()
     return text.splitlines()[0] if text else "(no message)"
 
