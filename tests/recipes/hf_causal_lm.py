@@ -48,10 +48,7 @@ def collator() -> Any:
 
 
 def model() -> Any:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
+    return _llama(
         vocab_size=VOCAB,
         hidden_size=32,
         intermediate_size=64,
@@ -60,16 +57,12 @@ def model() -> Any:
         num_key_value_heads=2,
         max_position_embeddings=256,
     )
-    return LlamaForCausalLM(config)
 
 
 def logits_heavy_model() -> Any:
     """A Llama whose 4,096-word head's logits hold most of a forward's activations: the
     chunked loss is expected to gain on it."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
+    return _llama(
         vocab_size=4096,
         hidden_size=16,
         intermediate_size=32,
@@ -77,7 +70,14 @@ def logits_heavy_model() -> Any:
         num_attention_heads=2,
         num_key_value_heads=1,
     )
-    return LlamaForCausalLM(config)
+
+
+def _llama(**sizes: Any) -> Any:
+    """A LlamaForCausalLM of ``sizes`` (``LlamaConfig`` fields), seeded."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(**sizes))
 
 
 def trainer(**arguments: Any) -> Any:

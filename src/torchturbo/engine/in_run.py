@@ -674,11 +674,17 @@ def comparisons_for(
         owners = [t for t in registry.techniques() if t.name in start.techniques]
         on, off = start.settings, _fields_of(user, owners)
         if switchable(config.replace(**on), config.replace(**off)):
-            comparison = Comparison(start.name, on, off, started=start.taken)
-            comparison.built_aside = start.built_aside
-            comparison.expected_gain = start.expected_gain
-            comparison.build_cost_s = start.build_cost_s
-            out.append(comparison)
+            out.append(
+                Comparison(
+                    start.name,
+                    on,
+                    off,
+                    started=start.taken,
+                    built_aside=start.built_aside,
+                    expected_gain=start.expected_gain,
+                    build_cost_s=start.build_cost_s,
+                )
+            )
     return out
 
 
