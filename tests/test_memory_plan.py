@@ -250,10 +250,13 @@ def test_tune_with_a_budget_adopts_the_fastest_plan_that_fits_and_reports_every_
     fitting = {o.name for o in measured if o.memory_bytes <= budget}
     beaten = [o for o in measured if o.verdict == "rejected" and o.memory_bytes <= budget]
     for row in beaten:
-        winner = row.reason.removeprefix("fits, but ").split(" is ")[0]
-        assert winner in fitting - {row.name}, row.reason
+        # The winner is named first, then why: "is faster", "is ahead", or "makes the job faster"
+        # when one-time costs decided (then the loser's step may even be the faster one).
+        winners = [n for n in fitting - {row.name} if row.reason.startswith(f"fits, but {n} ")]
+        assert len(winners) == 1, row.reason
         if "head to head" in row.reason:  # its figures are the race's, against the winner
-            assert row.comparison.against == winner and row.comparison.speed.ratio <= 1
+            assert row.comparison.against == winners[0]
+            assert row.comparison.speed.ratio <= 1 or "one-time costs included" in row.reason
     record = result.to_dict()["memory_estimate"]
     assert record["measured_bytes"] == result.baseline.memory_bytes
     assert abs(record["error"]) < 0.2
