@@ -173,11 +173,14 @@ def edit_checkpoint_json(checkpoint: Path, name: str, edit) -> None:
 def _windows_faster_with(monkeypatch, faster) -> None:
     """Every measured in-run window's seconds made proportional to its work, windows whose
     config ``faster(config)`` says taking half: the job's steps then decide at once. No
-    compile is built aside (at these seconds a build would look worth it, and take the test's)."""
+    compile is built aside (at these seconds a build would look worth it, and take the test's),
+    and the batch plan stays as the facts chose it (``test_chunked_plan.py`` measures it)."""
+    from torchturbo.engine import in_run
     from torchturbo.engine.in_run import InRunTuner
     from torchturbo.techniques import compile as compile_technique
 
     monkeypatch.setattr(compile_technique, "SECONDS_PER_LEAF", float("inf"))
+    monkeypatch.setattr(in_run, "PLAN_MEASURED_BELOW", 0.0)
 
     real = InRunTuner.window_done
 

@@ -20,8 +20,18 @@ padded tokens, pixels), so each window is scaled by a cost model fitted to every
 the comparison, seconds = a + b x work (:func:`cost_model`), before the sides are compared. The
 ratios are judged by the tuner's rules (``framework.decide.estimate``): faster keeps the choice,
 not faster drops it, and undecided (the slower side may use at most ``[tune] measure_share`` of
-the job's steps) keeps what the facts chose. A choice that cannot switch mid-run (the batch
-plan) stays as the facts chose it.
+the job's steps) keeps what the facts chose.
+
+**The batch plan, on chunks of the epoch.** A plan cannot switch per window: it decides which
+samples share a batch. A host that batches its epochs by chunks (``data/chunked_plan.py``: the
+engine, in one process, on a map-style dataset with lengths) passes ``measure_plan``: a plan
+the facts expect less than ``PLAN_MEASURED_BELOW`` of is then measured on whole chunks of the
+epoch, each batched by the plan or by the user's rows as :meth:`InRunTuner.draw` names it when
+the loader reaches it, the sides ABBA once no window comparison or build runs; pairs of chunks
+are compared on seconds per real token (:class:`ChunkClock`). Every sample is still trained once
+per epoch and each chunk keeps the user's real tokens per step; once decided, the rest of the
+epoch is batched by the verdict. Elsewhere, and where the facts expect more, the plan stays as
+they chose it.
 
 **torch.compile, built aside.** A host that can (the engine, in one process) passes
 ``build_aside``: the choices whose cold cost must stay off the critical path
@@ -61,6 +71,7 @@ from torch.utils.data import Dataset
 
 from torchturbo.base.nested import iter_tensors
 from torchturbo.config import TurboConfig
+from torchturbo.data.chunked_plan import MEASURE_BATCHES, Chunk, Draw
 from torchturbo.engine.build_aside import Build
 from torchturbo.measure.timing import sync
 from torchturbo.output.results_file import write_atomic, write_results
@@ -95,6 +106,9 @@ RECENT_WINDOWS = 8
 #: Optimizer steps a choice built aside needs left when its build starts: the build's own
 #: (a compile takes tens of the job's steps on a CPU), then its paired windows.
 BUILD_WINDOWS = 20 * (MIN_ROUNDS + WARM_WINDOWS)
+#: A batch plan is measured on the job's steps only where the facts expect less than this of it:
+#: its side without the plan costs (gain - 1) x its chunks, more than a larger gain could show.
+PLAN_MEASURED_BELOW = 1.5
 #: What a run that tuned inside itself keeps, as ``tune`` does: every verdict, the decided config.
 RESULTS = "results.json"
 CONFIG = "turbo.toml"
@@ -140,6 +154,7 @@ def start(
     switchable: Callable[[TurboConfig, TurboConfig], bool] = registry.switchable_per_step,
     forward: Callable[[], Any] | None = None,
     build_aside: bool = False,
+    measure_plan: bool = False,
 ) -> InRunTuner:
     """The in-run tuner of a run of ``model`` on ``data`` (``lengths`` per sample, None where
     not known), its start chosen by the facts measured here now; every host calls this.
@@ -149,7 +164,9 @@ def start(
     ``forward()``: one forward of the model on a small batch, which measures the LM head's
     logits' share of the activations (``facts.before_training``). ``build_aside``: the host
     can build a choice off the critical path (``engine/build_aside.py``), so that the choices
-    whose cold cost must stay off it (a compile: ``Technique.built_aside``) are trials too."""
+    whose cold cost must stay off it (a compile: ``Technique.built_aside``) are trials too.
+    ``measure_plan``: the host batches its epochs by chunks (``data/chunked_plan.py``), so a
+    batch plan the facts expect little of is measured too (:func:`plan_measurable`)."""
     known = Recipe(
         name="this run",
         model=(lambda: model) if model is not None else _unknown,
@@ -165,7 +182,7 @@ def start(
     started, starts = start_from_facts(config, found, known, device)
     if build_aside:
         starts += aside_starts(config, started, found)
-    comparisons = comparisons_for(started, config, starts, switchable)
+    comparisons = comparisons_for(started, config, starts, switchable, measure_plan)
     trials = {c.name for c in comparisons if not c.started}
     tuner = InRunTuner(started, starts, comparisons, planned_steps=planned_steps, device=device)
     for entry in starts:
@@ -318,11 +335,20 @@ class Comparison:
     #: The gain the facts expected, and the seconds a build aside is expected to take.
     expected_gain: float | None = None
     build_cost_s: float = 0.0
+    #: A batch plan, measured on chunks of the epoch (``data/chunked_plan.py``): each pair's
+    #: work is the real tokens of a chunk, its seconds the chunk's.
+    per_token: bool = False
 
     @property
     def ratios(self) -> list[float]:
         """Per pair: the cost without the choice over the cost with it, each window's seconds
-        over the cost model's for its work (> 1: the choice is faster)."""
+        over the cost model's for its work (> 1: the choice is faster). A batch plan changes the
+        work itself (its padding), so its sides are compared on seconds per real token."""
+        if self.per_token:
+            return [
+                (without_s / without_tokens) / (with_s / with_tokens)
+                for with_tokens, with_s, without_tokens, without_s in self.pairs
+            ]
         model = cost_model([(w, t) for pair in self.pairs for w, t in (pair[:2], pair[2:])])
         return [
             (without_s / model(without_work)) / (with_s / model(with_work))
@@ -346,6 +372,7 @@ class Comparison:
             "pairs": len(self.pairs),
             "windows": dict(self.windows),
             "built_aside_s": self.built_seconds,
+            "on_chunks": self.per_token,
         }
 
 
@@ -381,19 +408,124 @@ class InRunTuner:
         #: Seconds of the last timed windows of the run's config (with the choice measured).
         self._recent_s: collections.deque[float] = collections.deque(maxlen=RECENT_WINDOWS)
         self._round: dict[Side, tuple[int, float]] = {}
+        #: The chunks drawn in the epoch in progress (``draw``), and the measuring chunks drawn
+        #: in the whole run, whose count sets the next one's side.
+        self._draws: tuple[int, list[Draw]] = (-1, [])
+        self._measure_draws = 0
+        #: Loader batches per window (the host's accumulation): a chunk's batches in windows.
+        self.batches_per_window = 1
 
     @property
     def current(self) -> Comparison | None:
-        """The comparison being measured, or None once all are decided (or wait for a build)."""
+        """The comparison measured per window, or None once all are decided (or wait for a
+        build)."""
         return next(
             (
                 c
                 for c in self.comparisons
                 if c.verdict in ("waiting", "measuring")
+                and not c.per_token
                 and (not c.built_aside or c.name in self._built)
             ),
             None,
         )
+
+    @property
+    def plan(self) -> Comparison | None:
+        """The batch plan measured on chunks of the epoch, if any (``draw``)."""
+        return next((c for c in self.comparisons if c.per_token), None)
+
+    def draw(self, epoch: int, index: int) -> Draw:
+        """Chunk ``index`` of ``epoch`` (``data/chunked_plan.py``): a measuring chunk of the
+        plan's next side (ABBA) while the plan is measured and nothing else is (no window
+        compared, no build running), else the run's plan: in holding chunks until the plan is
+        measured, then the rest of the epoch at once. A chunk drawn once is drawn again alike
+        (a resumed epoch is drawn again from its start)."""
+        drawn_epoch, draws = self._draws
+        if drawn_epoch != epoch:
+            draws = []
+            self._draws = (epoch, draws)
+        if index < len(draws):
+            return draws[index]
+        comparison = self.plan
+        assert comparison is not None, "draw() is for a run whose batch plan is measured"
+        free = not self._busy()
+        if comparison.verdict == "waiting" and free:
+            self._start_plan(comparison)
+        side: Side = "with" if self._measure_draws % 4 in (0, 3) else "without"
+        if comparison.verdict == "measuring" and free and side == "without":
+            self._charge_rows_chunk(comparison)
+        has_it = self.config.replace(**comparison.on) == self.config
+        run_side: Side = "with" if has_it else "without"
+        if comparison.verdict == "measuring" and free:
+            self._measure_draws += 1
+            draw = Draw(side, "measure")
+        elif comparison.verdict in ("waiting", "measuring"):
+            draw = Draw(run_side, "hold")
+        else:
+            draw = Draw(run_side, "rest")
+        draws.append(draw)
+        return draw
+
+    @property
+    def _chunk_windows(self) -> int:
+        """The windows a measuring chunk takes."""
+        return math.ceil(MEASURE_BATCHES / self.batches_per_window)
+
+    def _charge_rows_chunk(self, comparison: Comparison) -> None:
+        """Count a measuring chunk of rows against the share of the job the slower side may
+        take as it is drawn, so that no chunk runs past it; where it would, the plan is
+        undecided, kept as the facts chose."""
+        if self.spent_windows + self._chunk_windows <= self.budget_windows:
+            self.spent_windows += self._chunk_windows
+            return
+        speed = comparison.speed()
+        measured = "not measured" if speed is None else describe(speed)
+        self._decide(comparison, "undecided", f"{measured}; kept as the facts chose")
+
+    def _start_plan(self, comparison: Comparison) -> None:
+        """Measure the plan on chunks from now, where the share of the job the slower side may
+        take holds its warm chunk and ``MIN_ROUNDS`` more (else undecided, as the facts chose)."""
+        needed = self._chunk_windows * (WARM_WINDOWS + MIN_ROUNDS)
+        left = self.budget_windows - self.spent_windows
+        if left < needed:
+            self._decide(
+                comparison,
+                "undecided",
+                f"its chunks of your rows need {needed} steps, more than the {left} left of the "
+                "job's share for measuring ([tune] measure_share); kept as the facts chose",
+            )
+            return
+        comparison.verdict = "measuring"
+        self.events.append(
+            f"in-run: measuring {comparison.name} on chunks of the epoch, paired with chunks of "
+            "your rows; compared per real token"
+        )
+
+    def _busy(self) -> bool:
+        """Whether a comparison other than the plan is measured or built now."""
+        return any(
+            c.verdict in ("waiting", "measuring")
+            and not c.per_token
+            and (not c.built_aside or c.build is not None)
+            for c in self.comparisons
+        )
+
+    def chunk_done(self, chunk: Chunk, seconds: float) -> None:
+        """Record a measuring chunk trained whole in ``seconds`` (the first of each side warms)."""
+        comparison = self.plan
+        if comparison is None or comparison.verdict != "measuring" or not chunk.measured:
+            return
+        side = chunk.side
+        warm = comparison.windows[side] < WARM_WINDOWS
+        comparison.windows[side] += 1
+        if warm:
+            return
+        self._round[side] = (chunk.real_tokens, seconds)
+        if len(self._round) == 2:
+            comparison.pairs.append((*self._round["with"], *self._round["without"]))
+            self._round = {}
+            self._judge(comparison)
 
     @property
     def timing(self) -> bool:
@@ -524,8 +656,15 @@ class InRunTuner:
             self._decide(comparison, "adopted", describe(speed))
         elif speed.decision == "not faster":
             self._decide(comparison, "dropped", describe(speed))
-        elif left <= 0 or _hopeless(speed, comparison.ratios, left):
+        elif (left <= 0 and not comparison.per_token) or _hopeless(
+            speed, comparison.ratios, self._pairs_left(comparison)
+        ):
             self._decide(comparison, "undecided", f"{describe(speed)}; kept as the facts chose")
+
+    def _pairs_left(self, comparison: Comparison) -> int:
+        """Pairs the slower side's share of the job has left: a window each, or a chunk."""
+        left = self.budget_windows - self.spent_windows
+        return left // self._chunk_windows if comparison.per_token else left
 
     def _decide(self, comparison: Comparison, verdict: Verdict, evidence: str) -> None:
         comparison.verdict = verdict
@@ -551,7 +690,7 @@ class InRunTuner:
         switches it per window)."""
         config = self.config
         for comparison in self.comparisons:
-            if comparison.verdict in ("waiting", "measuring"):
+            if comparison.verdict in ("waiting", "measuring") and not comparison.per_token:
                 config = config.replace(**comparison.on)
         return config
 
@@ -580,6 +719,11 @@ class InRunTuner:
             "config": self.config.to_dict(),
             "spent_windows": self.spent_windows,
             "windows_run": self.windows_run,
+            "draws": {
+                "epoch": self._draws[0],
+                "chunks": [[d.side, d.size] for d in self._draws[1]],
+                "measured": self._measure_draws,
+            },
             "comparisons": [
                 {
                     "name": c.name,
@@ -600,6 +744,9 @@ class InRunTuner:
         self.config = TurboConfig.from_dict(state["config"])
         self.spent_windows = state["spent_windows"]
         self.windows_run = state.get("windows_run", 0)
+        draws = state.get("draws") or {"epoch": -1, "chunks": [], "measured": 0}
+        self._draws = (draws["epoch"], [Draw(side, size) for side, size in draws["chunks"]])
+        self._measure_draws = draws["measured"]
         saved = {entry["name"]: entry for entry in state["comparisons"]}
         for comparison in self.comparisons:
             entry = saved.get(comparison.name)
@@ -630,9 +777,16 @@ class WindowClock:
         return self._open is not None
 
     def open(
-        self, parity: Callable[[TurboConfig, TurboConfig], tuple[float, float]]
+        self,
+        parity: Callable[[TurboConfig, TurboConfig], tuple[float, float]],
+        held: bool = False,
     ) -> TurboConfig:
-        """Open a window (``parity`` as :meth:`InRunTuner.side` takes it); the config it runs."""
+        """Open a window (``parity`` as :meth:`InRunTuner.side` takes it); the config it runs.
+        ``held``: its batches measure the batch plan (``ChunkClock``), so it runs the run's
+        config with the choice, untimed."""
+        if held:
+            self._open = ("with", None, 0)
+            return self.tuner.config_of("with")
         timing = self.tuner.timing
         side = self.tuner.side(parity)
         started = None
@@ -658,22 +812,66 @@ class WindowClock:
             self.tuner.window_done(side, time.perf_counter() - started, work)
 
 
+class ChunkClock:
+    """Times the measuring chunks of a run batched by chunks (``data/chunked_plan.py``): from
+    the arrival of a chunk's first batch to the end of its last batch's step (the device
+    synchronized at both ends only), its batches' loading between steps included, and the
+    seconds its plan took to batch it added in place of the batching of others that the loader
+    did ahead inside it. Handed to :meth:`InRunTuner.chunk_done` only for a chunk trained whole
+    from its first batch (a resume that lands inside one skips it)."""
+
+    def __init__(self, tuner: InRunTuner, device: torch.device) -> None:
+        self.tuner, self.device = tuner, device
+        #: The measuring chunk being timed: the chunk, its start, the sampler's planning
+        #: seconds then, and its batches stepped so far.
+        self._open: tuple[Chunk, float, float, int] | None = None
+        #: Whether the batch last arrived belongs to a measuring chunk.
+        self.measuring = False
+
+    def arrive(self, chunk: Chunk | None, position: int, planning_s: float) -> None:
+        """The epoch's ``position``-th batch, of ``chunk``, arrives for its step;
+        ``planning_s``: the sampler's batching seconds so far."""
+        self.measuring = chunk is not None and chunk.measured
+        if chunk is None or not self.measuring:
+            self._open = None
+        elif position == chunk.first:
+            sync(self.device)
+            self._open = (chunk, time.perf_counter(), planning_s, 0)
+
+    def stepped(self, planning_s: float) -> None:
+        """The batch last arrived has been trained (its step, and the optimizer's if it
+        closed a window)."""
+        if self._open is None:
+            return
+        chunk, started, planned, batches = self._open
+        self._open = (chunk, started, planned, batches + 1)
+        if batches + 1 == chunk.batches:
+            sync(self.device)
+            ahead = planning_s - planned
+            self.tuner.chunk_done(chunk, time.perf_counter() - started - ahead + chunk.plan_s)
+            self._open = None
+
+
 def comparisons_for(
     config: TurboConfig,
     user: TurboConfig,
     starts: list[Start],
     switchable: Callable[[TurboConfig, TurboConfig], bool] = registry.switchable_per_step,
+    measure_plan: bool = False,
 ) -> list[Comparison]:
     """A comparison for each choice the host can switch per window (``switchable``): each
     taken start (``config`` is the start) and each trial, against its fields as the ``user``
-    set them."""
+    set them; and, where the host batches by chunks (``measure_plan``), one for a batch plan
+    that chunks can measure (:func:`plan_measurable`)."""
     out = []
     for start in starts:
         if not (start.taken or start.trial):
             continue
         owners = [t for t in registry.techniques() if t.name in start.techniques]
         on, off = start.settings, _fields_of(user, owners)
-        if switchable(config.replace(**on), config.replace(**off)):
+        with_it, without = config.replace(**on), config.replace(**off)
+        per_token = measure_plan and plan_measurable(with_it, without, start.expected_gain)
+        if per_token or switchable(with_it, without):
             out.append(
                 Comparison(
                     start.name,
@@ -683,9 +881,27 @@ def comparisons_for(
                     built_aside=start.built_aside,
                     expected_gain=start.expected_gain,
                     build_cost_s=start.build_cost_s,
+                    per_token=per_token,
                 )
             )
     return out
+
+
+def plan_measurable(with_it: TurboConfig, without: TurboConfig, gain: float | None) -> bool:
+    """Whether chunks of the epoch can measure ``with_it``'s batch plan against ``without``'s
+    rows: a plan that reads only the lengths (packing also checks the model) on the lengths'
+    own shapes (no ``max_shapes`` ladder, whose collate fits the whole run's budget), at the
+    budget matched to the user's batches (a ``max_tokens`` of the user's could draw more
+    batches from a chunk than its rows), expected to gain less than ``PLAN_MEASURED_BELOW``."""
+    return (
+        registry.plans_batches(with_it)
+        and not registry.plans_batches(without)
+        and registry.plan_needs(with_it) <= {"lengths"}
+        and not with_it.data.max_shapes
+        and with_it.data.max_tokens is None
+        and gain is not None
+        and gain < PLAN_MEASURED_BELOW
+    )
 
 
 def cost_model(points: list[tuple[int, float]]) -> Callable[[int], float]:
@@ -728,13 +944,13 @@ def same_batch_losses(
     return losses[0], losses[1]
 
 
-def _hopeless(speed: RatioEstimate, ratios: list[float], windows_left: int) -> bool:
-    """Whether the pairs the budget has left (two windows each, one on the slower side) cannot
+def _hopeless(speed: RatioEstimate, ratios: list[float], pairs_left: int) -> bool:
+    """Whether the pairs the budget has left (each one window or chunk on the slower side) cannot
     decide the comparison at the spread measured so far."""
     if len(ratios) < MIN_ROUNDS:
         return False
     needed = rounds_to_decide(speed, ratios)
-    return needed is not None and needed - len(ratios) > windows_left
+    return needed is not None and needed - len(ratios) > pairs_left
 
 
 def _slowest_rank(cost: float, device: torch.device) -> float:

@@ -4,16 +4,19 @@ tuner's trials build alike), else the caller's batches, split across ranks under
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, IterableDataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset
 
 from torchturbo.config import TurboConfig
 from torchturbo.data.batch_plan import BatchSource
+from torchturbo.data.chunked_plan import ChunkedPlanSampler, Draw, SidedCollate, SidedDataset
 from torchturbo.data.collate import pad_collate
 from torchturbo.data.loader import build_loader
 from torchturbo.data.streams import RankShare
@@ -105,6 +108,58 @@ def training_loader(
         shuffle=shuffle,
         collate_fn=collate_fn,
         batch_sampler=batch_sampler,
+        seed=seed,
+    )
+
+
+def chunked_loader(
+    data: Dataset,
+    *,
+    config: TurboConfig,
+    with_plan: TurboConfig,
+    device: torch.device,
+    draw: Callable[[int, int], Draw],
+    batch_size: int,
+    collate_fn: Callable[[list[Any]], Any] | None,
+    seed: int | None,
+    lengths: Sequence[int],
+    pad_values: Mapping[str, int] | None,
+) -> DataLoader:
+    """A DataLoader over ``data`` batched by chunks (``data/chunked_plan.py``) for the in-run
+    tuner to measure ``with_plan``'s batch plan: a chunk on its side is batched by that plan
+    over the chunk's samples alone (``registry.batch_plan`` on a ``Subset``), one on the other
+    side by ``batch_size`` rows as ``config`` collates them. One process, a map-style dataset."""
+    source = BatchSource(
+        data,
+        lengths,
+        batch_size,
+        seed=seed or 0,
+        collate=collate_fn,
+        pad_values=pad_values,
+        lengths_from="pass setup(..., lengths=[...]) (one per sample)",
+    )
+    whole = registry.batch_plan(with_plan, source)
+    assert whole.collate is not None  # a plan measured by chunks batches by its own collate
+
+    def plan(indices: np.ndarray, chunk_seed: int) -> list[list[int]]:
+        part = dataclasses.replace(
+            source,
+            dataset=Subset(data, indices.tolist()),
+            lengths=[int(lengths[i]) for i in indices],
+            seed=chunk_seed,
+        )
+        batches = registry.batch_plan(with_plan, part).sampler.global_batches()
+        return [[int(indices[j]) for j in batch] for batch in batches]
+
+    rows = collate_fn or functools.partial(
+        pad_collate, pad_to_multiple=config.data.pad_to_multiple, pad_values=pad_values
+    )
+    return build_loader(
+        SidedDataset(data),
+        config=config.data,
+        device=device,
+        collate_fn=SidedCollate((whole.collate, rows)),
+        batch_sampler=ChunkedPlanSampler(lengths, batch_size, plan, draw, seed=seed or 0),
         seed=seed,
     )
 

@@ -19,6 +19,7 @@ resumable loader).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -27,10 +28,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from torchturbo.base.device import model_device, to_device
 from torchturbo.config import TurboConfig
+from torchturbo.data.chunked_plan import Chunk, ChunkedPlanSampler
 from torchturbo.distributed.comm import CommStats
 from torchturbo.distributed.launch import init_distributed, read_launch_env
 from torchturbo.distributed.select import select_strategy
@@ -38,8 +40,8 @@ from torchturbo.distributed.strategy import Strategy
 from torchturbo.engine import in_run
 from torchturbo.engine.build_aside import build_aside
 from torchturbo.engine.compose import compose
-from torchturbo.engine.in_run import InRunTuner, WindowClock
-from torchturbo.engine.loader import first_samples_batch, training_loader
+from torchturbo.engine.in_run import ChunkClock, InRunTuner, WindowClock
+from torchturbo.engine.loader import chunked_loader, first_samples_batch, training_loader
 from torchturbo.engine.state import load_training_state, save_training_state
 from torchturbo.measure.breakdown import NullRecorder, Recorder
 from torchturbo.reliability.epochs import EpochLoader, data_identity
@@ -141,9 +143,12 @@ class Turbo:
         self.in_run: InRunTuner | None = None
         #: Step hooks by config, for the sides the in-run tuner switches between (each keeps
         #: its own state: a loss scale).
+        self._sides_data = self.config.data
         self._sides: dict[str, Steps] = {self.config.to_toml(): self.steps}
-        #: The in-run tuner's windows (``in_run.WindowClock``), set with it.
+        #: The in-run tuner's windows (``in_run.WindowClock``), set with it, and its chunks
+        #: where it measures the batch plan on chunks of the epoch (``in_run.ChunkClock``).
         self._windows: WindowClock | None = None
+        self._chunks: ChunkClock | None = None
         #: The config the steps run with now (``_use``).
         self._side_config: TurboConfig | None = None
 
@@ -203,7 +208,20 @@ class Turbo:
                 if batch is not None:
                     batch = to_device(batch, model_device(model))
                     census = functools.partial(call_loss_fn, loss_fn, model, batch)
-            self._start_in_run(model, data, known_lengths, batch_size, seed, planned_steps, census)
+            # One process, a dataset read by index with its lengths, batched by the engine:
+            # its epochs can be batched by chunks, so the batch plan is measured too.
+            by_chunks = (
+                read_launch_env() is None
+                and known_lengths is not None
+                and data is not None
+                and not isinstance(data, IterableDataset)
+                and batch_sampler is None
+                and batch_size is not None
+                and shuffle
+            )
+            self._start_in_run(
+                model, data, known_lengths, batch_size, seed, planned_steps, census, by_chunks
+            )
         env = init_distributed(self.config.device)
         self.strategy = strategy or select_strategy(self.config, self.device, env)
         # In-run tuning composes every transform it may switch on (``in_run.composed_config``).
@@ -227,7 +245,25 @@ class Turbo:
         self.microbatcher = self._microbatcher(self.model)
         if data is None:
             return self.model, optimizer, None
-        if not isinstance(data, DataLoader):
+        plan = None if self.in_run is None else self.in_run.plan
+        if plan is not None:
+            assert self.in_run is not None and lengths is not None and batch_size is not None
+            assert not isinstance(data, DataLoader)  # by chunks only where the engine batches
+            data = chunked_loader(
+                data,
+                config=self.config,
+                with_plan=self.config.replace(**plan.on),
+                device=self.device,
+                draw=self.in_run.draw,
+                batch_size=batch_size,
+                collate_fn=collate_fn,
+                seed=seed,
+                lengths=lengths,
+                pad_values=pad_values,
+            )
+            self._chunks = ChunkClock(self.in_run, self.device)
+            self.in_run.batches_per_window = self._window.micro_steps
+        elif not isinstance(data, DataLoader):
             data = training_loader(
                 data,
                 config=self.config,
@@ -254,6 +290,7 @@ class Turbo:
         seed: int | None,
         planned_steps: int | None,
         census: Callable[[], Any] | None,
+        by_chunks: bool,
     ) -> None:
         """Start where the facts point (``in_run.start``) and set up the measuring."""
         self.in_run = in_run.start(
@@ -269,6 +306,7 @@ class Turbo:
             # One process: a copy compiled aside traces as the model does (under torchrun,
             # DDP's graph breaks at its buckets would not).
             build_aside=read_launch_env() is None,
+            measure_plan=by_chunks,
         )
         self._windows = WindowClock(self.in_run, self.device)
         self.config = self.in_run.config
@@ -276,8 +314,9 @@ class Turbo:
         self._step_switches = registry.step_switches(self.config, "engine")
 
     def _side_steps(self, config: TurboConfig) -> Steps:
-        """The step hooks of ``config``, built once per side."""
-        key = config.to_toml()
+        """The step hooks of ``config``, built once per side: its batch plan (``[data]``) is
+        no step's, so a plan's verdict keeps the hooks' state (a loss scale)."""
+        key = dataclasses.replace(config, data=self._sides_data).to_toml()
         if key not in self._sides:
             self._sides[key] = registry.step_hooks(config, self.device)
         return self._sides[key]
@@ -405,11 +444,14 @@ class Turbo:
             raise RuntimeError("call Turbo.setup(model, optimizer, ...) before Turbo.step")
         last_batch = self.loader is not None and self.loader.at_last_batch
         closing = self.batches_in_window + 1 >= self._window.micro_steps or last_batch
+        if self._chunks is not None:
+            self._chunks.arrive(*self._chunk_of_batch())
         if self._windows is not None:
             if self.batches_in_window == 0:  # the in-run tuner names the window's config
                 self._build_aside(loss_fn, batch)
+                held = self._chunks is not None and self._chunks.measuring
                 self._use(
-                    self._windows.open(functools.partial(self._parity_losses, loss_fn, batch))
+                    self._windows.open(functools.partial(self._parity_losses, loss_fn, batch), held)
                 )
             self._windows.add(batch)
         micro_step = functools.partial(self._micro_step, loss_fn)
@@ -429,10 +471,25 @@ class Turbo:
             if closing:
                 skipped, grad_norm = self._optimizer_step()
                 stepped = True
+        if self._chunks is not None:
+            self._chunks.stepped(self._chunk_sampler().planning_s)
         if closing and self._windows is not None and self.in_run is not None:
             self._windows.close()
             self.config = self.in_run.config
         return StepMetrics(loss, count, stepped, skipped, grad_norm, pieces)
+
+    def _chunk_sampler(self) -> ChunkedPlanSampler:
+        assert self.loader is not None
+        sampler = self.loader.loader.batch_sampler
+        assert isinstance(sampler, ChunkedPlanSampler)
+        return sampler
+
+    def _chunk_of_batch(self) -> tuple[Chunk | None, int, float]:
+        """The chunk (``data/chunked_plan.py``) of the batch the loader handed out last, its
+        place in the epoch, and the sampler's batching seconds so far."""
+        assert self.loader is not None
+        sampler, position = self._chunk_sampler(), self.loader.batches - 1
+        return sampler.chunk_at(position), position, sampler.planning_s
 
     def switches(self) -> contextlib.AbstractContextManager[Any]:
         """The process-wide switches of the configured techniques (cuDNN autotuning, saved
