@@ -39,6 +39,21 @@ def test_pad_values_per_field_and_a_multiple():
     assert batch["labels"].shape == (2, 8) and batch["labels"][1, 5:].eq(IGNORE_INDEX).all()
 
 
+def test_a_multiple_pads_every_per_token_field_of_a_batch_of_one_length():
+    """A length bucket's batch: every sample 5 long. Its labels and mask are padded with the
+    tokens to the multiple (once only the tokens were: 8 tokens against 5 labels)."""
+    samples = [
+        {"tokens": torch.arange(1, 6), "labels": torch.arange(5), "id": torch.tensor(i)}
+        for i in range(3)
+    ]
+    batch = pad_collate(samples, pad_to_multiple=8)
+    assert batch["tokens"].shape == batch["labels"].shape == batch["mask"].shape == (3, 8)
+    assert batch["labels"][:, 5:].eq(IGNORE_INDEX).all() and batch["tokens"][:, 5:].eq(0).all()
+    assert batch["mask"].sum().item() == 15 and batch["id"].tolist() == [0, 1, 2]
+    hf = pad_collate([_hf_sample(5), _hf_sample(5)], pad_to_multiple=8)
+    assert {tuple(t.shape) for t in hf.values()} == {(2, 8)}
+
+
 def test_a_missing_attention_mask_is_added_for_input_ids():
     samples = [{"input_ids": torch.arange(1, 3)}, {"input_ids": torch.arange(1, 5)}]
     batch = pad_collate(samples)

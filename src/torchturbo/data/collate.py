@@ -54,10 +54,13 @@ def pad_collate(
                 f"{sorted(keys)}: every sample must have the same fields"
             )
     sequence_key = next((k for k in _SEQUENCE_KEYS if k in keys), None)
+    # Padded up to a multiple, the fields as long as the sequence are padded with it, even in a
+    # batch whose samples are all of one length (a length bucket's).
+    rounded = sequence_key is not None and pad_to_multiple > 1
     batch: dict[str, Any] = {}
     for key in keys:
         values = [sample[key] for sample in samples]
-        if _variable_length(values) or (key == sequence_key and pad_to_multiple > 1):
+        if _variable_length(values) or (rounded and _per_token(values, samples, sequence_key)):
             pad = _pad_value(key, pad_id, pad_values)
             batch[key] = _pad(values, pad, pad_to_multiple)
         else:
@@ -107,6 +110,14 @@ def check_dtypes(samples: Sequence[Any]) -> None:
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def _per_token(values: list[Any], samples: Sequence[Any], sequence_key: str | None) -> bool:
+    """Tensors whose leading size is each sample's sequence length (tokens, labels, masks)."""
+    return all(
+        isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == len(s[sequence_key])
+        for v, s in zip(values, samples, strict=True)
+    )
 
 
 def _variable_length(values: list[Any]) -> bool:
