@@ -19,7 +19,7 @@ parity checks) and is timed from the start of ``train()`` to its end; printed: s
 tokens, tokens/s (median over repeats, with the spread) and what in-run said of the plan.
 
     python benchmarks/plan_in_run.py --json benchmarks/results/plan_in_run.json
-    python benchmarks/plan_in_run.py --steps 40 --size default   # a smoke run
+    python benchmarks/plan_in_run.py --steps 40 --size small --ways in-run   # a smoke run
 """
 
 from __future__ import annotations
@@ -28,15 +28,16 @@ import argparse
 import dataclasses
 import functools
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import tuner_scale
 
 from torchturbo.config import TurboConfig
 from torchturbo.data.collate import pad_collate
@@ -116,22 +117,6 @@ def child(way: str, args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def child_job(way: str, steps: int, folder: Path, args: argparse.Namespace) -> dict[str, Any]:
-    """``way``'s job in a fresh process with a cold compile cache of its own in ``folder``:
-    the JOB line it printed (or the error), with the process's seconds."""
-    command = [sys.executable, __file__, "--child", way, "--steps", str(steps)]
-    command += ["--out", str(folder), "--size", args.size, "--samples", str(args.samples)]
-    command += ["--lengths", *map(str, args.lengths), "--pad-to", str(args.pad_to)]
-    env = os.environ | {"TORCHINDUCTOR_CACHE_DIR": str(folder / "inductor-cache")}
-    begin = time.perf_counter()
-    done = subprocess.run(command, capture_output=True, text=True, check=False, env=env)
-    line = next((x for x in done.stdout.splitlines() if x.startswith("JOB ")), None)
-    if done.returncode or line is None:
-        error = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "no output"
-        return {"error": error}
-    return json.loads(line.removeprefix("JOB ")) | {"process_s": time.perf_counter() - begin}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", default="large", help="the text workload's size")
@@ -150,6 +135,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("plan-in-run-out"))
     parser.add_argument("--json", type=Path)
     parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--setup", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         print("JOB " + json.dumps(child(args.child, args)))
@@ -169,7 +155,11 @@ def main() -> None:
             order = args.ways if repeat % 2 == 0 else list(reversed(args.ways))
             for way in order:
                 folder = args.out / f"{steps}-{way.replace(' ', '_').replace(',', '')}-{repeat}"
-                job = child_job(way, steps, folder, args)
+                extra = ["--size", args.size, "--samples", str(args.samples), "--lengths"]
+                extra += [*map(str, args.lengths), "--pad-to", str(args.pad_to)]
+                job, _ = tuner_scale.child_job(
+                    __file__, way, "text", steps, folder, None, extra=extra
+                )
                 runs[way].append(job)
         for way, jobs in runs.items():
             done = [j for j in jobs if "error" not in j]

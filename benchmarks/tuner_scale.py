@@ -56,7 +56,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -430,12 +430,13 @@ def child_job(
     folder: Path,
     config: Path | None,
     timeout: float | None = None,
+    extra: Sequence[str] = (),
 ) -> tuple[dict[str, Any], str]:
-    """``script --child way`` in a fresh process with a cold compile cache of its own in
-    ``folder``: the JOB line it printed (or the error) with the process's seconds, and its
-    stderr."""
+    """``script --child way`` (and ``extra`` arguments) in a fresh process with a cold compile
+    cache of its own in ``folder``: the JOB line it printed (or the error) with the process's
+    seconds, and its stderr."""
     command = [sys.executable, script, "--child", way, "--setup", setup]
-    command += ["--steps", str(steps), "--out", str(folder)]
+    command += ["--steps", str(steps), "--out", str(folder), *extra]
     if config is not None:
         command += ["--config", str(config)]
     env = os.environ | {"TORCHINDUCTOR_CACHE_DIR": str(folder / "inductor-cache")}

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import _gemm_rates
-from test_in_run import IN_RUN, TokenModel, token_loss
+from test_in_run import IN_RUN, TokenModel, Tokens, token_loss
 
 from torchturbo import Turbo
 from torchturbo.data.chunked_plan import (
@@ -27,20 +27,10 @@ from torchturbo.engine.in_run import InRunTuner
 from torchturbo.techniques import compile as compile_technique
 
 
-class Modest(torch.utils.data.Dataset):
+def _modest() -> Tokens:
     """Lengths 20..40: random batches of 4 pad ~17%, length buckets ~2%, a gain the facts
-    expect to be modest (~1.2x), so the run measures it. Each sample carries its index."""
-
-    def __init__(self, count: int = 160) -> None:
-        generator = torch.Generator().manual_seed(0)
-        self.lengths = [int(n) for n in torch.randint(20, 41, (count,), generator=generator)]
-
-    def __len__(self) -> int:
-        return len(self.lengths)
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        ids = (torch.arange(self.lengths[index]) + index) % 31
-        return {"input_ids": ids, "labels": (ids + 1) % 31, "index": torch.tensor(index)}
+    expect to be modest (~1.2x), so the run measures it."""
+    return Tokens(160, shortest=20)
 
 
 def _sorted_rows(lengths, batch_size):
@@ -271,7 +261,7 @@ def buckets_twice_as_fast(monkeypatch):
 def test_the_engine_measures_a_modest_plan_on_chunks_and_trains_every_sample_once_per_epoch(
     buckets_twice_as_fast,
 ):
-    dataset = Modest()
+    dataset = _modest()
     turbo = Turbo(IN_RUN)
     model = TokenModel()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -295,7 +285,7 @@ def test_the_engine_measures_a_modest_plan_on_chunks_and_trains_every_sample_onc
     assert torch.isfinite(metrics.loss)
 
 
-def _modest_run(dataset: Modest) -> tuple[Turbo, object]:
+def _modest_run(dataset: Tokens) -> tuple[Turbo, object]:
     turbo = Turbo(IN_RUN)
     model = TokenModel()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -308,7 +298,7 @@ def _modest_run(dataset: Modest) -> tuple[Turbo, object]:
 def test_a_run_resumed_inside_a_measuring_epoch_draws_it_again_and_trains_the_rest_once(
     buckets_twice_as_fast,
 ):
-    dataset = Modest()
+    dataset = _modest()
     turbo, loader = _modest_run(dataset)
     batches = iter(loader)
     before = []

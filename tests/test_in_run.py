@@ -44,12 +44,13 @@ def _facts(bf16: float = 4.0, padding: tuple[float, float] | None = (0.7, 0.02))
 
 
 class Tokens(torch.utils.data.Dataset):
-    """Sequences of lengths 2..40 whose next token is the current one plus one (learnable);
-    each sample carries its index so that a test can see which samples were trained."""
+    """Sequences of lengths ``shortest``..40 whose next token is the current one plus one
+    (learnable); each sample carries its index so that a test can see which samples were
+    trained."""
 
-    def __init__(self, count: int = 48) -> None:
+    def __init__(self, count: int = 48, shortest: int = 2) -> None:
         generator = torch.Generator().manual_seed(0)
-        self.lengths = [int(n) for n in torch.randint(2, 41, (count,), generator=generator)]
+        self.lengths = [int(n) for n in torch.randint(shortest, 41, (count,), generator=generator)]
 
     def __len__(self) -> int:
         return len(self.lengths)
