@@ -228,6 +228,26 @@ def test_a_measured_gain_inside_the_noise_reads_within_noise_never_recommended()
     assert _channels_last(findings)[0] == "recommended"
 
 
+def test_channels_last_faster_only_on_top_of_the_precision_shows_that_figure_as_its_lever():
+    """Alone within noise, on top of bf16 faster: the item recommends it on the on-top figure,
+    and the lever shows that figure too, not the alone one's "within noise" (one verdict, one
+    figure: a real tune-and-doctor run once printed both)."""
+    from torchturbo.doctor.checklist import _channels_last
+    from torchturbo.doctor.levers import with_measurements
+    from torchturbo.techniques.framework.levers import Expectation, RankedLever
+
+    noisy, clear = _gain([1.2, 0.95, 1.15]), _gain([1.5, 1.52, 1.49])
+    speedups = {"bf16": clear, "channels_last": noisy, "bf16+channels_last": clear}
+    state, _, figure = _channels_last(_findings_with(speedups, "bf16"))
+    ranked = [RankedLever("channels_last", Expectation(1.25, "convolutions"))]
+    [lever] = with_measurements(ranked, speedups)
+    assert state == "recommended" and figure == clear.describe()
+    assert lever.measured and lever.expected_gain == clear.speed.ratio
+    assert "faster" in lever.evidence and "within noise" not in lever.evidence
+    [alone] = with_measurements(ranked, {"channels_last": noisy})
+    assert "within noise" in alone.evidence
+
+
 def test_conv_bn_pairs_come_from_the_graph_and_fall_back_to_sequential():
     assert conv_bn_pairs(ConvBN()) == ([("conv", "norm")], "torch.fx graph")
     assert conv_bn_pairs(ConvBN(norm=False))[0] == []  # negative control: no norm, no pair

@@ -19,6 +19,7 @@ from torchturbo.doctor.findings import (
     PADDING_GAP,
     Findings,
 )
+from torchturbo.doctor.gains import deciding
 from torchturbo.doctor.model_facts import SIGNIFICANT_FLOP_SHARE, Misaligned
 from torchturbo.measure.device_busy import regime_words
 from torchturbo.output.tables import format_bytes
@@ -229,9 +230,8 @@ def _channels_last(f: Findings) -> Verdict:
         gains.append(on_top)
     measured = "; ".join(f"measured {g.describe()}" for g in gains)
     text = f"the model has Conv2d layers; channels_last {measured} (paired rounds)"
-    faster = [g for g in gains if g.faster]
-    if faster:
-        best = max(faster, key=lambda g: g.speed.ratio)
+    best = deciding(gains)
+    if best.faster:
         return "recommended", text, best.describe()
     return "within noise", f"{text}: not faster beyond the noise", None
 

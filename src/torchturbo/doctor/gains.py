@@ -11,7 +11,7 @@ Conv→BatchNorm folding is timed the same way on the eval-mode forward it is va
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +47,14 @@ class Gain:
     def describe(self) -> str:
         note = f", {self.note}" if self.note else ""
         return f"~{describe(self.speed)} against {self.against}{note}"
+
+
+def deciding(gains: Sequence[Gain]) -> Gain:
+    """Of one lever's measurements (alone, on top of another), the one its verdict rests on:
+    the largest that is faster, else the first. The checklist item and the lever both show it,
+    so that one verdict has one figure."""
+    faster = [gain for gain in gains if gain.faster]
+    return max(faster, key=lambda gain: gain.speed.ratio) if faster else gains[0]
 
 
 def measure_variants(

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from torchturbo.doctor.diagnosis import Lever
-from torchturbo.doctor.gains import Gain
+from torchturbo.doctor.gains import Gain, deciding
 from torchturbo.techniques.framework.levers import RankedLever
 
 #: Levers that the same rule (Amdahl over measured GEMM rates) expects: one measured member
@@ -31,7 +31,7 @@ def with_measurements(
     """``ranked`` as the doctor's levers, measured figures in place of expectations, sorted by
     the figure each one shows (levers that cannot help last)."""
     speedups = speedups or {}
-    measured = {name: speedups[_TIMED_AS.get(name, name)] for name in _timed(ranked, speedups)}
+    measured = {name: _deciding(name, speedups) for name in _timed(ranked, speedups)}
     sibling = next(
         (
             (name, gain, expected)
@@ -63,6 +63,14 @@ def with_measurements(
         else:
             levers.append(Lever(lever.name, expected, evidence))
     return sorted(levers, key=lambda lever: -(lever.expected_gain or 0.0))
+
+
+def _deciding(name: str, speedups: Mapping[str, Gain]) -> Gain:
+    """The measurement ``name``'s verdict rests on: alone, or on top of the precision where
+    the doctor timed that too (``channels_last``), as its checklist item decides."""
+    alone = _TIMED_AS.get(name, name)
+    on_top = [gain for variant, gain in speedups.items() if variant.endswith(f"+{alone}")]
+    return deciding([speedups[alone], *on_top])
 
 
 def _timed(ranked: Sequence[RankedLever], speedups: Mapping[str, Gain]) -> list[str]:
