@@ -262,12 +262,7 @@ def test_the_engine_measures_a_modest_plan_on_chunks_and_trains_every_sample_onc
     buckets_twice_as_fast,
 ):
     dataset = _modest()
-    turbo = Turbo(IN_RUN)
-    model = TokenModel()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    _, _, loader = turbo.setup(
-        model, optimizer, dataset, batch_size=4, lengths=dataset.lengths, planned_steps=400
-    )
+    turbo, loader = _modest_run(dataset)
     plan = turbo.in_run.plan
     assert plan is not None and plan.started and 1.1 < plan.expected_gain < 1.5
     steps = 0
