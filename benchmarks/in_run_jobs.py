@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -46,10 +47,15 @@ sys.path.insert(0, str(Path(__file__).parent))
 import tuner_scale
 
 from torchturbo.config import TurboConfig
-from torchturbo.integrations.transformers import TurboTrainer, training_arguments
+from torchturbo.integrations.transformers import (
+    TurboTrainer,
+    recipe_from_trainer,
+    training_arguments,
+)
 from torchturbo.measure.machine import summary
 from torchturbo.measure.native import emulated
 from torchturbo.output.results_file import write_results
+from torchturbo.recipe import Recipe
 
 SETUPS = ("decoder", "encoder", "mlm")
 #: Held-out documents (drawn from another seed than the training ones) and their batch.
@@ -165,11 +171,27 @@ def run_child(way: str, setup: str, steps: int, out: Path, config: Path | None =
     return job if "error" in job else job | {"said": said}
 
 
+def mlm_recipe() -> Recipe:
+    """``torchturbo tune benchmarks/in_run_jobs.py:mlm_recipe``: the masked LM's Trainer on its
+    defaults, as ``tuner_scale.py``'s recipes are the decoder's and the encoder's."""
+    steps = int(os.environ.get("TUNER_SCALE_STEPS", "100"))
+    out = Path(os.environ.get("TUNER_SCALE_OUT", "in-run-jobs-out"))
+    net, data, collate = parts("mlm")
+    made = Trainer(
+        model=net,
+        args=tuner_scale.arguments(out / "recipe", steps),
+        train_dataset=data,
+        data_collator=collate,
+    )
+    return recipe_from_trainer(made, name="in-run-mlm")
+
+
 def tune_then_train(setup: str, steps: int, out: Path, budget: str) -> dict[str, Any]:
     """``torchturbo tune`` (fresh process, default budget) then its job; both counted."""
-    if setup == "mlm":
-        return {"error": "not run: tuner_scale.py's tune targets are the decoder and encoder"}
-    toml, results = tuner_scale.tune_setup(setup, steps, budget, out / f"{setup}-{steps}")
+    script = __file__ if setup == "mlm" else tuner_scale.__file__
+    toml, results = tuner_scale.tune_setup(
+        setup, steps, budget, out / f"{setup}-{steps}", script=script
+    )
     job = run_child("tuned", setup, steps, out, toml)
     if "error" in job:
         return job

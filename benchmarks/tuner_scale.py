@@ -519,13 +519,15 @@ def job_config(out: Path, setup: str, way: str) -> Path | None:
 TUNE_OVERHEAD_S = 240
 
 
-def tune_setup(setup: str, steps: int, budget: str, out: Path) -> tuple[Path, dict[str, Any]]:
+def tune_setup(
+    setup: str, steps: int, budget: str, out: Path, script: str = __file__
+) -> tuple[Path, dict[str, Any]]:
     """``torchturbo tune`` in a fresh process, as a user runs it, on the recipe of the setup's
-    default Trainer (``max_steps`` is the job's length)."""
+    default Trainer (``max_steps`` is the job's length): ``script``'s ``{setup}_recipe``."""
     toml = job_config(out, setup, "torchturbo")
     assert toml is not None
     folder = toml.parent
-    target = f"{__file__}:{setup}_recipe"
+    target = f"{script}:{setup}_recipe"
     command = [sys.executable, "-m", "torchturbo", "tune", target, "--device", scale()[0]]
     command += ["--time-budget", budget, "--out", str(folder)]
     env = os.environ | {"TUNER_SCALE_OUT": str(out), "TUNER_SCALE_STEPS": str(steps)}
