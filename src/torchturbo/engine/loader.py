@@ -89,9 +89,7 @@ def training_loader(
             batch_sampler=plan.sampler,
             seed=seed,
         )
-    collate_fn = collate_fn or functools.partial(
-        pad_collate, pad_to_multiple=config.data.pad_to_multiple, pad_values=pad_values
-    )
+    collate_fn = rows_collate(config, collate_fn, pad_values)
     if isinstance(data, IterableDataset):
         if env.world_size > 1:  # no index to split by: dealt out, an equal share each
             data = RankShare(data, env.world_size, env.rank)
@@ -151,9 +149,7 @@ def chunked_loader(
         batches = registry.batch_plan(with_plan, part).sampler.global_batches()
         return [[int(indices[j]) for j in batch] for batch in batches]
 
-    rows = collate_fn or functools.partial(
-        pad_collate, pad_to_multiple=config.data.pad_to_multiple, pad_values=pad_values
-    )
+    rows = rows_collate(config, collate_fn, pad_values)
     return build_loader(
         SidedDataset(data),
         config=config.data,
@@ -161,6 +157,18 @@ def chunked_loader(
         collate_fn=SidedCollate((whole.collate, rows)),
         batch_sampler=ChunkedPlanSampler(lengths, batch_size, plan, draw, seed=seed or 0),
         seed=seed,
+    )
+
+
+def rows_collate(
+    config: TurboConfig,
+    collate_fn: Callable[[list[Any]], Any] | None,
+    pad_values: Mapping[str, int] | None,
+) -> Callable[[list[Any]], Any]:
+    """The collate of the user's rows: theirs, else :func:`pad_collate` at the config's
+    padding multiple."""
+    return collate_fn or functools.partial(
+        pad_collate, pad_to_multiple=config.data.pad_to_multiple, pad_values=pad_values
     )
 
 
