@@ -23,6 +23,7 @@ from torchturbo.techniques.framework.decide import (
     describe,
     head_to_head_decided,
     job_times,
+    loss_parity,
 )
 from torchturbo.techniques.framework.proposal import Candidate
 from torchturbo.trials.trial import Trial, fixed_batches, start_trial
@@ -119,6 +120,53 @@ def test_a_candidate_that_breaks_loss_parity_is_rejected():
     assert row.verdict == "rejected" and row.reason.startswith("loss parity")
     assert row.parity.relative_diff > 1.0
     assert result.adopted == ()
+
+
+def _other_samples(count: int = 4) -> list[Any]:
+    """Batches of samples unlike the reference's (every one of class 3, which a model learns in
+    a few steps): their losses differ from the reference curve's for what they hold, as a batch
+    plan's other groupings of samples do."""
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(8 * count, 3, 16, 16, generator=generator)
+    y = torch.full((8 * count,), 3)
+    return [(x[i : i + 8], y[i : i + 8]) for i in range(0, len(x), 8)]
+
+
+@pytest.mark.parametrize("window", [1, 2])
+def test_a_candidate_on_other_samples_is_held_to_parity_on_those_samples(window):
+    """Parity compares like with like: a sound candidate whose batches hold other samples than
+    the reference curve's is compared with fp32 on its first window's samples, at the initial
+    weights, and passes exactly; on the reference curve it would be 'off' by its data."""
+    batches = _other_samples()
+
+    def stage(ctx):
+        config = ctx.best.replace(accumulation__steps=window)
+        return [Candidate("other samples", config, 2.0, batches=batches)]
+
+    _, result = tune(tiny_recipe(), QUICK, stages={"injected": stage})
+    row = _rows(result)["other samples"]
+    parity = row.parity
+    model = tiny_recipe().build()[0]  # the recipe's seed: the initial weights
+    with torch.no_grad():
+        fp32 = [float(classification_loss(model, b)) for b in batches[:window]]
+    assert parity.reference_loss == pytest.approx(sum(fp32) / window, rel=1e-5)
+    assert parity.ok and parity.relative_diff < 1e-5
+    on_the_reference_curve = loss_parity(result.loss_curves["baseline"], row.loss_curve, 0.05)
+    assert not on_the_reference_curve.ok  # what the candidate's data alone would have done
+
+
+def test_a_broken_candidate_on_other_samples_still_breaks_parity():
+    def wrong_loss(model, batch):
+        return 3.0 * classification_loss(model, batch)
+
+    def stage(ctx):
+        recipe = tiny_recipe(loss_fn=wrong_loss)
+        return [Candidate("wrong", ctx.best, 2.0, batches=_other_samples(), recipe=recipe)]
+
+    _, result = tune(tiny_recipe(), QUICK, stages={"injected": stage})
+    row = _rows(result)["wrong"]
+    assert row.verdict == "rejected" and row.reason.startswith("loss parity")
+    assert row.parity.relative_diff > 1.0
 
 
 def test_candidates_are_measured_in_order_of_expected_gain_per_second(monkeypatch):

@@ -259,6 +259,7 @@ def _tune(
             build_s=agree(build_s),
             baseline_step_s=trial.step_seconds,
             reference_losses=trial.loss_curve()[:PARITY_STEPS],
+            reference_config=base_config,
             adoptions=adoptions,
             memory=memory,
             baseline_count=trial.mean_count(),

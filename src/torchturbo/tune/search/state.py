@@ -121,6 +121,8 @@ class Run:
     build_s: float
     baseline_step_s: float
     reference_losses: list[float]
+    #: The fp32 baseline's config: the curve above is its, on ``batches(reference_config)``.
+    reference_config: TurboConfig
     outcomes: list[Outcome] = field(default_factory=list)
     adoptions: list[Incumbent] = field(default_factory=list)
     #: The baseline step's memory estimate, made before it ran (None where it failed).
