@@ -173,9 +173,9 @@ def test_candidates_are_measured_in_order_of_expected_gain_per_second(monkeypatc
     order = []
     real = candidate_module.try_candidate
 
-    def recording(run, stage, candidate, best, fit_memory):
+    def recording(run, stage, candidate, *args, **kwargs):  # kwargs: the undecided measured again
         order.append(candidate.name)
-        return real(run, stage, candidate, best, fit_memory)
+        return real(run, stage, candidate, *args, **kwargs)
 
     monkeypatch.setattr("torchturbo.tune.search.run.try_candidate", recording)
 
