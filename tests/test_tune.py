@@ -132,41 +132,72 @@ def _other_samples(count: int = 4) -> list[Any]:
     return [(x[i : i + 8], y[i : i + 8]) for i in range(0, len(x), 8)]
 
 
-@pytest.mark.parametrize("window", [1, 2])
-def test_a_candidate_on_other_samples_is_held_to_parity_on_those_samples(window):
+def _fp32_curve(recipe: Recipe, batches: list[Any]) -> list[float]:
+    """The fp32 baseline's first six losses on ``batches``, from the recipe's initial weights."""
+    trial = Trial(recipe, TurboConfig(device="cpu"), batches)
+    for _ in range(6):
+        trial.step()
+    return trial.loss_curve()
+
+
+def test_a_candidate_on_other_samples_is_held_to_the_baseline_on_those_samples():
     """Parity compares like with like: a sound candidate whose batches hold other samples than
-    the reference curve's is compared with fp32 on its first window's samples, at the initial
-    weights, and passes exactly; on the reference curve it would be 'off' by its data."""
+    the baseline's is held to the fp32 baseline trained on its batches, and passes exactly; held
+    to the baseline's own curve it would be 'off' by its data alone."""
     batches = _other_samples()
 
     def stage(ctx):
-        config = ctx.best.replace(accumulation__steps=window)
-        return [Candidate("other samples", config, 2.0, batches=batches)]
+        return [Candidate("other samples", ctx.best, 2.0, batches=batches)]
 
     _, result = tune(tiny_recipe(), QUICK, stages={"injected": stage})
     row = _rows(result)["other samples"]
-    parity = row.parity
-    model = tiny_recipe().build()[0]  # the recipe's seed: the initial weights
-    with torch.no_grad():
-        fp32 = [float(classification_loss(model, b)) for b in batches[:window]]
-    assert parity.reference_loss == pytest.approx(sum(fp32) / window, rel=1e-5)
-    assert parity.ok and parity.relative_diff < 1e-5
-    on_the_reference_curve = loss_parity(result.loss_curves["baseline"], row.loss_curve, 0.05)
-    assert not on_the_reference_curve.ok  # what the candidate's data alone would have done
+    fp32 = _fp32_curve(tiny_recipe(), batches)
+    assert row.parity.reference_loss == pytest.approx(sum(fp32) / len(fp32), rel=1e-6)
+    assert row.parity.ok and row.parity.relative_diff < 1e-6
+    on_the_baseline_curve = loss_parity(result.loss_curves["baseline"], row.loss_curve, 0.05)
+    assert not on_the_baseline_curve.ok  # what the candidate's data alone would have done
 
 
 def test_a_broken_candidate_on_other_samples_still_breaks_parity():
     def wrong_loss(model, batch):
         return 3.0 * classification_loss(model, batch)
 
+    batches = _other_samples()
+
     def stage(ctx):
         recipe = tiny_recipe(loss_fn=wrong_loss)
-        return [Candidate("wrong", ctx.best, 2.0, batches=_other_samples(), recipe=recipe)]
+        return [Candidate("wrong", ctx.best, 2.0, batches=batches, recipe=recipe)]
 
     _, result = tune(tiny_recipe(), QUICK, stages={"injected": stage})
     row = _rows(result)["wrong"]
     assert row.verdict == "rejected" and row.reason.startswith("loss parity")
+    fp32 = _fp32_curve(tiny_recipe(), batches)
+    assert row.parity.reference_loss == pytest.approx(sum(fp32) / len(fp32), rel=1e-6)
     assert row.parity.relative_diff > 1.0
+
+
+def test_candidates_after_an_adopted_plan_are_held_to_six_steps_on_its_batches(monkeypatch):
+    """A candidate whose harm shows only once it updates the weights (a diverging optimizer: its
+    first loss is the baseline's) is still rejected on parity after a batch plan is adopted: the
+    baseline's curve on the plan's batches is the reference, not one forward."""
+    recipe = token_recipe()
+
+    def adopt_when_parity_holds(*, parity, **_):
+        return Verdict(adopt=parity.ok, reason="forced" if parity.ok else "loss parity: off")
+
+    monkeypatch.setattr(candidate_module, "judge", adopt_when_parity_holds)
+    diverging = dataclasses.replace(recipe, optimizer=lambda params: torch.optim.SGD(params, lr=50))
+    stages = {
+        "batching": lambda ctx: [
+            Candidate("buckets", ctx.best.replace(data__batches="buckets"), 3.0)
+        ],
+        "next": lambda ctx: [Candidate("diverging", ctx.best, 1.1, recipe=diverging)],
+    }
+    _, result = tune(recipe, QUICK, stages=stages)
+    rows = _rows(result)
+    assert rows["buckets"].verdict == "adopted" and rows["buckets"].parity.relative_diff < 1e-6
+    assert rows["diverging"].loss_curve[0] == pytest.approx(rows["buckets"].loss_curve[0])
+    assert rows["diverging"].verdict == "rejected" and not rows["diverging"].parity.ok
 
 
 def test_candidates_are_measured_in_order_of_expected_gain_per_second(monkeypatch):

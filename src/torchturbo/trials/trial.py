@@ -167,21 +167,6 @@ class Trial:
         if metrics.optimizer_stepped:
             self._window_steps = 0
 
-    def first_losses(self, count: int) -> list[float]:
-        """Losses of the first ``count`` batches at the initial weights, without training: what
-        this trial's first window would see, its dropout drawn from the same stream. Call it
-        before any step."""
-        if self.position:
-            raise RuntimeError("first_losses reads the initial weights: call it before step()")
-        device = self.turbo.device
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            _set_rng_state(self._rng, device)
-            with torch.no_grad():
-                return [
-                    float(self.turbo.forward(self.recipe.loss_fn, batch)[0])
-                    for batch in self.batches[:count]
-                ]
-
     def align_with(self, other: Trial) -> None:
         """Skip ahead (without training) to the batch ``other`` takes next, when both cycle
         through the same batches: interleaved steps then time the same batch for both, which

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +27,6 @@ from torchturbo.measure.timing import time_once
 from torchturbo.techniques import registry
 from torchturbo.techniques.framework.decide import (
     MIN_ROUNDS,
-    Parity,
     head_to_head_decided,
     job_times,
     judge,
@@ -92,6 +91,8 @@ def estimate(run: Run, candidate: Candidate, best: Incumbent) -> Estimate:
     per_round = steps_per_round(min(step, best_step), run_cycle(run, candidate.config, best.config))
     fixed = run.build_s + compile_s + (1 + WARM_STEPS) * step + step  # + the memory probe
     fixed += candidate.one_time_s * machine_load()  # what else its first step compiles
+    if _reference_needed(run, candidate):  # the baseline trained on its batches, for parity
+        fixed += run.build_s + PARITY_STEPS * run.baseline_step_s
     if compiles:
         batches = run.batches.count
         fixed += (batches - 1) * step  # one pass over every batch shape: recompiles
@@ -185,9 +186,9 @@ class Figures:
     spent_s: float = 0.0
     count_per_step: float | None = None
     comm_bytes_per_step: int | None = None
-    #: The fp32 baseline's loss on the candidate's first window, where its batches are other
-    #: samples than the reference curve's (``same_samples_reference``); None where they are not.
-    same_samples_loss: float | None = None
+    #: The fp32 baseline's first ``PARITY_STEPS`` losses on the candidate's batches
+    #: (:func:`reference_curve`): what its own curve is held to.
+    reference: tuple[float, ...] = ()
 
 
 def try_candidate(
@@ -327,9 +328,7 @@ def _measure(
             cold_one_time = one_time
             one_time = _warm_cache_one_time(run, trial, shapes, best)
         curve = batching.window_losses(trial.loss_curve(), candidate.config.accumulation.steps)
-        same_samples = None
-        if batches is not run.batches(run.reference_config):
-            same_samples = same_samples_reference(run, batches, candidate.config.accumulation.steps)
+        reference = reference_curve(run, candidate, batches)
         figures = Figures(
             measured=measured,
             curve=curve,
@@ -340,38 +339,45 @@ def _measure(
             one_time_s=one_time,
             cold_one_time_s=cold_one_time,
             graphs=_graphs_since(graphs_before) if cost.compile_s else None,
-            same_samples_loss=same_samples,
+            reference=tuple(reference),
         )
     except Exception as err:
         return trial, None, err
     return trial, figures, None
 
 
-def same_samples_reference(run: Run, batches: list[Any], window: int) -> float:
-    """The fp32 baseline's mean loss over the first ``window`` of ``batches`` at the initial
-    weights, which a candidate training on them sees in its first window. A batch plan puts
-    other samples in each step than the reference curve's: on a BERT tagger the first six
-    steps of length buckets averaged 6.2% under the baseline's for that alone, and a sound
-    plan was rejected. On the same samples and weights only the technique differs."""
-    reference = Trial(run.recipe, run.reference_config, batches, run.clock)
-    try:
-        losses = reference.first_losses(window)
-    finally:
-        reference.close()
-    return sum(losses) / len(losses)
+def reference_curve(run: Run, candidate: Candidate, batches: list[Any]) -> list[float]:
+    """The fp32 baseline's first ``PARITY_STEPS`` losses on ``batches``, which ``candidate``
+    trains on: its loss parity is judged like for like. A batch plan puts other samples in each
+    step than the baseline's batches hold, and a short curve moves with its samples alone (a
+    BERT tagger's length buckets averaged 6.2% under the baseline's six steps, and a sound plan
+    was rejected). So the baseline config trains from the initial weights once on every other
+    batch list a candidate brings (the plan's, kept for every candidate built on it after)."""
+    key = _batches_key(candidate)
+    if key not in run.reference_curves:
+        reference = Trial(run.recipe, run.reference_config, batches, run.clock)
+        try:
+            steps = run.reference_config.accumulation.steps
+            while len(reference.losses) < PARITY_STEPS * steps:
+                reference.step()
+            curve = batching.window_losses(reference.loss_curve(), steps)[:PARITY_STEPS]
+        finally:
+            reference.close()
+        run.reference_curves[key] = (batches, curve)
+    return run.reference_curves[key][1]
 
 
-def _parity(run: Run, figures: Figures) -> Parity:
-    """The candidate's loss against fp32's: over the first ``PARITY_STEPS`` windows where it
-    trains on the reference curve's batches, else on its first window's samples at the initial
-    weights (:func:`same_samples_reference`), with its whole curve checked finite."""
-    tolerance = run.options.loss_tolerance
-    if figures.same_samples_loss is None:
-        return loss_parity(run.reference_losses, figures.curve[:PARITY_STEPS], tolerance)
-    parity = loss_parity([figures.same_samples_loss], figures.curve[:1], tolerance)
-    if all(math.isfinite(loss) for loss in figures.curve[:PARITY_STEPS]):
-        return parity
-    return dataclasses.replace(parity, relative_diff=math.inf, finite=False, ok=False)
+def _batches_key(candidate: Candidate) -> Hashable:
+    """What names ``candidate``'s batches among the reference curves: its config's batch plan,
+    or the list it brings (``Candidate.batches``; kept beside its curve, so its id stays its)."""
+    if candidate.batches is not None:
+        return ("given", id(candidate.batches))
+    return registry.batch_key(candidate.config)
+
+
+def _reference_needed(run: Run, candidate: Candidate) -> bool:
+    """Whether measuring ``candidate`` first trains the baseline on its batches."""
+    return _batches_key(candidate) not in run.reference_curves
 
 
 def _what_it_needs(comparison: Comparison, cut_short: bool) -> str:
@@ -429,7 +435,9 @@ def _judged(
         best_one_time_s=best.one_time_s,
         one_time_s=figures.one_time_s,
     )
-    parity = _parity(run, figures)
+    parity = loss_parity(
+        figures.reference, figures.curve[:PARITY_STEPS], run.options.loss_tolerance
+    )
     judged = (
         functools.partial(judge_against_leader, leader=best.name)
         if leader

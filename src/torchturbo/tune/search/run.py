@@ -52,6 +52,7 @@ from torchturbo.measure.timing import time_once
 from torchturbo.output.suggest import did_you_mean
 from torchturbo.output.tables import format_bytes
 from torchturbo.recipe import Recipe
+from torchturbo.techniques import registry
 from torchturbo.techniques.framework.facts import gather
 from torchturbo.techniques.framework.levers import priority
 from torchturbo.techniques.framework.proposal import Candidate, StageContext
@@ -260,6 +261,9 @@ def _tune(
             baseline_step_s=trial.step_seconds,
             reference_losses=trial.loss_curve()[:PARITY_STEPS],
             reference_config=base_config,
+            reference_curves={
+                registry.batch_key(base_config): (batches, trial.loss_curve()[:PARITY_STEPS])
+            },
             adoptions=adoptions,
             memory=memory,
             baseline_count=trial.mean_count(),

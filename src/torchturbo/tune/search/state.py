@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -123,6 +124,9 @@ class Run:
     reference_losses: list[float]
     #: The fp32 baseline's config: the curve above is its, on ``batches(reference_config)``.
     reference_config: TurboConfig
+    #: The baseline's first losses on each batch list a candidate trained on, by the list's
+    #: key (``candidate.reference_curve``): the list and its curve.
+    reference_curves: dict[Hashable, tuple[list[Any], list[float]]] = field(default_factory=dict)
     outcomes: list[Outcome] = field(default_factory=list)
     adoptions: list[Incumbent] = field(default_factory=list)
     #: The baseline step's memory estimate, made before it ran (None where it failed).
