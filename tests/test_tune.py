@@ -176,6 +176,25 @@ def test_a_broken_candidate_on_other_samples_still_breaks_parity():
     assert row.parity.relative_diff > 1.0
 
 
+def test_rows_padded_to_another_multiple_are_held_to_the_baseline_curve(monkeypatch):
+    """Padding to another multiple keeps the baseline's samples: its parity is against the
+    baseline's own curve, where a model that does not mask padding would show, and no baseline
+    is trained on the padded rows (which would pad the reference alike)."""
+    references = []
+    monkeypatch.setattr(
+        candidate_module, "Trial", lambda *args: references.append(args) or Trial(*args)
+    )
+
+    def stage(ctx):
+        return [Candidate("pad 16", ctx.best.replace(data__pad_to_multiple=16), 1.1)]
+
+    _, result = tune(token_recipe(), QUICK, stages={"injected": stage})
+    baseline = result.loss_curves["baseline"]
+    parity = _rows(result)["pad 16"].parity
+    assert parity.reference_loss == pytest.approx(sum(baseline) / len(baseline), rel=1e-9)
+    assert references == []
+
+
 def test_candidates_after_an_adopted_plan_are_held_to_six_steps_on_its_batches(monkeypatch):
     """A candidate whose harm shows only once it updates the weights (a diverging optimizer: its
     first loss is the baseline's) is still rejected on parity after a batch plan is adopted: the

@@ -353,7 +353,7 @@ def reference_curve(run: Run, candidate: Candidate, batches: list[Any]) -> list[
     BERT tagger's length buckets averaged 6.2% under the baseline's six steps, and a sound plan
     was rejected). So the baseline config trains from the initial weights once on every other
     batch list a candidate brings (the plan's, kept for every candidate built on it after)."""
-    key = _batches_key(candidate)
+    key = _batches_key(run, candidate)
     if key not in run.reference_curves:
         reference = Trial(run.recipe, run.reference_config, batches, run.clock)
         try:
@@ -367,17 +367,21 @@ def reference_curve(run: Run, candidate: Candidate, batches: list[Any]) -> list[
     return run.reference_curves[key][1]
 
 
-def _batches_key(candidate: Candidate) -> Hashable:
-    """What names ``candidate``'s batches among the reference curves: its config's batch plan,
-    or the list it brings (``Candidate.batches``; kept beside its curve, so its id stays its)."""
+def _batches_key(run: Run, candidate: Candidate) -> Hashable:
+    """What names ``candidate``'s samples among the reference curves: the list it brings
+    (``Candidate.batches``; kept beside its curve, so its id stays its), its config's batch plan,
+    or the baseline's rows. Rows padded to another multiple hold the baseline's samples, so the
+    baseline's own curve is their reference: a model that does not mask padding shows there."""
     if candidate.batches is not None:
         return ("given", id(candidate.batches))
-    return registry.batch_key(candidate.config)
+    if registry.plans_batches(candidate.config):
+        return registry.batch_key(candidate.config)
+    return registry.batch_key(run.reference_config)
 
 
 def _reference_needed(run: Run, candidate: Candidate) -> bool:
     """Whether measuring ``candidate`` first trains the baseline on its batches."""
-    return _batches_key(candidate) not in run.reference_curves
+    return _batches_key(run, candidate) not in run.reference_curves
 
 
 def _what_it_needs(comparison: Comparison, cut_short: bool) -> str:
