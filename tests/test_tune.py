@@ -205,7 +205,7 @@ def test_candidates_after_an_adopted_plan_are_held_to_six_steps_on_its_batches(m
         return Verdict(adopt=parity.ok, reason="forced" if parity.ok else "loss parity: off")
 
     monkeypatch.setattr(candidate_module, "judge", adopt_when_parity_holds)
-    diverging = dataclasses.replace(recipe, optimizer=lambda params: torch.optim.SGD(params, lr=50))
+    diverging = dataclasses.replace(recipe, optimizer=lambda params: torch.optim.SGD(params, lr=5))
     stages = {
         "batching": lambda ctx: [
             Candidate("buckets", ctx.best.replace(data__batches="buckets"), 3.0)
