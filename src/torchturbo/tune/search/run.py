@@ -259,7 +259,6 @@ def _tune(
             facts=_facts(recipe, trial, device, phases),
             build_s=agree(build_s),
             baseline_step_s=trial.step_seconds,
-            reference_losses=trial.loss_curve()[:PARITY_STEPS],
             reference_config=base_config,
             reference_curves={
                 registry.batch_key(base_config): (batches, trial.loss_curve()[:PARITY_STEPS])

@@ -12,6 +12,7 @@ import torch
 from torchturbo.config import TurboConfig
 from torchturbo.measure.footprint import MemoryEstimate
 from torchturbo.recipe import Recipe
+from torchturbo.techniques import registry
 from torchturbo.techniques.framework.decide import MIN_ROUNDS
 from torchturbo.techniques.framework.facts import Facts
 from torchturbo.techniques.framework.proposal import Candidate, StageContext
@@ -121,8 +122,7 @@ class Run:
     #: Seconds to build a trial (model, optimizer, setup) and steady seconds per baseline step.
     build_s: float
     baseline_step_s: float
-    reference_losses: list[float]
-    #: The fp32 baseline's config: the curve above is its, on ``batches(reference_config)``.
+    #: The fp32 baseline's config, whose curve on its own batches is ``reference_losses``.
     reference_config: TurboConfig
     #: The baseline's first losses on each batch list a candidate trained on, by the list's
     #: key (``candidate.reference_curve``): the list and its curve.
@@ -138,6 +138,11 @@ class Run:
     baseline_count: float = 0.0
     #: Called after every decided row: the run's record so far is kept (``tune(on_record=)``).
     on_decided: Callable[[], None] = lambda: None
+
+    @property
+    def reference_losses(self) -> list[float]:
+        """The fp32 baseline's first losses on its own batches."""
+        return self.reference_curves[registry.batch_key(self.reference_config)][1]
 
     @property
     def horizon(self) -> Horizon:
